@@ -1,0 +1,93 @@
+"""A synthetic run whose requests carry every kind of flagged row, for newcomers and the web view.
+
+Idempotent: the batches have fixed (writer_id, seq), so loading it twice stores it once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from replay_schema import BatchMeta, Flag, RunShape
+from replay_service.decode import IncomingRows
+from replay_service.store import RouteStore
+
+DEMO_RUN = "demo"
+DEMO_SHAPE = RunShape(num_layers=48, top_k=8, num_experts=128)
+
+
+def synthetic_routes(rng: np.random.Generator, num_rows: int, shape: RunShape = DEMO_SHAPE) -> np.ndarray:
+    """Distinct top-k per layer from a skewed per-layer expert popularity, like real routers."""
+    popularity = rng.gamma(0.6, size=(shape.num_layers, shape.num_experts))
+    logits = np.log(popularity)[None] + rng.gumbel(size=(num_rows, shape.num_layers, shape.num_experts))
+    return np.argsort(-logits, axis=-1)[..., : shape.top_k].astype(shape.dtype)
+
+
+def _rows(request_id, positions, experts, tokens, flags=None) -> dict:
+    n = len(positions)
+    return {
+        "request_id": request_id,
+        "positions": np.asarray(positions, np.int32),
+        "experts": experts.reshape(n, -1),
+        "tokens": np.asarray(tokens, np.int64),
+        "flags": np.zeros(n, np.uint16) if flags is None else np.asarray(flags, np.uint16),
+    }
+
+
+def _incoming(parts: list[dict], seq: int) -> IncomingRows:
+    ids = [p["request_id"] for p in parts]
+    return IncomingRows(
+        meta=BatchMeta(DEMO_RUN, "demo", seq, DEMO_SHAPE, source="synthetic"),
+        request_ids=ids,
+        request_index=np.concatenate([np.full(len(p["positions"]), i, np.int32) for i, p in enumerate(parts)]),
+        positions=np.concatenate([p["positions"] for p in parts]),
+        token_ids=np.concatenate([p["tokens"] for p in parts]),
+        experts=np.concatenate([p["experts"] for p in parts]),
+        flags=np.concatenate([p["flags"] for p in parts]),
+    )
+
+
+def load_demo(store: RouteStore, seed: int = 7) -> dict:
+    rng = np.random.default_rng(seed)
+    finished: dict[str, int] = {}
+    clean = []
+    for i in range(16):
+        n = int(rng.integers(64, 2048))
+        clean.append(_rows(f"clean-{i:02d}", np.arange(n), synthetic_routes(rng, n), rng.integers(0, 32000, n)))
+        finished[f"clean-{i:02d}"] = n + 1
+    store.ingest(_incoming(clean, 0))
+
+    n = 512
+    bad = {name: synthetic_routes(rng, n) for name in ("zero", "duplicate", "out-of-range", "stale", "gap", "padding", "conflict")}
+    bad["zero"][100:104] = 0  # never-written buffer rows
+    bad["duplicate"][200, 5, 1] = bad["duplicate"][200, 5, 0]  # one layer repeats an id
+    bad["out-of-range"][300, 10, 3] = 255  # padding -1 cast to uint8
+    bad["stale"][50] = clean[0]["experts"][10].reshape(DEMO_SHAPE.num_layers, DEMO_SHAPE.top_k)  # another request's row
+    writer_stale = np.zeros(n, np.uint16)
+    writer_stale[400:402] = Flag.STALE  # the capture's write stamp said: not written this step
+    tokens = {name: rng.integers(0, 32000, n) for name in bad}
+    parts = []
+    for name, experts in bad.items():
+        positions = np.arange(n)
+        flags = writer_stale if name == "stale" else None
+        if name == "gap":
+            keep = (positions < 128) | (positions >= 160)  # 32 positions never sent
+            parts.append(_rows(f"flagged-{name}", positions[keep], experts[keep], tokens[name][keep]))
+        elif name == "padding":
+            pad = np.zeros(n + 4, np.uint16)
+            pad[n:] = Flag.PADDING  # capture-side padding rows: dropped, never data
+            padded = np.concatenate([experts, np.full((4, *experts.shape[1:]), 255, experts.dtype)])
+            parts.append(_rows(f"flagged-{name}", np.arange(n + 4), padded, np.arange(n + 4), pad))
+        else:
+            parts.append(_rows(f"flagged-{name}", positions, experts, tokens[name], flags))
+        finished[f"flagged-{name}"] = n + 1
+    store.ingest(_incoming(parts, 1))
+    # The same positions again with other ids: a recompute that disagrees.
+    again = synthetic_routes(rng, 3)
+    store.ingest(_incoming([_rows("flagged-conflict", [20, 21, 22], again, tokens["conflict"][20:23])], 2))
+    for request_id, num_tokens in finished.items():
+        store.finish(DEMO_RUN, request_id, num_tokens, "finished")
+    # One request still generating (open), and one aborted halfway.
+    store.ingest(_incoming([_rows("open-0", np.arange(300), synthetic_routes(rng, 300), rng.integers(0, 32000, 300))], 3))
+    store.ingest(_incoming([_rows("aborted-0", np.arange(90), synthetic_routes(rng, 90), rng.integers(0, 32000, 90))], 4))
+    store.finish(DEMO_RUN, "aborted-0", 91, "aborted")
+    return store.run_summary(DEMO_RUN)

@@ -1,0 +1,61 @@
+"""FastAPI dependencies: settings, store and metrics live on app.state; ids are validated here."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Path, Request
+
+from replay_schema import ID_RULE, valid_id
+from replay_service.decode import InputError
+from replay_service.metrics import ServiceMetrics
+from replay_service.settings import ServiceSettings
+from replay_service.store import RouteStore
+
+
+def get_settings(request: Request) -> ServiceSettings:
+    return request.app.state.settings
+
+
+def get_store(request: Request) -> RouteStore:
+    return request.app.state.store
+
+
+def get_metrics(request: Request) -> ServiceMetrics:
+    return request.app.state.metrics
+
+
+def _checked(kind: str, value: str) -> str:
+    if not valid_id(value):
+        raise InputError(f"{kind} {value!r} is not a valid id: {ID_RULE}", status=422)
+    return value
+
+
+def run_id_param(run: Annotated[str, Path(description=f"run id: {ID_RULE}")]) -> str:
+    return _checked("run id", run)
+
+
+def request_id_param(request: Annotated[str, Path(description=f"request id: {ID_RULE}")]) -> str:
+    return _checked("request id", request)
+
+
+Settings = Annotated[ServiceSettings, Depends(get_settings)]
+Store = Annotated[RouteStore, Depends(get_store)]
+Metrics = Annotated[ServiceMetrics, Depends(get_metrics)]
+RunId = Annotated[str, Depends(run_id_param)]
+RequestId = Annotated[str, Depends(request_id_param)]
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing (413) past `limit` bytes before reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise InputError(f"body of {declared} bytes exceeds the limit of {limit} bytes (REPLAY_MAX_BODY_BYTES)", 413)
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise InputError(f"body exceeds the limit of {limit} bytes (REPLAY_MAX_BODY_BYTES)", 413)
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,28 @@
+"""Service configuration (environment variables `REPLAY_*`, or CLI flags)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_PORT = 8470
+
+
+class ServiceSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="REPLAY_", extra="ignore")
+
+    data_dir: Path = Field(Path("replay-data"), description="directory of the Arrow store")
+    max_body_bytes: int = Field(512 * 2**20, description="largest accepted request body; larger answers 413")
+    max_concurrent_ingests: int = Field(4, description="ingests processed at once; bodies in memory are bounded by this x max_body_bytes")
+    open_segment_cache: int = Field(256, description="segment files kept memory-mapped for reads")
+    stale_table_rows: int = Field(1 << 22, description="slots of the recent-row table for the STALE content check (24 B each)")
+    stale_min_entropy_bits: float = Field(
+        48.0, description="the content STALE check runs only for runs whose rows can take more than 2**bits values"
+    )
+    max_json_rows: int = Field(4096, description="largest route range served as JSON; use Arrow or .npy beyond")
+    max_batch_requests: int = Field(4096, description="most requests in one batch read")
+    page_limit_max: int = Field(1000, description="largest page of a request listing")
+    strict_report_rows: int = Field(16, description="bad rows named in a strict-read refusal")
+    fsync: bool = Field(True, description="fsync data and index before acknowledging (turn off only for throwaway data)")
