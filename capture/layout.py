@@ -84,8 +84,8 @@ class StepLayout:
                 raise ValueError(f"{self}: tokens_across_dp must list >= 1 non-negative counts")
             if not 0 <= self.dp_rank < len(tad):
                 raise ValueError(f"{self}: dp_rank outside tokens_across_dp")
-        elif self.dp_rank != 0:
-            raise ValueError(f"{self}: dp_rank {self.dp_rank} needs tokens_across_dp")
+        elif self.dp_rank < 0:
+            raise ValueError(f"{self}: dp_rank must be >= 0")
         if self.strategy in DP_DISPATCH and self.tokens_across_dp is None:
             raise ValueError(f"{self}: strategy {self.strategy} needs tokens_across_dp")
         if self.padded_num_tokens is not None:

@@ -233,7 +233,12 @@ def decode_sglang_json(body: bytes) -> EngineRoute:
         num_layers, top_k = int(doc["num_layers"]), int(doc["top_k"])
     except (KeyError, TypeError, ValueError):
         raise InputError("JSON route needs integer 'num_layers' and 'top_k' (the flattened array's shape)") from None
-    dtype = np.dtype(doc.get("dtype", "int32"))
+    dtype_name = doc.get("dtype", "int32")
+    if dtype_name not in ("int32", "int64", "int16", "uint8", "uint16"):
+        raise InputError(f"'dtype' {dtype_name!r} is not an integer id type (int32 as SGLang sends)")
+    dtype = np.dtype(dtype_name)
+    if len(raw) % dtype.itemsize:
+        raise InputError(f"'routed_experts' decodes to {len(raw)} bytes, not a whole number of {dtype_name} ids")
     ids = np.frombuffer(raw, dtype=dtype)
     if num_layers < 1 or top_k < 1 or ids.size % (num_layers * top_k):
         raise InputError(f"{ids.size} ids do not split into rows of num_layers*top_k = {num_layers}*{top_k}")

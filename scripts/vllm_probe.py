@@ -311,9 +311,15 @@ def rows_from_records(recs: list[dict]) -> tuple[dict, list[str]]:
         qsl = rec["query_start_loc"]
         for i, rid in enumerate(rec["req_ids"]):
             s, e = qsl[i], qsl[i + 1]
-            # spec decode: rows past the accepted prefix are rejected; without
-            # spec decode num_sampled is 1 (decode / last prefill chunk) or 0.
-            for j in range(s, e):
+            # Spec decode: the step ran [last token, d1..dk]; sampled holds the
+            # m accepted drafts + 1 bonus token, so rows s..s+m are real and the
+            # k-m rows after them are rejected (recomputed next step). Without
+            # spec decode every row is real (sampled is [] for a partial
+            # prefill chunk, [tok] otherwise).
+            end = e
+            if rid in (rec["sched"] or {}).get("spec", {}):
+                end = s + len(rec["sampled"].get(rid, []))
+            for j in range(s, end):
                 pos = rec["positions"][j]
                 ids = [rec["layers"][str(l)][j] for l in sorted(map(int, rec["layers"]))]
                 prev = rows.setdefault(rid, {}).get(pos)
@@ -329,13 +335,15 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=6)
     ap.add_argument("--chunk", type=int, default=0,
                     help="max_num_batched_tokens (forces chunked prefill when small)")
+    ap.add_argument("--spec", type=int, default=0,
+                    help="ngram speculative decoding with this many draft tokens")
     ap.add_argument("--gate-scale", type=float, default=10.0)
     ap.add_argument("--workdir", default="/tmp/routing_probe")
     args = ap.parse_args()
 
     import shutil
 
-    work = os.path.join(args.workdir, f"tp{args.tp}_chunk{args.chunk}")
+    work = os.path.join(args.workdir, f"tp{args.tp}_chunk{args.chunk}_spec{args.spec}")
     shutil.rmtree(work, ignore_errors=True)
     model_dir, out_dir, plug_dir = (os.path.join(work, x) for x in ("model", "out", "plugin"))
     os.makedirs(out_dir)
@@ -348,6 +356,9 @@ def main() -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        # with nobind each worker keeps 2 OMP threads (cpu_worker.py:140 skips
+        # set_num_threads): 4 spinning threads on 2 cores made generate ~6x slower
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -356,13 +367,18 @@ def main() -> int:
               dtype="float32", max_model_len=128, max_num_seqs=8, seed=0)
     if args.chunk:
         kw.update(max_num_batched_tokens=args.chunk, enable_chunked_prefill=True)
+    if args.spec:
+        kw.update(speculative_config={"method": "ngram", "num_speculative_tokens": args.spec,
+                                      "prompt_lookup_min": 2, "prompt_lookup_max": 4})
     t = time.perf_counter()
     llm = LLM(**kw)
     t_start = time.perf_counter() - t
     print(f"ENGINE START {t_start:.1f}s", flush=True)
 
     prompts = [[5 + (7 * i) % 500 for i in range(n)] for n in (4, 11, 23)]
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    if args.spec:  # repetitive prompts so the ngram proposer finds drafts
+        prompts = [([10, 11, 12, 13, 14] * 6)[:n] for n in (4, 11, 23)]
+    sp = SamplingParams(max_tokens=args.max_tokens if not args.spec else 16, temperature=0.0, ignore_eos=True)
     t = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp)
     t_gen = time.perf_counter() - t
@@ -433,14 +449,19 @@ def main() -> int:
         same = all(rank_rows[r] == rank_rows[0] for r in rank_rows)
         print(f"TP ranks captured identical rows: {same}")
         ok &= same
-    summary = {"tp": args.tp, "chunk": args.chunk, "engine_start_s": round(t_start, 1),
+    n_spec = sum(len(r["sched"]["spec"]) for recs in by_rank.values() for r in recs
+                 if r["sched"]) // max(1, len(by_rank))
+    n_rej = sum(len(v) + 1 - len(r["sampled"].get(k, [])) for r in by_rank.get(0, [])
+                if r["sched"] for k, v in r["sched"]["spec"].items())
+    print(f"spec-decode rows: {n_spec} (request, step) pairs had drafts; {n_rej} rows rejected")
+    summary = {"tp": args.tp, "chunk": args.chunk, "spec": args.spec, "engine_start_s": round(t_start, 1),
                "generate_s": round(t_gen, 2), "ok": bool(ok),
                "request_ids": {r: sorted(rank_rows[r]) for r in rank_rows},
                "outputs": seqs}
     with open(os.path.join(work, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print("SUMMARY " + json.dumps({k: summary[k] for k in
-                                    ("tp", "chunk", "engine_start_s", "generate_s", "ok")}))
+                                    ("tp", "chunk", "spec", "engine_start_s", "generate_s", "ok")}))
     return 0 if ok else 1
 
 

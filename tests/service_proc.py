@@ -1,0 +1,74 @@
+"""A real replay service in a subprocess on a loopback port, for tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServiceProcess:
+    def __init__(self, data_dir: Path, port: int | None = None, env: dict[str, str] | None = None,
+                 log_path: Path | None = None, demo: bool = False) -> None:
+        self.data_dir = Path(data_dir)
+        self.port = port or free_port()
+        self.env = {**os.environ, **(env or {})}
+        self.log_path = log_path or self.data_dir.parent / f"service-{self.port}.log"
+        self.demo = demo
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> "ServiceProcess":
+        cmd = [sys.executable, "-m", "replay_service.cli", "serve", "--data", str(self.data_dir),
+               "--port", str(self.port), "--log-level", "warning"]
+        if self.demo:
+            cmd.append("--demo")
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"service exited with {self.proc.returncode}; log: {self.log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"service did not come up in {timeout}s; log: {self.log_path.read_text()[-3000:]}")
+
+    def kill9(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+        if getattr(self, "_log", None):
+            self._log.close()
+
+    def __enter__(self) -> "ServiceProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,148 @@
+"""Clean rows go in and come back byte-equal, in every format, through a real server."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from replay_schema import RunShape
+from replay_service.client import ReplayClient
+from tests.routes_data import QWEN3_SHAPE, batch_bytes, routes
+
+
+@pytest.fixture(scope="module")
+def stored(shared_service):
+    """Run 'rt': three requests, rows split over two writers' batches, finished."""
+    rng = np.random.default_rng(1)
+    lengths = {"req-a": 300, "req-b": 41, "req-c": 1000}
+    full = {rid: routes(rng, n) for rid, n in lengths.items()}
+    tokens = {rid: rng.integers(0, 150000, n) for rid, n in lengths.items()}
+    client = ReplayClient(shared_service.url)
+    # Prefill chunk of every request in one batch, the rest in another (as steps arrive).
+    cut = {rid: n // 2 for rid, n in lengths.items()}
+    for seq, part in enumerate((lambda rid: slice(0, cut[rid]), lambda rid: slice(cut[rid], lengths[rid]))):
+        ids, pos, ex, tok = [], [], [], []
+        for rid in lengths:
+            s = part(rid)
+            p = np.arange(lengths[rid])[s]
+            ids += [rid] * len(p)
+            pos.append(p)
+            ex.append(full[rid][s])
+            tok.append(tokens[rid][s])
+        answer = client.ingest(batch_bytes("rt", f"w{seq}", 0, ids, np.concatenate(pos), np.concatenate(ex),
+                                           token_ids=np.concatenate(tok)))
+        assert answer["stored"] and answer["flagged"] == {}
+    for rid, n in lengths.items():
+        client.finish("rt", rid, n + 1)
+    return client, full, tokens
+
+
+def test_arrow_round_trip_is_byte_equal(stored):
+    client, full, tokens = stored
+    for rid, expected in full.items():
+        route = client.get_route("rt", rid, strict=True)
+        assert route.experts.dtype == np.uint8
+        assert route.experts.tobytes() == expected.tobytes()
+        assert np.array_equal(route.positions, np.arange(len(expected)))
+        assert np.array_equal(route.token_ids, tokens[rid])
+        assert route.clean
+
+
+def test_npy_and_json_round_trip(stored, shared_service):
+    client, full, _ = stored
+    array = client.get_route_npy("rt", "req-b", strict=True)
+    assert array.shape == (41, 48, 8) and array.dtype == np.uint8
+    assert array.tobytes() == full["req-b"].tobytes()
+    doc = httpx.get(f"{shared_service.url}/v1/runs/rt/requests/req-a/routes",
+                    params={"start": 10, "end": 20}, headers={"accept": "application/json"}).json()
+    assert [r["position"] for r in doc["rows"]] == list(range(10, 20))
+    assert np.array(doc["rows"][0]["experts"], np.uint8).tobytes() == full["req-a"][10].tobytes()
+    assert all(r["flags"] == [] for r in doc["rows"])
+
+
+def test_ranges_and_batch(stored):
+    client, full, _ = stored
+    part = client.get_route("rt", "req-c", start=450, end=700)
+    assert part.experts.tobytes() == full["req-c"][450:700].tobytes()
+    assert part.positions[0] == 450
+    many = client.get_routes("rt", ["req-c", "req-a", "req-b"])
+    assert [r.request_id for r in many] == ["req-c", "req-a", "req-b"]
+    for route in many:
+        assert route.experts.tobytes() == full[route.request_id].tobytes()
+    tail = client.get_routes("rt", ["req-a", "req-c"], start=200)
+    assert tail[0].experts.tobytes() == full["req-a"][200:].tobytes()
+    assert tail[1].experts.tobytes() == full["req-c"][200:].tobytes()
+
+
+def test_arrays_are_views_and_torch_shares_memory(stored):
+    torch = pytest.importorskip("torch")
+    client, full, _ = stored
+    route = client.get_route("rt", "req-a")
+    assert route.experts.flags.writeable and route.experts.base is not None
+    tensor = route.torch()
+    assert tensor.data_ptr() == route.experts.ctypes.data
+    assert torch.equal(tensor, torch.from_numpy(full["req-a"].copy()))
+
+
+def test_summaries_and_listing(stored, shared_service):
+    client, full, _ = stored
+    run = client.run("rt")
+    assert run["requests"] == 3 and run["rows"] == sum(len(v) for v in full.values())
+    assert all(v == 0 for v in run["flagged"].values())
+    assert [r["request_id"] for r in client.requests("rt", page_size=2)] == ["req-a", "req-b", "req-c"]
+    summary = client.request("rt", "req-c")
+    assert summary["status"] == "finished" and summary["num_tokens"] == 1001 and summary["clean"]
+    load = client.expert_load("rt")
+    counts = np.array(load["counts"])
+    expected = np.zeros((48, 128), np.int64)
+    for ex in full.values():
+        for layer in range(48):
+            expected[layer] += np.bincount(ex[:, layer].reshape(-1), minlength=128)
+    assert np.array_equal(counts, expected)
+    assert load["rows"] == run["rows"]
+
+
+def test_vllm_routed_experts_upload_keeps_moe_layers(shared_service):
+    """vLLM's routed_experts carries every model layer; dense ones are zeros and are dropped."""
+    rng = np.random.default_rng(2)
+    shape = RunShape(num_layers=4, top_k=8, num_experts=64)
+    moe = routes(rng, 99, shape)
+    engine = np.zeros((99, 6, 8), np.int32)  # layers 0 and 1 dense (like DeepSeek-V3's first layers)
+    engine[:, 2:] = moe
+    client = ReplayClient(shared_service.url)
+    client.upload_vllm_output("vllm-out", "r0", engine, num_experts=64)
+    route = client.get_route("vllm-out", "r0", strict=True)
+    assert route.moe_layers == (2, 3, 4, 5)
+    assert route.experts.tobytes() == moe.astype(np.uint8).tobytes()
+    assert client.request("vllm-out", "r0")["num_tokens"] == 100
+    # The same upload again is idempotent.
+    assert client.upload_vllm_output("vllm-out", "r0", engine, num_experts=64)["duplicate"]
+
+
+def test_sglang_base64_upload(shared_service):
+    rng = np.random.default_rng(3)
+    shape = RunShape(num_layers=3, top_k=4, num_experts=300)  # > 256 experts: stored as uint16
+    ids = routes(rng, 57, shape).astype(np.int32)
+    payload = base64.b64encode(ids.tobytes()).decode()
+    client = ReplayClient(shared_service.url)
+    tokens = rng.integers(0, 1000, 58)
+    client.upload_sglang_output("sglang", "s0", payload, num_layers=3, top_k=4, num_experts=300, token_ids=tokens)
+    route = client.get_route("sglang", "s0", strict=True)
+    assert route.experts.dtype == np.uint16
+    assert np.array_equal(route.experts.astype(np.int32), ids)
+    assert np.array_equal(route.token_ids, tokens[:57])
+
+
+def test_arrow_stream_body_is_the_documented_schema(stored, shared_service):
+    body = httpx.get(f"{shared_service.url}/v1/runs/rt/requests/req-b/routes").content
+    table = pa.ipc.open_stream(io.BytesIO(body)).read_all()
+    assert table.schema.field("experts").type == pa.list_(pa.uint8(), 48 * 8)
+    assert table.schema.field("request_id").type == pa.dictionary(pa.int32(), pa.utf8())
+    assert table.schema.field("flags").type == pa.uint16()
+    assert table.schema.metadata[b"run_id"] == b"rt"
+    assert QWEN3_SHAPE.row_width == 384
