@@ -19,7 +19,7 @@ def synthetic_routes(rng: np.random.Generator, num_rows: int, shape: RunShape = 
     """Distinct top-k per layer from a skewed per-layer expert popularity, like real routers."""
     popularity = rng.gamma(0.6, size=(shape.num_layers, shape.num_experts))
     logits = np.log(popularity)[None] + rng.gumbel(size=(num_rows, shape.num_layers, shape.num_experts))
-    return np.argsort(-logits, axis=-1)[..., : shape.top_k].astype(shape.dtype)
+    return np.argpartition(-logits, shape.top_k, axis=-1)[..., : shape.top_k].astype(shape.dtype)
 
 
 def _rows(request_id, positions, experts, tokens, flags=None) -> dict:

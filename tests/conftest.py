@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.service_proc import ServiceProcess
+from replay_service.service_process import ServiceProcess
 
 
 @pytest.fixture

@@ -75,9 +75,13 @@ class GlooPool:
         errors = []
         for _ in range(self.world_size):
             try:
-                rank, ok, value = self.results.get(timeout=TASK_TIMEOUT_S)
+                # Once a rank failed, the others may sit in a collective it never joined:
+                # wait briefly, then give up on this pool (it is respawned on next use).
+                rank, ok, value = self.results.get(timeout=5 if errors else TASK_TIMEOUT_S)
             except queue.Empty:
                 self.broken = True
+                if errors:
+                    break
                 raise TimeoutError(f"{fn.__name__}: no answer from every rank in {TASK_TIMEOUT_S}s") from None
             if ok:
                 out[rank] = value
@@ -89,6 +93,9 @@ class GlooPool:
         return out
 
     def close(self) -> None:
+        if self.broken:  # ranks may be stuck in a collective: no clean shutdown
+            for p in self.procs:
+                p.kill()
         for q, p in zip(self.tasks, self.procs):
             if p.is_alive():
                 q.put(None)

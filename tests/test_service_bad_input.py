@@ -12,7 +12,7 @@ import pytest
 
 from replay_schema import ARROW_STREAM_MEDIA_TYPE, BatchMeta, RunShape, build_batch, encode_stream
 from tests.routes_data import QWEN3_SHAPE, batch_bytes, routes
-from tests.service_proc import ServiceProcess
+from replay_service.service_process import ServiceProcess
 
 ARROW = {"content-type": ARROW_STREAM_MEDIA_TYPE}
 

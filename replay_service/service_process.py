@@ -1,4 +1,4 @@
-"""A real replay service in a subprocess on a loopback port, for tests and benchmarks."""
+"""Run a real replay service in a subprocess on a loopback port (tests, benchmarks, notebooks)."""
 
 from __future__ import annotations
 

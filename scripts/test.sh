@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Install everything the tests need into .venv, then run the whole suite.
+# Extra arguments go to pytest (e.g. -k flags, -x).
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh" test
+cd "$root"
+exec python -m pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,43 @@
+"""Operations surface, and the demo a newcomer sees first."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+
+from replay_service.client import ReplayClient
+from tests.routes_data import batch_bytes, routes
+from replay_service.service_process import ServiceProcess
+
+
+def test_healthz_metrics_docs(service):
+    client = ReplayClient(service.url)
+    client.ingest(batch_bytes("m", "w", 0, ["a"] * 5, np.arange(5), routes(np.random.default_rng(0), 5)))
+    bad = np.zeros((3, 48, 8), np.uint8)
+    client.ingest(batch_bytes("m", "w", 1, ["b"] * 3, np.arange(3), bad))
+    assert httpx.get(f"{service.url}/healthz").json()["status"] == "ok"
+    text = httpx.get(f"{service.url}/metrics").text
+    assert "replay_rows_ingested_total 8.0" in text
+    assert 'replay_rows_flagged_total{flag="ZERO"} 3.0' in text
+    assert "replay_bytes_stored_total" in text
+    assert 'replay_http_request_seconds_count{method="POST",route="/v1/ingest",status="200"} 2.0' in text
+    spec = httpx.get(f"{service.url}/openapi.json").json()
+    for path in ("/v1/ingest", "/v1/runs/{run}/requests/{request}/routes", "/v1/runs/{run}/routes/batch",
+                 "/v1/runs/{run}/expert-load", "/v1/runs/{run}/requests/{request}/finish"):
+        assert path in spec["paths"]
+    assert httpx.get(f"{service.url}/docs").status_code == 200
+
+
+def test_demo_run_has_every_flag_kind(tmp_path):
+    with ServiceProcess(tmp_path / "data", demo=True) as proc:
+        client = ReplayClient(proc.url)
+        run = client.run("demo")
+        for flag in ("ZERO", "DUPLICATE", "OUT_OF_RANGE", "STALE", "CONFLICT", "GAP", "PADDING"):
+            assert run["flagged"][flag] > 0, flag
+            assert list(client.requests("demo", flag)), flag
+        assert client.get_route("demo", "clean-00", strict=True).clean
+        load = client.expert_load("demo")
+        assert len(load["counts"]) == 48 and max(load["imbalance"]) > 1.5
+    # Loading the demo again into the same directory stores nothing twice.
+    with ServiceProcess(tmp_path / "data", demo=True, log_path=tmp_path / "again.log") as proc:
+        assert ReplayClient(proc.url).run("demo")["rows"] == run["rows"]
