@@ -125,7 +125,7 @@ class RecentRows:
         self.hashes = np.zeros(size, np.uint64)
         self.request = np.full(size, -1, np.int64)  # interned request number
         self.position = np.zeros(size, np.int32)
-        self.token = np.full(size, -1, np.int64)  # -1: no token id recorded
+        self.token = np.full(size, -1, np.int32)  # -1: no token id recorded
         self.lock = threading.Lock()
 
     def check_and_add(

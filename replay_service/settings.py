@@ -17,7 +17,7 @@ class ServiceSettings(BaseSettings):
     max_body_bytes: int = Field(512 * 2**20, description="largest accepted request body; larger answers 413")
     max_concurrent_ingests: int = Field(4, description="ingests processed at once; bodies in memory are bounded by this x max_body_bytes")
     open_segment_cache: int = Field(256, description="segment files kept memory-mapped for reads")
-    stale_table_rows: int = Field(1 << 22, description="slots of the recent-row table for the STALE content check (24 B each)")
+    stale_table_rows: int = Field(1 << 21, description="slots of the recent-row table for the STALE content check (24 B each)")
     stale_min_entropy_bits: float = Field(
         48.0, description="the content STALE check runs only for runs whose rows can take more than 2**bits values"
     )
