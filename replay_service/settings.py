@@ -21,6 +21,7 @@ class ServiceSettings(BaseSettings):
     stale_min_entropy_bits: float = Field(
         48.0, description="the content STALE check runs only for runs whose rows can take more than 2**bits values"
     )
+    max_read_rows: int = Field(1 << 20, description="most rows one route read returns; page longer ones with start/end")
     max_json_rows: int = Field(4096, description="largest route range served as JSON; use Arrow or .npy beyond")
     max_batch_requests: int = Field(4096, description="most requests in one batch read")
     page_limit_max: int = Field(1000, description="largest page of a request listing")

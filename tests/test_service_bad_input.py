@@ -21,7 +21,7 @@ ARROW = {"content-type": ARROW_STREAM_MEDIA_TYPE}
 def server(tmp_path_factory):
     # A small body limit so the 413 case needs no huge upload.
     path = tmp_path_factory.mktemp("bad") / "data"
-    with ServiceProcess(path, env={"REPLAY_MAX_BODY_BYTES": str(4 * 2**20)}) as proc:
+    with ServiceProcess(path, env={"REPLAY_MAX_BODY_BYTES": str(4 * 2**20), "REPLAY_MAX_READ_ROWS": "8"}) as proc:
         rng = np.random.default_rng(5)
         body = batch_bytes("good", "w", 0, ["r"] * 10, np.arange(10), routes(rng, 10))
         assert httpx.post(f"{proc.url}/v1/ingest", content=body, headers=ARROW).status_code == 200
@@ -154,3 +154,11 @@ def test_finish_conflicts_and_validation(server):
     assert again.status_code == 409 and "already finished with 11 tokens" in again.json()["detail"]
     assert httpx.post(url, json={"num_tokens": -1}).status_code == 422
     assert httpx.post(url, json={"num_tokens": 5, "status": "exploded"}).status_code == 422
+
+
+def test_reads_past_the_row_limit_are_paged(server):
+    url = f"{server.url}/v1/runs/good/requests/r/routes"
+    whole = httpx.get(url)
+    assert whole.status_code == 422 and "REPLAY_MAX_READ_ROWS=8" in whole.json()["detail"]
+    assert httpx.get(url, params={"start": 0, "end": 8}).status_code == 200
+    assert httpx.get(url, params={"start": 8, "end": 10}).status_code == 200

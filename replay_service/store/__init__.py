@@ -362,6 +362,11 @@ class RouteStore:
             end = expected
         if start < 0 or end < start:
             raise InputError(f"bad range start={start} end={end}", status=422)
+        if end - start > self.settings.max_read_rows:
+            raise InputError(
+                f"range {start}..{end} is {end - start} rows, more than one read returns "
+                f"(REPLAY_MAX_READ_ROWS={self.settings.max_read_rows}); read it in pieces with start/end"
+            )
         spans = self.index.query(
             "SELECT s.row_start, s.row_count, g.path FROM spans s JOIN segments g USING (segment_id)"
             " WHERE s.run_id = ? AND s.request_id = ? AND s.pos_max >= ? AND s.pos_min < ?"
