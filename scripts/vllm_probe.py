@@ -340,6 +340,8 @@ def main() -> int:
     ap.add_argument("--repeat", action="store_true",
                     help="generate the same prompts twice (shows prefix-cache gaps)")
     ap.add_argument("--no-prefix-cache", action="store_true")
+    ap.add_argument("--monkeypatch-only", action="store_true",
+                    help="negative control: patch the driver process only, no entry point")
     ap.add_argument("--gate-scale", type=float, default=10.0)
     ap.add_argument("--workdir", default="/tmp/routing_probe")
     args = ap.parse_args()
@@ -347,7 +349,7 @@ def main() -> int:
     import shutil
 
     work = os.path.join(args.workdir, f"tp{args.tp}_chunk{args.chunk}_spec{args.spec}"
-                        f"{'_repeat' if args.repeat else ''}{'_nopc' if args.no_prefix_cache else ''}")
+                        f"{'_mp' if args.monkeypatch_only else ''}{'_repeat' if args.repeat else ''}{'_nopc' if args.no_prefix_cache else ''}")
     shutil.rmtree(work, ignore_errors=True)
     model_dir, out_dir, plug_dir = (os.path.join(work, x) for x in ("model", "out", "plugin"))
     os.makedirs(out_dir)
@@ -355,7 +357,13 @@ def main() -> int:
     build_model(model_dir, args.gate_scale)
     print(f"built model in {time.perf_counter() - t:.1f}s at {model_dir}", flush=True)
 
-    make_plugin_dist(plug_dir, os.path.dirname(os.path.abspath(__file__)))
+    if args.monkeypatch_only:
+        # negative control: patch only this process, no entry point. On CPU the
+        # worker is always a *spawned* process (platforms/cpu.py forces the mp
+        # executor and VLLM_WORKER_MULTIPROC_METHOD=spawn), so nothing is captured.
+        register()
+    else:
+        make_plugin_dist(plug_dir, os.path.dirname(os.path.abspath(__file__)))
     os.environ[ENV_OUT] = out_dir
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.tp > 1:
@@ -373,6 +381,8 @@ def main() -> int:
         kw.update(max_num_batched_tokens=args.chunk, enable_chunked_prefill=True)
     if args.no_prefix_cache:
         kw.update(enable_prefix_caching=False)
+    if args.repeat:  # CPU default block_size is 128 (platforms/cpu.py): too big to hit
+        kw.update(block_size=32)
     if args.spec:
         kw.update(speculative_config={"method": "ngram", "num_speculative_tokens": args.spec,
                                       "prompt_lookup_min": 2, "prompt_lookup_max": 4})
@@ -382,6 +392,8 @@ def main() -> int:
     print(f"ENGINE START {t_start:.1f}s", flush=True)
 
     prompts = [[5 + (7 * i) % 500 for i in range(n)] for n in (4, 11, 23)]
+    if args.repeat:
+        prompts.append([9 + (5 * i) % 500 for i in range(45)])
     if args.spec:  # repetitive prompts so the ngram proposer finds drafts
         prompts = [([10, 11, 12, 13, 14] * 6)[:n] for n in (4, 11, 23)]
     sp = SamplingParams(max_tokens=args.max_tokens if not args.spec else 16, temperature=0.0, ignore_eos=True)

@@ -179,6 +179,9 @@ class RouteStore:
                 flags[i + 1] |= Flag.CONFLICT
 
         with state.lock:
+            previous = self._stored_digest(meta)  # a concurrent retry may have landed meanwhile
+            if previous is not None:
+                return self._duplicate(meta, previous, digest, rows.num_rows)
             earlier_conflicts = self._check_overlaps(meta.run_id, rows, flags, shadowed)
             if state.check_content:
                 keys = _request_keys(meta.run_id, rows.request_ids)[rows.request_index]
