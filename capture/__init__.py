@@ -21,7 +21,8 @@ Strategies (where this rank's rows are in topk_ids):
   gathered in split order, first n kept. mc2/fused_mc2: padded to padded_num_tokens, split.
 Row counts come from the layout only; a topk_ids row count it cannot produce raises
 ValueError naming the layout and the count (before any collective). tp_group/pcp_group
-None means the default group; its size and this rank's place in it are checked.
+are torch ProcessGroups (vLLM: GroupCoordinator.device_group); None means the default
+group; the group's size and this rank's place in it are checked against the layout.
 
 PCP (pcp_size > 1): topk_ids holds the PCP-gathered rows (rank-major, each rank's chunk
 with its padding); pcp_padding is this rank's bool mask (True = padding, its length is the

@@ -154,7 +154,7 @@ def restore_rows(
     rows = _undo_tp(topk_ids, layout, plan, tp_group)
     if plan.block_rows != plan.chunk or plan.block_offset:  # DP dispatch: this DP rank's span of each block
         rows = rows.reshape(layout.pcp_size, plan.block_rows, rows.shape[1])
-        rows = rows[:, : plan.chunk].reshape(plan.pcp_rows, rows.shape[2])
+        rows = rows[:, plan.block_offset : plan.block_offset + plan.chunk].reshape(plan.pcp_rows, rows.shape[2])
     mask = gather_pcp_mask(pcp_padding, layout.pcp_size, pcp_group) if pcp_padding is not None else None
     if mask is not None:
         mask = mask.to(rows.device)

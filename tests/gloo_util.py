@@ -96,7 +96,7 @@ class GlooPool:
         if self.broken:  # ranks may be stuck in a collective: no clean shutdown
             for p in self.procs:
                 p.kill()
-        for q, p in zip(self.tasks, self.procs):
+        for q, p in zip(self.tasks, self.procs, strict=True):
             if p.is_alive():
                 q.put(None)
         for p in self.procs:

@@ -197,13 +197,14 @@ def test_restore_matches_whole_batch(strategy, dp, pcp, tp):
     results = [r for r in gloo_pool(8).run(run_grid, strategy, dp, pcp, tp) if r is not None]
     assert len(results) == dp * pcp * tp
     fired: dict[str, int] = {}
-    for per_case in zip(*results):
+    for per_case in zip(*results, strict=True):
         bad = [rank for rank, r in enumerate(per_case) if not r["ok"]]
         assert not bad, f"{strategy} dp{dp} pcp{pcp} tp{tp} case {per_case[0]['case']}: ranks {bad} differ from the reference"
         for name in per_case[0]["bugs"]:
             verdicts = [r["bugs"][name] for r in per_case if r["bugs"][name] is not None]
             if verdicts:  # the buggy logic, run on the same inputs, must differ on some rank
-                assert any(verdicts), f"seed bug {name} went unnoticed: {strategy} dp{dp} pcp{pcp} tp{tp} case {per_case[0]['case']}"
+                where = f"{strategy} dp{dp} pcp{pcp} tp{tp} case {per_case[0]['case']}"
+                assert any(verdicts), f"seed bug {name} went unnoticed: {where}"
                 fired[name] = fired.get(name, 0) + 1
     expected = set()
     if strategy in TP_SHARDED and tp > 1 and pcp == 1:  # seed 002 (no PCP there)

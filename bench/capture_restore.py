@@ -1,0 +1,147 @@
+"""Per-step capture cost on CPU: restore_rows over gloo TP=2, and the StepRecorder.
+
+restore_rows: an 8192-token step of top-8 int32 ids (vLLM's topk dtype) on 2 gloo ranks
+(TP=2), x48 MoE layers = one step; next to it the bare all_gather of the same shard (the
+collective floor) in the same run. Recorder: record 48 layers of 8192 x top-8 + end_step.
+Medians of several repeats; prints figures, asserts nothing (shared, noisy machines).
+
+    python bench/capture_restore.py [--tokens 8192] [--layers 48] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from capture import StepLayout, StepRecorder, restore_rows  # noqa: E402
+from capture.restore import _gather_single  # noqa: E402
+from replay_schema import RunShape  # noqa: E402
+
+K = 8
+
+
+def _median_step(fn, layers: int, repeats: int) -> float:
+    """Median seconds for `layers` calls of fn."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(layers):
+            fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _restore_worker(rank: int, init_file: str, tokens: int, layers: int, repeats: int, out) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    g = torch.Generator().manual_seed(0)
+    rows = {}
+    for label, n, strategy in (
+        (f"alltoall {tokens} (even split)", tokens, "alltoall"),
+        (f"alltoall {tokens - 1} (uneven split)", tokens - 1, "alltoall"),
+        (f"mc2 {tokens}", tokens, "mc2"),
+        (f"sequence_parallel {tokens}", tokens, "sequence_parallel"),
+    ):
+        batch = torch.randint(0, 128, (n, K), generator=g, dtype=torch.int32)
+        layout = StepLayout(num_tokens=n, strategy=strategy, tp_size=2, tp_rank=rank)
+        pad = layout.plan().tp_sizes
+        shard = torch.tensor_split(torch.cat([batch, batch.new_full((max(0, sum(pad) - n), K), -1)]), 2)[rank]
+        got = restore_rows(shard, layout)
+        assert torch.equal(got, batch), label
+        rows[label] = _median_step(lambda s=shard, lay=layout: restore_rows(s, lay), layers, repeats)
+    half = torch.randint(0, 128, (tokens // 2, K), generator=g, dtype=torch.int32)
+    buf = half.new_empty((tokens, K))
+    rows["bare all_gather (floor)"] = _median_step(lambda: _gather_single(buf, half, None), layers, repeats)
+    # PCP=2 over the same two ranks: the mask gather plus the padding drop and restore index.
+    chunk = tokens // 2 + 3
+    mask = torch.zeros(chunk, dtype=torch.bool)
+    mask[-3:] = True
+    gathered = torch.randint(0, 128, (2 * chunk, K), generator=g, dtype=torch.int32)
+    real = torch.cat([torch.arange(chunk - 3), torch.arange(chunk, 2 * chunk - 3)])
+    index = real[torch.randperm(real.numel(), generator=torch.Generator().manual_seed(1))]
+    lay = StepLayout(num_tokens=2 * chunk - 6, strategy="local", pcp_size=2, pcp_rank=rank)
+    rows[f"pcp=2 local {2 * chunk - 6} + mask + restore index"] = _median_step(
+        lambda: restore_rows(gathered, lay, pcp_group=None, pcp_padding=mask, pcp_restore_index=index), layers, repeats
+    )
+    if rank == 0:
+        out.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def bench_restore(tokens: int, layers: int, repeats: int) -> dict:
+    ctx = mp.get_context("spawn")
+    fd, init_file = tempfile.mkstemp(prefix="bench_gloo_")
+    os.close(fd)
+    os.unlink(init_file)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_restore_worker, args=(r, init_file, tokens, layers, repeats, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    rows = out.get(timeout=600)
+    for p in procs:
+        p.join()
+    return rows
+
+
+def bench_recorder(tokens: int, layers: int, repeats: int) -> dict:
+    torch.set_num_threads(1)
+    shape = RunShape(num_layers=layers, top_k=K, num_experts=128)
+    rec = StepRecorder(shape, max_tokens=tokens)
+    g = torch.Generator().manual_seed(0)
+    per_layer = [torch.randint(0, 128, (tokens, K), generator=g, dtype=torch.int32) for _ in range(layers)]
+    bad = per_layer[0].clone()
+    bad[5, 3] = -1
+    request_ids = np.array(["req"] * tokens, dtype=object)
+    positions = np.arange(tokens, dtype=np.int32)
+    res = {}
+    for label, rows in (("clean ids", per_layer), ("one -1 id per layer", [bad] * layers)):
+        rec_t, end_t = [], []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            rec.begin_step()
+            for i, r in enumerate(rows):
+                rec.record(i, r)
+            t1 = time.perf_counter()
+            step = rec.end_step(request_ids, positions)
+            t2 = time.perf_counter()
+            rec_t.append(t1 - t0)
+            end_t.append(t2 - t1)
+        res[label] = (statistics.median(rec_t[1:]), statistics.median(end_t[1:]), step.stale_rows)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    print(f"restore_rows, gloo TP=2 on CPU, {args.tokens} tokens x top-{K} int32, {args.layers} layers/step")
+    for label, secs in bench_restore(args.tokens, args.layers, args.repeats).items():
+        print(f"  {label:<48} {1e6 * secs / args.layers:9.1f} us/layer {1e3 * secs:9.2f} ms/step")
+    print(f"StepRecorder, {args.tokens} tokens x {args.layers} layers x top-{K} (uint8)")
+    for label, (rec_s, end_s, stale) in bench_recorder(args.tokens, args.layers, args.repeats).items():
+        print(
+            f"  {label:<22} record x{args.layers} {1e3 * rec_s:7.2f} ms  end_step {1e3 * end_s:6.2f} ms"
+            f"  step {1e3 * (rec_s + end_s):7.2f} ms  ({args.tokens / (rec_s + end_s) / 1e6:.2f} M tokens/s, stale rows {stale})"
+        )
+
+
+if __name__ == "__main__":
+    main()
