@@ -1,11 +1,13 @@
-"""Per-step capture cost on CPU: restore_rows over gloo TP=2, and the StepRecorder.
+"""Per-step capture cost on CPU: restore_rows over gloo TP=2, the StepRecorder, and the sender's enqueue.
 
 restore_rows: an 8192-token step of top-8 int32 ids (vLLM's topk dtype) on 2 gloo ranks
 (TP=2), x48 MoE layers = one step; next to it the bare all_gather of the same shard (the
 collective floor) in the same run. Recorder: record 48 layers of 8192 x top-8 + end_step.
+Enqueue: RouteSender.submit of that step's rows (what the forward pass pays; the sending
+itself runs on the sender's threads against a real service process).
 Medians of several repeats; prints figures, asserts nothing (shared, noisy machines).
 
-    python bench/capture_restore.py [--tokens 8192] [--layers 48] [--repeats 7]
+    python bench/capture.py [--tokens 8192] [--layers 48] [--repeats 7]
 """
 
 from __future__ import annotations
@@ -126,6 +128,30 @@ def bench_recorder(tokens: int, layers: int, repeats: int) -> dict:
     return res
 
 
+def bench_enqueue(tokens: int, layers: int, repeats: int) -> tuple[float, dict]:
+    from pathlib import Path
+
+    from capture.sender import RouteSender, SenderConfig
+    from replay_service.service_process import ServiceProcess
+
+    shape = RunShape(num_layers=layers, top_k=K, num_experts=128)
+    rng = np.random.default_rng(0)
+    experts = rng.integers(0, 128, (tokens, layers, K), dtype=np.uint8)
+    request_ids = [f"req-{i // 512}" for i in range(tokens)]
+    tokens_ids = rng.integers(0, 32000, tokens)
+    times = []
+    with tempfile.TemporaryDirectory() as tmp, ServiceProcess(Path(tmp) / "data") as service:
+        sender = RouteSender(SenderConfig(url=service.url, run_id="bench", shape=shape, spill_dir=Path(tmp) / "spill"))
+        for step in range(repeats + 1):
+            positions = np.arange(tokens, dtype=np.int32) % 512 + step * 512
+            t0 = time.perf_counter()
+            sender.submit(request_ids, positions, experts, token_ids=tokens_ids)
+            times.append(time.perf_counter() - t0)
+        sender.close(120)
+        stats = sender.stats.as_dict()
+    return statistics.median(times[1:]), stats
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=8192)
@@ -141,6 +167,10 @@ def main() -> None:
             f"  {label:<22} record x{args.layers} {1e3 * rec_s:7.2f} ms  end_step {1e3 * end_s:6.2f} ms"
             f"  step {1e3 * (rec_s + end_s):7.2f} ms  ({args.tokens / (rec_s + end_s) / 1e6:.2f} M tokens/s, stale rows {stale})"
         )
+    enqueue_s, stats = bench_enqueue(args.tokens, args.layers, args.repeats)
+    print(f"RouteSender.submit, {args.tokens} rows of {args.layers} x top-{K} uint8 (forward-thread cost)")
+    print(f"  submit {1e3 * enqueue_s:7.2f} ms/step  (sent {stats['sent_rows']} rows, retried {stats['retried']}, "
+          f"spilled {stats['spilled_batches']}, dropped {stats['dropped_rows']})")
 
 
 if __name__ == "__main__":
