@@ -26,7 +26,10 @@ Usage (one vLLM at a time on the 2-core machine):
   /work/venv-vllm/bin/python scripts/vllm_probe.py --tp 1
   /work/venv-vllm/bin/python scripts/vllm_probe.py --tp 2
   /work/venv-vllm/bin/python scripts/vllm_probe.py --tp 1 --chunk 16   # chunked prefill
-Exit code 0 when every check passes.
+  /work/venv-vllm/bin/python scripts/vllm_probe.py --tp 1 --spec 3     # ngram spec decode
+  /work/venv-vllm/bin/python scripts/vllm_probe.py --tp 1 --repeat     # prefix-cache gap
+  /work/venv-vllm/bin/python scripts/vllm_probe.py --tp 1 --monkeypatch-only  # negative control
+Exit code 0 when every check passes (--monkeypatch-only is expected to exit 1).
 """
 
 from __future__ import annotations

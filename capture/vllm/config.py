@@ -1,0 +1,66 @@
+"""Plugin settings, read from the environment of every vLLM process.
+
+| variable | meaning |
+|---|---|
+| `ROUTING_REPLAY_URL` | replay service base URL; unset = the plugin does nothing |
+| `ROUTING_REPLAY_RUN_ID` | run id routes are stored under (required when the URL is set) |
+| `ROUTING_REPLAY_TOKEN` | optional bearer token for the service |
+| `ROUTING_REPLAY_SPILL_DIR` | where unsent batches are spilled (default `./replay-spill/<run_id>`) |
+| `ROUTING_REPLAY_ALLOW_PREFIX_CACHE` | `1`: run with prefix caching on; cached prompt rows are never computed, so they read back as `GAP` (default: refuse at startup) |
+| `ROUTING_REPLAY_VERBOSE` | `1`: log one line per captured step |
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV_URL = "ROUTING_REPLAY_URL"
+ENV_RUN = "ROUTING_REPLAY_RUN_ID"
+ENV_TOKEN = "ROUTING_REPLAY_TOKEN"
+ENV_SPILL = "ROUTING_REPLAY_SPILL_DIR"
+ENV_ALLOW_PREFIX = "ROUTING_REPLAY_ALLOW_PREFIX_CACHE"
+ENV_VERBOSE = "ROUTING_REPLAY_VERBOSE"
+
+
+class PluginConfigError(RuntimeError):
+    pass
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    url: str
+    run_id: str
+    token: str | None
+    spill_dir: Path
+    allow_prefix_cache: bool = False
+    verbose: bool = False
+
+    @classmethod
+    def from_env(cls, env=None) -> "PluginConfig | None":
+        """None when the plugin is off (no URL); PluginConfigError when the URL is set but the rest is wrong."""
+        env = os.environ if env is None else env
+        url = (env.get(ENV_URL) or "").strip()
+        if not url:
+            return None
+        run_id = (env.get(ENV_RUN) or "").strip()
+        if not run_id:
+            raise PluginConfigError(f"routing-replay: {ENV_URL} is set but {ENV_RUN} is not; set the run id routes go to")
+        from replay_schema import ID_RULE, valid_id
+
+        if not valid_id(run_id):
+            raise PluginConfigError(f"routing-replay: {ENV_RUN}={run_id!r} is not a valid id ({ID_RULE})")
+        spill = env.get(ENV_SPILL) or os.path.join("replay-spill", run_id)
+        return cls(
+            url=url.rstrip("/"),
+            run_id=run_id,
+            token=(env.get(ENV_TOKEN) or None),
+            spill_dir=Path(spill),
+            allow_prefix_cache=_truthy(env.get(ENV_ALLOW_PREFIX)),
+            verbose=_truthy(env.get(ENV_VERBOSE)),
+        )

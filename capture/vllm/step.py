@@ -1,0 +1,135 @@
+"""Per-step row bookkeeping: which request, position and input token each row is; which rows to keep.
+
+Pure Python/numpy (no vLLM import), so it is tested directly.
+
+- Request ids: workers see vLLM's internal ids `"{external}-{8 hex}"`
+  (`InputProcessor.assign_request_id`); routes are stored under the id the user gave
+  vLLM (the suffix stripped). `n > 1` children are `"{i}_{parent internal}"` and are
+  stored as `"{i}_{external}"`. Ids the service cannot store (its id rule) are dropped
+  with one error per request, so one bad id never takes other requests' rows with it.
+- Spec decode: a request's rows are `[last sampled, d1..dk]`; only the first
+  `len(sampled)` are real (accepted drafts + the bonus token's input); the rejected
+  suffix is dropped (it is recomputed next step).
+- Preemption/recompute: a resumed request runs its positions again; the rows are sent
+  again and the service stores identical re-writes once and flags a differing one
+  `CONFLICT` (never silently overwritten).
+- Finish: the total token count is what the scheduler reports when available, else the
+  highest position seen + 2 (the last sampled token never ran through the model).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+log = logging.getLogger("routing_replay.vllm")
+
+_SUFFIX = re.compile(r"^(?P<ext>.+)-[0-9a-f]{8}$")
+_CHILD = re.compile(r"^(?P<idx>\d+)_(?P<parent>.+)$")
+
+
+def external_id(internal: str) -> str:
+    """The id the user gave vLLM for an internal (suffixed) request id."""
+    m = _SUFFIX.match(internal)
+    if m:
+        return m.group("ext")
+    m = _CHILD.match(internal)  # n>1 child of a suffixed parent
+    if m:
+        inner = _SUFFIX.match(m.group("parent"))
+        if inner:
+            return f"{m.group('idx')}_{inner.group('ext')}"
+    return internal  # VLLM_DISABLE_REQUEST_ID_RANDOMIZATION, or ids vLLM passes through
+
+
+@dataclass
+class StepRowsMeta:
+    """One step's batch as the model saw it."""
+
+    req_ids: list[str]  # internal ids, batch order
+    query_start_loc: np.ndarray  # [num_reqs + 1]
+    positions: np.ndarray  # [n] int
+    token_ids: np.ndarray | None  # [n] int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1]) if len(self.query_start_loc) else 0
+
+
+@dataclass
+class RequestState:
+    external: str
+    max_position: int = -1
+    rows_sent: int = 0
+
+
+@dataclass
+class StepBook:
+    """Tracks requests across steps (see module docstring)."""
+
+    requests: dict[str, RequestState] = field(default_factory=dict)
+    _bad_ids: set[str] = field(default_factory=set)
+    dropped_rejected: int = 0
+    dropped_bad_id: int = 0
+
+    def _state(self, internal: str) -> RequestState:
+        st = self.requests.get(internal)
+        if st is None:
+            st = self.requests[internal] = RequestState(external_id(internal))
+        return st
+
+    def keep_mask(self, meta: StepRowsMeta, sampled: dict[str, int] | None, spec: dict[str, list] | None) -> np.ndarray:
+        """Rows to keep: drops each spec-decoded request's rejected suffix."""
+        n = meta.num_tokens
+        keep = np.ones(n, dtype=bool)
+        if not spec:
+            return keep
+        qsl = meta.query_start_loc
+        for i, rid in enumerate(meta.req_ids):
+            drafts = spec.get(rid)
+            if not drafts:
+                continue
+            start, end = int(qsl[i]), int(qsl[i + 1])
+            valid = (sampled or {}).get(rid)
+            if valid is None:  # no sampler output for it (e.g. aborted mid-step): keep the verified row only
+                valid = 1
+            valid = max(0, min(valid, end - start))
+            keep[start + valid : end] = False
+            self.dropped_rejected += end - start - valid
+        return keep
+
+    def row_ids(self, meta: StepRowsMeta, keep: np.ndarray) -> tuple[list[str], np.ndarray]:
+        """External request id per kept row, and the keep mask minus rows of unstorable ids."""
+        from replay_schema import valid_id
+
+        qsl = meta.query_start_loc
+        ids: list[str] = []
+        keep = keep.copy()
+        for i, rid in enumerate(meta.req_ids):
+            start, end = int(qsl[i]), int(qsl[i + 1])
+            st = self._state(rid)
+            if not valid_id(st.external):
+                if st.external not in self._bad_ids:
+                    self._bad_ids.add(st.external)
+                    log.error("routing-replay: request id %r cannot be stored (service id rule); its rows are dropped",
+                              st.external)
+                self.dropped_bad_id += int(keep[start:end].sum())
+                keep[start:end] = False
+                continue
+            sel = keep[start:end]
+            if sel.any():
+                st.max_position = max(st.max_position, int(meta.positions[start:end][sel].max()))
+                st.rows_sent += int(sel.sum())
+            ids.extend([st.external] * int(sel.sum()))
+        return ids, keep
+
+    def finish(self, internal: str, num_tokens: int | None = None, status: str | None = None):
+        """(external id, num_tokens, status) for a finished/aborted request, or None if it never ran."""
+        st = self.requests.pop(internal, None)
+        if st is None or st.external in self._bad_ids:
+            return None
+        if num_tokens is None:
+            num_tokens = st.max_position + 2
+        return st.external, int(num_tokens), status or "finished"

