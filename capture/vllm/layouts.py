@@ -151,6 +151,8 @@ def restore(topk_ids: torch.Tensor, runner, ctx, par: Parallel, num_tokens: int,
         rows = restore_rows(topk_ids, layout, tp_group=par.tp_group, pcp_group=par.pcp_group,
                             pcp_padding=mask, pcp_restore_index=idx)
         return rows[:num_tokens]
+    if not naive and not (sp and a2a):  # the common path (and all of CPU): this rank routed the whole batch
+        return topk_ids[:num_tokens]
     layout, _ = layout_for(runner, ctx, par, num_tokens, topk_ids.shape[0])
     if layout.strategy == "local":
         return topk_ids[:num_tokens]

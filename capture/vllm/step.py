@@ -63,6 +63,7 @@ class RequestState:
     external: str
     max_position: int = -1
     rows_sent: int = 0
+    storable: bool = True  # the service's id rule, checked once per request
 
 
 @dataclass
@@ -77,7 +78,10 @@ class StepBook:
     def _state(self, internal: str) -> RequestState:
         st = self.requests.get(internal)
         if st is None:
-            st = self.requests[internal] = RequestState(external_id(internal))
+            from replay_schema import valid_id
+
+            ext = external_id(internal)
+            st = self.requests[internal] = RequestState(ext, storable=valid_id(ext))
         return st
 
     def keep_mask(self, meta: StepRowsMeta, sampled: dict[str, int] | None, spec: dict[str, list] | None) -> np.ndarray:
@@ -100,30 +104,34 @@ class StepBook:
             self.dropped_rejected += end - start - valid
         return keep
 
-    def row_ids(self, meta: StepRowsMeta, keep: np.ndarray) -> tuple[list[str], np.ndarray]:
-        """External request id per kept row, and the keep mask minus rows of unstorable ids."""
-        from replay_schema import valid_id
+    def row_ids(self, meta: StepRowsMeta, keep: np.ndarray) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """(external id per request of the step, index into it per kept row, keep mask).
 
+        Rows of ids the service cannot store are removed from the mask. Vectorised: it
+        runs every step, so nothing here loops over rows.
+        """
         qsl = meta.query_start_loc
-        ids: list[str] = []
+        states = [self._state(rid) for rid in meta.req_ids]
         keep = keep.copy()
-        for i, rid in enumerate(meta.req_ids):
-            start, end = int(qsl[i]), int(qsl[i + 1])
-            st = self._state(rid)
-            if not valid_id(st.external):
+        for i, st in enumerate(states):
+            if not st.storable:
                 if st.external not in self._bad_ids:
                     self._bad_ids.add(st.external)
                     log.error("routing-replay: request id %r cannot be stored (service id rule); its rows are dropped",
                               st.external)
-                self.dropped_bad_id += int(keep[start:end].sum())
-                keep[start:end] = False
-                continue
-            sel = keep[start:end]
-            if sel.any():
-                st.max_position = max(st.max_position, int(meta.positions[start:end][sel].max()))
-                st.rows_sent += int(sel.sum())
-            ids.extend([st.external] * int(sel.sum()))
-        return ids, keep
+                self.dropped_bad_id += int(keep[qsl[i] : qsl[i + 1]].sum())
+                keep[qsl[i] : qsl[i + 1]] = False
+        kept_before = np.concatenate(([0], np.cumsum(keep)))
+        kept = kept_before[qsl[1:]] - kept_before[qsl[:-1]]
+        index = np.repeat(np.arange(len(states), dtype=np.int32), kept)
+        if index.size:
+            # Highest kept position per request (positions rise within a request's rows).
+            last_kept = np.maximum.reduceat(np.where(keep, meta.positions, -1), qsl[:-1][kept > 0])
+            for i, top in zip(np.flatnonzero(kept > 0).tolist(), last_kept.tolist()):
+                st = states[i]
+                st.max_position = max(st.max_position, int(top))
+                st.rows_sent += int(kept[i])
+        return [st.external for st in states], index, keep
 
     def finish(self, internal: str, num_tokens: int | None = None, status: str | None = None):
         """(external id, num_tokens, status) for a finished/aborted request, or None if it never ran."""

@@ -72,7 +72,9 @@ class WorkerCapture:
         self.pcp_masks = None
         self.local_padding = None
         self.restore_index_provider = None
-        self.capture_s = 0.0
+        self.capture_s = 0.0  # time in the router callbacks
+        self.hook_s = 0.0  # time in every hook (callbacks, step open, hand-off to the sender)
+        self.enabled = True  # `set_enabled(False)` pauses capture (e.g. to measure its cost)
 
     # ---- startup -----------------------------------------------------------
 
@@ -159,6 +161,14 @@ class WorkerCapture:
 
     # ---- step ----------------------------------------------------------------
 
+    def set_enabled(self, enabled: bool) -> None:
+        self.enabled = bool(enabled)
+
+    def cost(self) -> dict:
+        """Capture cost so far, for `collective_rpc` (bench/vllm_overhead.py)."""
+        return {"steps": self.steps, "hook_s": self.hook_s, "capture_s": self.capture_s,
+                "ignored_captures": self.ignored_captures, "sending": self.sender is not None}
+
     def on_execute(self, scheduler_output) -> None:
         self.sched = scheduler_output
         finished = getattr(scheduler_output, "finished_req_ids", None) or ()
@@ -211,7 +221,9 @@ class WorkerCapture:
         except Exception:  # noqa: BLE001 - the layer's rows stay unstamped: the step is flagged STALE
             log.exception("routing-replay: capture failed in layer %s; its rows are sent flagged STALE",
                           getattr(runner, "layer_name", "?"))
-        self.capture_s += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        self.capture_s += spent
+        self.hook_s += spent
 
     def on_sampled(self, output) -> None:
         meta, self.pending = self.pending, None
@@ -224,13 +236,12 @@ class WorkerCapture:
         if spec and output is not None and getattr(output, "sampled_token_ids", None) is not None:
             sampled = {rid: len(t) for rid, t in zip(output.req_ids, output.sampled_token_ids)}
         keep = self.book.keep_mask(meta, sampled, spec)
-        ids, keep = self.book.row_ids(meta, keep)
-        step = self.recorder.end_step([""] * meta.num_tokens, meta.positions, meta.token_ids,
-                                      copy=False)
-        if self.sender is None or not ids:
+        names, index, keep = self.book.row_ids(meta, keep)
+        step = self.recorder.end_step(None, meta.positions, meta.token_ids, copy=False)
+        if self.sender is None or not index.size:
             return
         sel = np.flatnonzero(keep)
-        self.sender.submit(ids, meta.positions[sel], step.experts[sel],
+        self.sender.submit((names, index), meta.positions[sel], step.experts[sel],
                            token_ids=None if meta.token_ids is None else meta.token_ids[sel], flags=step.flags[sel])
         if self.config.verbose:
             _info("routing-replay: step %d: %d rows (%d stale) of %d requests", self.steps, len(sel),
@@ -303,7 +314,12 @@ def patch_v1_runner(config: PluginConfig) -> None:
         if wc is None or wc.recorder is None:
             return orig_forward(self, input_ids=input_ids, positions=positions,
                                 intermediate_tensors=intermediate_tensors, inputs_embeds=inputs_embeds, **kw)
+        if not wc.enabled:
+            return orig_forward(self, input_ids=input_ids, positions=positions,
+                                intermediate_tensors=intermediate_tensors, inputs_embeds=inputs_embeds, **kw)
+        t0 = time.perf_counter()
         wc.open_step(self, input_ids, positions)
+        wc.hook_s += time.perf_counter() - t0
         try:
             return orig_forward(self, input_ids=input_ids, positions=positions,
                                 intermediate_tensors=intermediate_tensors, inputs_embeds=inputs_embeds, **kw)
@@ -314,10 +330,12 @@ def patch_v1_runner(config: PluginConfig) -> None:
         out = orig_sample(self, *a, **kw)
         wc = _CURRENT
         if wc is not None and wc.pending is not None:
+            t0 = time.perf_counter()
             try:
                 wc.on_sampled(out)
             except Exception:  # noqa: BLE001 - never take the engine down for capture
                 log.exception("routing-replay: failed to hand a step to the sender")
+            wc.hook_s += time.perf_counter() - t0
         return out
 
     for fn in (load_model, execute_model, _model_forward, sample_tokens):
@@ -365,3 +383,17 @@ def _refuse_v2_runner() -> None:
 
 
 __all__ = ["BindError", "StartupError", "WorkerCapture", "current", "patch_v1_runner"]
+
+
+def rpc_set_enabled(worker, enabled: bool) -> bool:
+    """For `LLM.collective_rpc`: pause or resume capture in every worker; True if one was there."""
+    wc = _CURRENT
+    if wc is None:
+        return False
+    wc.set_enabled(enabled)
+    return True
+
+
+def rpc_cost(worker) -> dict | None:
+    """For `LLM.collective_rpc`: each worker's capture cost so far."""
+    return _CURRENT.cost() if _CURRENT is not None else None
