@@ -42,7 +42,10 @@ def _check_rows(experts, words, num_layers, top_k, num_experts, skip, flags, has
             any_bits |= v
             h = (h ^ v) * _FNV_PRIME
         hashes[r] = h
-        row_flags = _ZERO if any_bits == 0 else np.uint16(0)
+        if any_bits == 0:  # a never-written row: ZERO says it all (its repeated 0 is not a DUPLICATE)
+            flags[r] = _ZERO
+            continue
+        row_flags = np.uint16(0)
         for layer in range(num_layers):
             gen += np.uint32(1)
             if gen == 0:  # wrapped: clear the stamps so old marks cannot look current
