@@ -12,7 +12,7 @@ from fastapi.staticfiles import StaticFiles
 
 from replay_service.errors import install_error_handlers
 from replay_service.metrics import ServiceMetrics
-from replay_service.routers import ingest, ops, requests, runs
+from replay_service.routers import compares, ingest, ops, requests, runs, trainer
 from replay_service.settings import ServiceSettings
 from replay_service.store import RouteStore
 
@@ -41,7 +41,7 @@ def create_app(settings: ServiceSettings | None = None, store: RouteStore | None
     app.state.settings = settings
     app.state.metrics = ServiceMetrics()
     install_error_handlers(app)
-    for module in (ingest, runs, requests, ops):
+    for module in (ingest, runs, requests, compares, trainer, ops):
         app.include_router(module.router)
 
     @app.middleware("http")

@@ -8,8 +8,10 @@ either. Every non-2xx answer raises `ReplayError` carrying the server's detail.
 from __future__ import annotations
 
 import base64
+import http.client
 import io
 import json
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -113,9 +115,15 @@ def routes_from_stream(backing: bytearray) -> list[Route]:
 
 class ReplayClient:
     def __init__(self, base_url: str, timeout: float = 120.0, http: httpx.Client | None = None) -> None:
+        self._own_http = http is None
         self.http = http or httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout)
+        self._timeout = timeout
+        self._bulk = threading.local()  # per-thread stdlib connection for large bodies
 
     def close(self) -> None:
+        conn = getattr(self._bulk, "conn", None)
+        if conn is not None:
+            conn.close()
         self.http.close()
 
     def __enter__(self) -> "ReplayClient":
@@ -144,6 +152,49 @@ class ReplayClient:
         response = self.http.request(method, url, **kw)
         self._raise_for(response)
         return response.json()
+
+    def _fetch_bulk(self, method: str, url: str, doc: dict) -> bytearray:
+        """POST a JSON doc and read a large answer straight into one writable buffer.
+
+        The stdlib connection `readinto`s the body in a few large reads, where httpx's
+        stream hands it over in 64 KiB chunks (a Python iteration each): ~1.4x faster
+        for a 200 MB training batch. Falls back to httpx for a caller-supplied client.
+        """
+        if not self._own_http:
+            return self._fetch_stream(method, url, json=doc)
+        base = self.http.base_url
+        conn = getattr(self._bulk, "conn", None)
+        if conn is None:
+            cls = http.client.HTTPSConnection if base.scheme == "https" else http.client.HTTPConnection
+            conn = cls(base.host, base.port, timeout=self._timeout)
+            self._bulk.conn = conn
+        path = base.raw_path.decode().rstrip("/") + url
+        payload = json.dumps(doc).encode()
+        headers = {"content-type": "application/json", "accept": ARROW_STREAM_MEDIA_TYPE}
+        try:
+            conn.request(method, path, body=payload, headers=headers)
+            response = conn.getresponse()
+        except (http.client.HTTPException, OSError):
+            conn.close()  # a stale keep-alive connection: one fresh try
+            conn.request(method, path, body=payload, headers=headers)
+            response = conn.getresponse()
+        size = response.getheader("content-length")
+        if response.status >= 300 or size is None:
+            raw = response.read()
+            fake = httpx.Response(response.status, content=raw,
+                                  headers={"content-type": response.getheader("content-type", "")})
+            self._raise_for(fake)
+            return bytearray(raw)
+        body = bytearray(int(size))
+        view = memoryview(body)
+        filled = 0
+        while filled < len(body):
+            got = response.readinto(view[filled:])
+            if not got:
+                conn.close()
+                raise ReplayError(response.status, f"answer cut short at {filled} of {len(body)} bytes")
+            filled += got
+        return body
 
     def _fetch_stream(self, method: str, url: str, **kw) -> bytearray:
         """The whole body in one writable buffer (sized from Content-Length when given)."""
@@ -285,3 +336,77 @@ class ReplayClient:
             params["end"] = end
         body = self._fetch_stream("GET", f"/v1/runs/{run_id}/requests/{request_id}/routes", params=params)
         return np.load(io.BytesIO(bytes(body)), allow_pickle=False)
+
+    # ---- trainers -----------------------------------------------------------
+
+    def megatron_batch(
+        self,
+        sequences,
+        packing: str = "thd",
+        *,
+        pad_multiple: int | None = None,
+        seq_length: int | None = None,
+        cp_size: int = 1,
+        cp_rank: int = 0,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        layers: Sequence[int] | None = None,
+        model_layers: tuple[int, int] | None = None,
+        strict: bool = False,
+    ):
+        """This rank's `RouterReplay` data for a micro-batch of (run, request) (see `replay_service.trainer`).
+
+        Only this rank's slice (context / sequence parallel, pipeline stage layers) travels.
+        """
+        from replay_service.trainer import decode_layout, sequences_doc
+
+        doc: dict[str, Any] = {"sequences": sequences_doc(sequences), "packing": packing, "cp_size": cp_size,
+                               "cp_rank": cp_rank, "tp_size": tp_size, "tp_rank": tp_rank, "strict": strict}
+        for key, value in (("pad_multiple", pad_multiple), ("seq_length", seq_length), ("layers", layers),
+                           ("model_layers", model_layers)):
+            if value is not None:
+                doc[key] = list(value) if isinstance(value, (list, tuple)) else value
+        return decode_layout(self._fetch_bulk("POST", "/v1/trainer/megatron", doc))
+
+    def verl_batch(
+        self,
+        sequences,
+        prompt_lengths: Sequence[int],
+        prompt_width: int,
+        response_width: int,
+        *,
+        layers: Sequence[int] | None = None,
+        strict: bool = False,
+    ):
+        """verl's dense `[batch, prompt_width + response_width, L, K]` with its validity mask."""
+        from replay_service.trainer import decode_layout, sequences_doc
+
+        doc: dict[str, Any] = {"sequences": sequences_doc(sequences), "prompt_lengths": [int(p) for p in prompt_lengths],
+                               "prompt_width": prompt_width, "response_width": response_width, "strict": strict}
+        if layers is not None:
+            doc["layers"] = list(layers)
+        return decode_layout(self._fetch_bulk("POST", "/v1/trainer/verl", doc))
+
+    def compare(self, run_id: str, request_ids, positions, experts, label: str | None = None) -> dict:
+        """Post the trainer's own top-k (n, L, K) per (request, position); the stored comparison comes back."""
+        from replay_schema import RunShape
+        from replay_service.trainer import compare_body
+
+        info = self.run(run_id)
+        shape = RunShape(info["num_layers"], info["top_k"], info["num_experts"], tuple(info["moe_layers"]))
+        body = compare_body(run_id, shape, request_ids, positions, experts)
+        params = {"label": label} if label is not None else None
+        return self._json("POST", f"/v1/runs/{run_id}/compare", content=body, params=params,
+                          headers={"content-type": ARROW_STREAM_MEDIA_TYPE})
+
+    def compares(self, run_id: str) -> list[dict]:
+        return self._json("GET", f"/v1/runs/{run_id}/compares")["compares"]
+
+    def compare_result(self, run_id: str, compare_id: str) -> dict:
+        return self._json("GET", f"/v1/runs/{run_id}/compares/{compare_id}")
+
+    def compare_request(self, run_id: str, compare_id: str, request_id: str, start: int = 0, end: int | None = None) -> dict:
+        params: dict[str, Any] = {"start": start}
+        if end is not None:
+            params["end"] = end
+        return self._json("GET", f"/v1/runs/{run_id}/compares/{compare_id}/requests/{request_id}", params=params)

@@ -90,4 +90,47 @@ def load_demo(store: RouteStore, seed: int = 7) -> dict:
     store.ingest(_incoming([_rows("open-0", np.arange(300), synthetic_routes(rng, 300), rng.integers(0, 32000, 300))], 3))
     store.ingest(_incoming([_rows("aborted-0", np.arange(90), synthetic_routes(rng, 90), rng.integers(0, 32000, 90))], 4))
     store.finish(DEMO_RUN, "aborted-0", 91, "aborted")
+    load_demo_compare(store)
     return store.run_summary(DEMO_RUN)
+
+
+DEMO_COMPARE = "demo-r3"
+
+
+def load_demo_compare(store: RouteStore, seed: int = 11) -> dict:
+    """A stored comparison on the demo run, as a trainer without replay would post it.
+
+    The "trainer" routing is the recorded one of four clean requests with one
+    expert swapped in about 6% of (token, layer) (12% in the last four layers):
+    roughly the R3 paper's picture (about 10% router-level, over 90% token-level
+    mismatch). Idempotent: a fixed compare id, stored once.
+    """
+    from replay_service.compare import run_compare
+    from replay_service.trainer import compare_body
+
+    existing = [c for c in store.compares.list(DEMO_RUN) if c["compare_id"] == DEMO_COMPARE]
+    if existing:
+        return existing[0]
+    rng = np.random.default_rng(seed)
+    ids, positions, rows = [], [], []
+    for i in range(4):
+        request_id = f"clean-{i:02d}"
+        route = store.read_route(DEMO_RUN, request_id)
+        experts = route.experts_3d().copy()
+        n, num_layers, top_k = experts.shape
+        rate = np.full(num_layers, 0.06)
+        rate[-4:] = 0.12
+        change = rng.random((n, num_layers)) < rate
+        t, layer = np.nonzero(change)
+        # a replacement id not already in the row: the first of 16 random candidates that is not
+        candidates = rng.integers(0, DEMO_SHAPE.num_experts, (len(t), 16)).astype(experts.dtype)
+        taken = (candidates[:, :, None] == experts[t, layer][:, None, :]).any(axis=-1)
+        pick = candidates[np.arange(len(t)), np.argmax(~taken, axis=1)]
+        experts[t, layer, rng.integers(0, top_k, len(t))] = pick
+        ids += [request_id] * n
+        positions.append(route.positions)
+        rows.append(experts)
+    body = compare_body(DEMO_RUN, DEMO_SHAPE, ids, np.concatenate(positions), np.concatenate(rows))
+    doc, per_request = run_compare(store, DEMO_RUN, body, "demo: trainer without replay", compare_id=DEMO_COMPARE)
+    store.compares.save(doc, per_request)
+    return doc

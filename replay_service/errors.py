@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse
 
 from replay_service.decode import InputError
 from replay_service.store import NotFound
+from replay_service.store.compares import CompareNotFound
 
 
 class StrictRefusal(Exception):
@@ -26,6 +27,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(NotFound)
     async def _not_found(_: Request, exc: NotFound) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=404)
+
+    @app.exception_handler(CompareNotFound)
+    async def _compare_not_found(_: Request, exc: CompareNotFound) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=404)
 
     @app.exception_handler(StrictRefusal)

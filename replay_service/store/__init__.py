@@ -26,6 +26,7 @@ from replay_schema import BatchMeta, Flag, RunShape
 from replay_service import checks
 from replay_service.decode import IncomingRows, InputError
 from replay_service.settings import ServiceSettings
+from replay_service.store.compares import CompareStore
 from replay_service.store.files import SegmentCache, sweep_unindexed, write_segment
 from replay_service.store.index import COUNT_COLUMNS, COUNTED_FLAGS, Index, moe_layers_json
 from replay_service.store.reads import RouteRows, assemble_route
@@ -67,6 +68,7 @@ class RouteStore:
         self.swept = sweep_unindexed(self.segments_root, self.index.indexed_paths())
         self.cache = SegmentCache(self.segments_root, settings.open_segment_cache)
         self.recent = checks.RecentRows(settings.stale_table_rows)
+        self.compares = CompareStore(self.root / "compares", self.index, fsync=settings.fsync)
         self._runs: dict[str, _RunState] = {}
         self._runs_lock = threading.Lock()
         checks.warm_up()

@@ -1,0 +1,106 @@
+"""Rollout-vs-training routing agreement (pure numpy): the R3 paper's metrics.
+
+For tokens the trainer sent that have a clean recorded row, per (token, layer):
+the top-k *sets* (order inside top-k does not matter) are compared.
+
+- router-level mismatch: fraction of (token, layer) whose sets differ;
+- token-level mismatch: fraction of tokens with any layer differing;
+- Jaccard: |A & B| / |A | B|, averaged over (token, layer).
+
+R3 (arXiv 2510.11370) reports about 10% router-level and 94% token-level
+mismatch on Qwen3-30B-A3B without replay. A route compared with itself gives
+0, 0 and 1.0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+CHUNK_ROWS = 8192  # rows compared at once: bounds the (rows, L, K, K) temporary
+
+
+@dataclass
+class Tally:
+    """Running sums over many requests; `finish` turns them into the answer."""
+
+    num_layers: int
+    tokens: int = 0
+    differing_tokens: int = 0
+    layer_differ: np.ndarray = None  # (L,) int64: tokens whose layer set differs
+    layer_jaccard: np.ndarray = None  # (L,) float64: sum of Jaccard
+    worst: list = field(default_factory=list)  # (layers_differing, -jaccard, request, position)
+
+    def __post_init__(self) -> None:
+        self.layer_differ = np.zeros(self.num_layers, np.int64)
+        self.layer_jaccard = np.zeros(self.num_layers, np.float64)
+
+
+def compare_rows(trainer: np.ndarray, recorded: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`(n, L, K)` each -> (differs (n, L) bool, jaccard (n, L) float64)."""
+    n, num_layers, top_k = trainer.shape
+    differs = np.empty((n, num_layers), np.bool_)
+    jaccard = np.empty((n, num_layers), np.float64)
+    for lo in range(0, n, CHUNK_ROWS):
+        hi = min(lo + CHUNK_ROWS, n)
+        a = np.sort(trainer[lo:hi].astype(np.int32), axis=-1)
+        b = np.sort(recorded[lo:hi].astype(np.int32), axis=-1)
+        differs[lo:hi] = (a != b).any(axis=-1)
+        # |A & B| for sets of K distinct ids: count pairs equal (ids within a set are distinct)
+        inter = (a[..., :, None] == b[..., None, :]).sum(axis=(-1, -2))
+        jaccard[lo:hi] = inter / (2 * top_k - inter)
+    return differs, jaccard
+
+
+def add_request(tally: Tally, request_id: str, positions: np.ndarray, differs: np.ndarray, jaccard: np.ndarray,
+                worst_tokens: int) -> None:
+    if not len(positions):
+        return
+    per_token = differs.sum(axis=1)
+    tally.tokens += len(positions)
+    tally.differing_tokens += int(np.count_nonzero(per_token))
+    tally.layer_differ += differs.sum(axis=0)
+    tally.layer_jaccard += jaccard.sum(axis=0)
+    token_jaccard = jaccard.mean(axis=1)
+    bad = np.flatnonzero(per_token)
+    if bad.size:
+        # keep this request's worst few, then the overall worst
+        top = bad[np.lexsort((token_jaccard[bad], -per_token[bad]))[:worst_tokens]]
+        tally.worst.extend(
+            (int(per_token[i]), -float(token_jaccard[i]), request_id, int(positions[i])) for i in top
+        )
+        tally.worst.sort(key=lambda w: (-w[0], -w[1], w[2], w[3]))
+        del tally.worst[worst_tokens:]
+
+
+def finish(tally: Tally, moe_layers: tuple[int, ...], worst_layers: int = 10) -> dict:
+    tokens = tally.tokens
+    if tokens:
+        layer_mismatch = tally.layer_differ / tokens
+        layer_jaccard = tally.layer_jaccard / tokens
+        router = float(tally.layer_differ.sum() / (tokens * tally.num_layers))
+        token = tally.differing_tokens / tokens
+        jac = float(tally.layer_jaccard.sum() / (tokens * tally.num_layers))
+    else:
+        layer_mismatch = np.zeros(tally.num_layers)
+        layer_jaccard = np.zeros(tally.num_layers)
+        router = token = jac = 0.0
+    per_layer = [
+        {"layer": i, "model_layer": int(moe_layers[i]), "router_mismatch": float(layer_mismatch[i]),
+         "jaccard": float(layer_jaccard[i])}
+        for i in range(tally.num_layers)
+    ]
+    bad_layers = np.flatnonzero(tally.layer_differ)
+    ranked = bad_layers[np.lexsort((bad_layers, layer_jaccard[bad_layers], -layer_mismatch[bad_layers]))]
+    return {
+        "tokens": tokens,
+        "router_mismatch": router,
+        "token_mismatch": float(token),
+        "jaccard": jac,
+        "per_layer": per_layer,
+        "worst_layers": [int(i) for i in ranked[:worst_layers]],
+        "worst_tokens": [
+            {"request_id": r, "position": p, "layers_differing": n, "jaccard": -j} for n, j, r, p in tally.worst
+        ],
+    }

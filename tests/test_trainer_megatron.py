@@ -1,0 +1,194 @@
+"""Megatron-core RouterReplay fed by the client: the real megatron-core 0.16.1 router code on CPU.
+
+The reference token order is built here independently of replay_service.layouts:
+Megatron's hidden states are [s, b, h] and TopKRouter flattens them with
+`view(-1, num_experts)`, so in BSHD the router's token i is (s, b) = divmod(i, B);
+THD packs sequences back to back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+router_replay = pytest.importorskip("megatron.core.transformer.moe.router_replay")
+moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+RouterReplay = router_replay.RouterReplay
+RouterReplayAction = router_replay.RouterReplayAction
+
+from replay_service.client import ReplayClient  # noqa: E402
+from tests.routes_data import QWEN3_SHAPE  # noqa: E402
+from tests.trainer_data import store_requests  # noqa: E402
+
+L, K, E = QWEN3_SHAPE.num_layers, QWEN3_SHAPE.top_k, QWEN3_SHAPE.num_experts
+LENGTHS = {"m-a": 37, "m-b": 64, "m-c": 9, "m-d": 50}
+
+
+@pytest.fixture(scope="module")
+def stored(shared_service):
+    client = ReplayClient(shared_service.url)
+    full = store_requests(client, "mg", LENGTHS)
+    return client, full
+
+
+@pytest.fixture
+def routers():
+    RouterReplay.clear_global_router_replay_instances()
+    instances = [RouterReplay() for _ in range(L)]
+    yield instances
+    RouterReplay.clear_global_router_replay_instances()
+
+
+def _replay(instances, data, num_tokens, seed=0):
+    """Run every layer's real top-k routing in REPLAY_FORWARD on random logits; (ids, probs, map, logits)."""
+    RouterReplay.set_replay_data(data)
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for inst in instances:
+        logits = torch.randn(num_tokens, E, generator=gen)
+        probs, routing_map = moe_utils.topk_routing_with_score_function(
+            logits, K, use_pre_softmax=True, score_function="softmax", router_replay=inst
+        )
+        scores = torch.softmax(logits, dim=-1)
+        gathered, ids = inst.get_replay_topk(scores, K)  # (probs, indices), as megatron returns them
+        out.append((ids, gathered, probs, routing_map, scores))
+    return out
+
+
+def _sets_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (np.sort(a, axis=-1) == np.sort(b, axis=-1)).all(axis=-1)
+
+
+def test_thd_replays_recorded_ids_for_every_real_token(stored, routers):
+    client, full = stored
+    order = ["m-a", "m-b", "m-c", "m-d"]
+    batch = client.megatron_batch([("mg", r) for r in order], packing="thd")
+    # reference: packed order, every sequence's T tokens, the last without a row
+    expected = np.concatenate([np.concatenate([full[r], np.zeros((1, L, K), np.uint8)]) for r in order])
+    has_row = np.concatenate([np.r_[np.ones(LENGTHS[r] - 1, bool), False] for r in order])
+    assert batch.num_tokens == sum(LENGTHS.values()) and batch.layout["cu_seqlens"] == [0, 37, 101, 110, 160]
+    assert np.array_equal(batch.valid.astype(bool), has_row)
+    data = batch.replay_data()
+    assert len(data) == L and all(t.dtype == torch.int64 and t.shape == (batch.num_tokens, K) for t in data)
+    assert all(t.is_contiguous() for t in data)
+    for layer, (ids, gathered, probs, routing_map, scores) in enumerate(_replay(routers, data, batch.num_tokens)):
+        ids = ids.numpy()
+        assert np.array_equal(ids[has_row], expected[has_row, layer].astype(np.int64))
+        # the gathered probabilities are the scores of exactly those experts
+        assert torch.equal(gathered, scores.gather(1, torch.from_numpy(ids)))
+        # megatron's own routing map marks exactly the recorded experts, with non-zero probability
+        assert routing_map.sum(dim=1).eq(K).all()
+        want = torch.zeros(batch.num_tokens, E, dtype=torch.bool)
+        want.scatter_(1, torch.from_numpy(ids), True)
+        assert torch.equal(routing_map, want)
+        assert (probs[routing_map] > 0).all()
+    # rows without a recording: router-valid (distinct, in range, never all zero) and masked
+    filler = batch.experts[~has_row]
+    assert filler.size and (filler.max() < E) and (np.sort(filler, axis=-1)[..., 1:] != np.sort(filler, axis=-1)[..., :-1]).all()
+    assert filler.reshape(len(filler), -1).any(axis=1).all()
+    assert not batch.valid_tensor()[torch.from_numpy(~has_row)].any()
+
+
+def test_bshd_is_sequence_first_and_a_batch_first_swap_is_caught(stored, routers):
+    client, full = stored
+    order = ["m-a", "m-c", "m-d"]
+    batch = client.megatron_batch([("mg", r) for r in order], packing="bshd")
+    b, s = len(order), batch.layout["seq_length"]
+    assert s == max(LENGTHS[r] for r in order) and batch.num_tokens == b * s
+    dense = np.zeros((b, s, L, K), np.int64)
+    real = np.zeros((b, s), bool)
+    for i, r in enumerate(order):
+        dense[i, : LENGTHS[r] - 1] = full[r]
+        real[i, : LENGTHS[r] - 1] = True
+    # the model sees [s, b]: router token i is (s, b) = divmod(i, B)
+    seq_first, seq_first_real = dense.transpose(1, 0, 2, 3).reshape(b * s, L, K), real.T.reshape(-1)
+    batch_first = dense.reshape(b * s, L, K)
+    replayed = np.stack([r[0].numpy() for r in _replay(routers, batch.replay_data(), batch.num_tokens)], axis=1)
+    assert np.array_equal(batch.valid.astype(bool), seq_first_real)
+    assert _sets_equal(replayed[seq_first_real], seq_first[seq_first_real]).all()
+    # the same check against a batch-first reading fails: the swap replays other tokens' experts
+    assert not _sets_equal(replayed[seq_first_real], batch_first[seq_first_real]).all()
+    # and a batch-first layout fed to the router is caught against the model's token order
+    RouterReplay.clear_global_indices()
+    swapped = [torch.from_numpy(np.ascontiguousarray(batch_first[:, layer])) for layer in range(L)]
+    replayed_swapped = np.stack([r[0].numpy() for r in _replay(routers, swapped, b * s)], axis=1)
+    wrong = ~_sets_equal(replayed_swapped[seq_first_real], seq_first[seq_first_real]).all(axis=1)
+    assert wrong.mean() > 0.5
+
+
+def test_pipeline_stage_gets_its_layers_only(stored):
+    client, full = stored
+    batch = client.megatron_batch([("mg", "m-c")], layers=list(range(24, 48)))
+    assert batch.experts.shape == (9, 24, K) and batch.layers == list(range(24, 48))
+    assert np.array_equal(batch.experts[:8], full["m-c"][:, 24:])
+    stage = client.megatron_batch([("mg", "m-c")], model_layers=(0, 12))
+    assert len(stage.replay_data()) == 12 and np.array_equal(stage.experts[:8], full["m-c"][:, :12])
+
+
+def test_start_serves_rows_from_a_position_on(stored):
+    client, full = stored
+    batch = client.megatron_batch([{"run": "mg", "request": "m-b", "start": 40}])
+    assert batch.num_tokens == 64 - 40 and batch.position[0] == 40
+    assert np.array_equal(batch.experts[:-1], full["m-b"][40:]) and batch.valid[-1] == 0
+
+
+def test_flagged_rows_become_masked_filler_or_a_strict_refusal(shared_service):
+    client = ReplayClient(shared_service.url)
+    full = store_requests(client, "mg-flag", {"f-a": 30}, flagged={"f-a": [7]})
+    batch = client.megatron_batch([("mg-flag", "f-a")])
+    assert batch.valid[7] == 0 and batch.experts[7].any() and int(batch.valid.sum()) == 28
+    assert np.array_equal(batch.experts[8:29], full["f-a"][8:])
+    from replay_service.client import ReplayError
+
+    with pytest.raises(ReplayError) as err:
+        client.megatron_batch([("mg-flag", "f-a")], strict=True)
+    assert err.value.status == 409 and "position 7" in err.value.detail
+
+
+def test_bad_layout_requests_are_named(stored):
+    client, _ = stored
+    from replay_service.client import ReplayError
+
+    cases = [
+        ({"sequences": [{"run": "mg", "request": "nope"}]}, 404, "nope"),
+        ({"sequences": [{"run": "mg", "request": "m-a"}], "cp_size": 2, "cp_rank": 2}, 422, "cp_rank"),
+        ({"sequences": [{"run": "mg", "request": "m-a", "num_tokens": 20}]}, 422, "as long as the input or one short"),
+        ({"sequences": [{"run": "mg", "request": "m-a"}], "packing": "bshd", "seq_length": 10}, 422, "seq_length"),
+        ({"sequences": [{"run": "mg", "request": "m-a"}], "layers": [48]}, 422, "MoE ordinals"),
+        ({"sequences": [{"run": "mg", "request": "m-a"}], "packing": "thd", "pad_multiple": 3, "tp_size": 2}, 422, "split"),
+    ]
+    for doc, status, words in cases:
+        response = client.http.post("/v1/trainer/megatron", json=doc)
+        assert response.status_code == status, (doc, response.text)
+        assert words in response.json()["detail"], response.json()
+
+
+def test_record_mode_routing_posted_to_compare_gives_the_planted_mismatch(stored, routers):
+    """The trainer workflow: the router in RECORD mode, its choices posted to /compare."""
+    client, full = stored
+    order = ["m-a", "m-b"]
+    batch = client.megatron_batch([("mg", r) for r in order])
+    real = batch.valid.astype(bool)
+    gen = torch.Generator().manual_seed(3)
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
+    planted = np.flatnonzero(real)[::10]  # layer 3 of every 10th real token routes elsewhere
+    for layer, inst in enumerate(routers):
+        logits = torch.randn(batch.num_tokens, E, generator=gen)
+        boost = torch.zeros(batch.num_tokens, E)
+        boost.scatter_(1, torch.from_numpy(batch.experts[:, layer].astype(np.int64)), 10.0)
+        if layer == 3:
+            for t in planted:
+                other = np.setdiff1d(np.arange(E), batch.experts[t, layer])[:K]
+                boost[t] = 0
+                boost[t, torch.from_numpy(other)] = 10.0
+        moe_utils.topk_routing_with_score_function(logits + boost, K, score_function="softmax", router_replay=inst)
+    reqs, positions, ids = batch.recorded_rows(RouterReplay.get_recorded_data(), [("mg", r) for r in order])
+    result = client.compare("mg", reqs, positions, ids, label="record-mode")
+    n = int(real.sum())
+    assert result["tokens"] == n and result["missing_rows"] == len(order)  # the last tokens have no row
+    assert result["router_mismatch"] == pytest.approx(len(planted) / (n * L), abs=1e-15)
+    assert result["token_mismatch"] == pytest.approx(len(planted) / n, abs=1e-15)
+    assert result["jaccard"] == pytest.approx(1 - len(planted) / (n * L), abs=1e-12)  # disjoint sets: Jaccard 0
+    assert result["worst_layers"] == [3]
