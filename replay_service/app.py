@@ -7,7 +7,7 @@ import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from replay_service.errors import install_error_handlers
@@ -17,6 +17,39 @@ from replay_service.settings import ServiceSettings
 from replay_service.store import RouteStore
 
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+
+
+class LatencyMiddleware:
+    """Request latency by route template, as plain ASGI.
+
+    Starlette's `@app.middleware("http")` wraps every body chunk of a request in a task
+    group; at 64 KiB a chunk that costs more than the rest of an ingest's Python work.
+    """
+
+    def __init__(self, app, metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def send_and_note(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            route = scope.get("route")
+            self.metrics.latency.labels(getattr(route, "path", "unmatched"), scope["method"], str(status)).observe(
+                time.perf_counter() - started
+            )
 
 
 def create_app(settings: ServiceSettings | None = None, store: RouteStore | None = None) -> FastAPI:
@@ -44,15 +77,7 @@ def create_app(settings: ServiceSettings | None = None, store: RouteStore | None
     for module in (ingest, runs, requests, compares, trainer, ops):
         app.include_router(module.router)
 
-    @app.middleware("http")
-    async def observe_latency(request: Request, call_next):
-        started = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        app.state.metrics.latency.labels(
-            getattr(route, "path", "unmatched"), request.method, str(response.status_code)
-        ).observe(time.perf_counter() - started)
-        return response
+    app.add_middleware(LatencyMiddleware, metrics=app.state.metrics)
 
     if WEB_DIR.is_dir():
         app.mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web")

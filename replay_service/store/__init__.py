@@ -180,33 +180,38 @@ class RouteStore:
                 flags[i] |= Flag.CONFLICT
                 flags[i + 1] |= Flag.CONFLICT
 
-        with state.lock:
-            previous = self._stored_digest(meta)  # a concurrent retry may have landed meanwhile
-            if previous is not None:
-                return self._duplicate(meta, previous, digest, rows.num_rows)
-            earlier_conflicts = self._check_overlaps(meta.run_id, rows, flags, shadowed)
-            if state.check_content:
-                keys = _request_keys(meta.run_id, rows.request_ids)[rows.request_index]
-                stale = self.recent.check_and_add(hashes, keys, rows.positions, rows.token_ids, (flags == 0) & ~shadowed)
-                flags[stale] |= Flag.STALE
-            if shadowed.any():  # only served rows count towards expert load
-                uncount = shadowed & (content_flags == 0)
-                unload = np.zeros_like(load)
-                checks.check_rows(rows.experts[uncount], shape.num_layers, shape.top_k, shape.num_experts,
-                                  np.zeros(int(uncount.sum()), np.bool_), unload)
-                load -= unload
-            rel_path = f"{meta.run_id}/{uuid.uuid4().hex}.arrow"
-            batch = _segment_batch(rows, flags, shape)
-            size = write_segment(self.segments_root / rel_path, batch, fsync=self.settings.fsync)
-            try:
+        if state.check_content:
+            keys = _request_keys(meta.run_id, rows.request_ids)[rows.request_index]
+            stale = self.recent.check_and_add(hashes, keys, rows.positions, rows.token_ids, (flags == 0) & ~shadowed)
+            flags[stale] |= Flag.STALE
+
+        # The segment is durable before the run lock is taken: concurrent ingests overlap
+        # their checks, writes and fsyncs; the lock covers only the index transaction.
+        rel_path = f"{meta.run_id}/{uuid.uuid4().hex}.arrow"
+        size = write_segment(self.segments_root / rel_path, _segment_batch(rows, flags, shape), fsync=self.settings.fsync)
+        try:
+            with state.lock:
+                previous = self._stored_digest(meta)  # a concurrent retry may have landed meanwhile
+                if previous is not None:
+                    (self.segments_root / rel_path).unlink(missing_ok=True)
+                    return self._duplicate(meta, previous, digest, rows.num_rows)
+                earlier_conflicts = self._check_overlaps(meta.run_id, rows, shadowed)
+                if shadowed.any():  # only served rows count towards expert load
+                    uncount = shadowed & (content_flags == 0)
+                    unload = np.zeros_like(load)
+                    checks.check_rows(rows.experts[uncount], shape.num_layers, shape.top_k, shape.num_experts,
+                                      np.zeros(int(uncount.sum()), np.bool_), unload)
+                    load -= unload
                 self._commit(meta, state, rows, flags, shadowed, padding_per_request, earlier_conflicts,
                              rel_path, size, digest, load)
-            except Exception:
-                (self.segments_root / rel_path).unlink(missing_ok=True)
-                raise
-            state.load += load
+                state.load += load
+        except Exception:
+            (self.segments_root / rel_path).unlink(missing_ok=True)
+            raise
         counted = flags[~shadowed]
         flagged = {f.name: int(np.count_nonzero(counted & f)) for f in COUNTED_FLAGS if f != Flag.PADDING}
+        if earlier_conflicts:
+            flagged["CONFLICT"] += len(earlier_conflicts)
         return IngestResult(True, rows.num_rows, int(padding.sum()), {k: v for k, v in flagged.items() if v}, size)
 
     def _duplicate(self, meta: BatchMeta, previous: str, digest: str, num_rows: int) -> IngestResult:
@@ -218,12 +223,12 @@ class RouteStore:
             )
         return IngestResult(False, num_rows)
 
-    def _check_overlaps(self, run_id: str, rows: IncomingRows, flags: np.ndarray, shadowed: np.ndarray) -> list[tuple]:
+    def _check_overlaps(self, run_id: str, rows: IncomingRows, shadowed: np.ndarray) -> list[tuple]:
         """Compare incoming rows with stored rows at the same positions.
 
-        Identical rows are resends (kept on disk, not counted twice); different
-        rows are CONFLICT on both sides. Returns (request, position) of stored
-        rows that became conflicts, for the index's row_flags.
+        Every such incoming row is shadowed (kept on disk; the stored row is the
+        one served and counted). A different one makes the served row CONFLICT:
+        returns those (request, position) for the index's row_flags.
         """
         earlier: list[tuple] = []
         bounds = np.flatnonzero(np.diff(rows.request_index)) + 1
@@ -247,7 +252,6 @@ class RouteStore:
                 for position, i_new, i_old in zip(common.tolist(), (in_new + lo).tolist(), in_old.tolist()):
                     shadowed[i_new] = True
                     if not np.array_equal(rows.experts[i_new], stored_experts[i_old]):
-                        flags[i_new] |= Flag.CONFLICT
                         earlier.append((request_id, position))
         return earlier
 
