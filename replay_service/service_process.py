@@ -21,12 +21,13 @@ def free_port() -> int:
 
 class ServiceProcess:
     def __init__(self, data_dir: Path, port: int | None = None, env: dict[str, str] | None = None,
-                 log_path: Path | None = None, demo: bool = False) -> None:
+                 log_path: Path | None = None, demo: bool = False, cpus: set[int] | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.env = {**os.environ, **(env or {})}
         self.log_path = log_path or self.data_dir.parent / f"service-{self.port}.log"
         self.demo = demo
+        self.cpus = cpus  # pin the service to these CPUs (benchmarks: keep it off the measured cores)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -39,7 +40,8 @@ class ServiceProcess:
         if self.demo:
             cmd.append("--demo")
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+        pin = (lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=pin)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
