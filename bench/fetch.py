@@ -29,17 +29,11 @@ import torch
 
 from replay_schema import BatchMeta, RunShape, build_batch, encode_stream
 from replay_service.client import ReplayClient
+from replay_service.demo import bulk_routes
 from replay_service.service_process import ServiceProcess
 
 SHAPE = RunShape(num_layers=48, top_k=8, num_experts=128)
 
-
-def make_routes(n: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    pool = np.argpartition(rng.random((4096, SHAPE.num_layers, SHAPE.num_experts), np.float32), SHAPE.top_k, axis=-1)
-    pool = pool[..., : SHAPE.top_k].astype(np.uint8)
-    blocks = [rng.permutation(SHAPE.num_experts).astype(np.uint8)[pool] for _ in range(-(-n // 4096))]
-    return np.concatenate(blocks)[:n]
 
 
 def best(fn, repeat: int) -> tuple[float, object]:
@@ -85,7 +79,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = args.tokens - 1
     requests = [f"r{i:03d}" for i in range(args.requests)]
-    ids = make_routes(rows * args.requests, 0)
+    ids = bulk_routes(rows * args.requests, 0)
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
         # fsync off: this measures reads, and the set-up should not take minutes

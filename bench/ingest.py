@@ -24,18 +24,11 @@ import httpx
 import numpy as np
 
 from replay_schema import ARROW_STREAM_MEDIA_TYPE, BatchMeta, RunShape, build_batch, encode_stream
+from replay_service.demo import bulk_routes
 from replay_service.service_process import ServiceProcess
 
 SHAPE = RunShape(num_layers=48, top_k=8, num_experts=128)
 
-
-def make_routes(n: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    pool = np.argpartition(rng.random((4096, SHAPE.num_layers, SHAPE.num_experts), np.float32), SHAPE.top_k, axis=-1)
-    pool = pool[..., : SHAPE.top_k].astype(np.uint8)
-    # Relabel by a random permutation per block: distinct rows, distinct ids per layer, cheap to make.
-    blocks = [rng.permutation(SHAPE.num_experts).astype(np.uint8)[pool] for _ in range(-(-n // 4096))]
-    return np.concatenate(blocks)[:n]
 
 
 def run_parallel(jobs: list, writers: int, send) -> float:
@@ -72,7 +65,7 @@ def main() -> None:
     parser.add_argument("--baseline-tokens", type=int, default=1 << 18, help="the baseline is slow: fewer tokens")
     args = parser.parse_args()
 
-    ids = make_routes(args.tokens, 0)
+    ids = bulk_routes(args.tokens, 0)
     per_request = args.request_tokens
     with tempfile.TemporaryDirectory() as tmp, ServiceProcess(Path(tmp) / "data") as proc:
         url = proc.url

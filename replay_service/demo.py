@@ -22,6 +22,16 @@ def synthetic_routes(rng: np.random.Generator, num_rows: int, shape: RunShape = 
     return np.argpartition(-logits, shape.top_k, axis=-1)[..., : shape.top_k].astype(shape.dtype)
 
 
+def bulk_routes(n: int, seed: int = 0, shape: RunShape = DEMO_SHAPE) -> np.ndarray:
+    """Many distinct rows, fast (benchmarks): a 4096-row pool of distinct top-k sets, each
+    block of it relabelled by a random expert permutation (ids stay distinct per layer)."""
+    rng = np.random.default_rng(seed)
+    keys = rng.random((4096, shape.num_layers, shape.num_experts), np.float32)
+    pool = np.argpartition(keys, shape.top_k, axis=-1)[..., : shape.top_k].astype(shape.dtype)
+    blocks = [rng.permutation(shape.num_experts).astype(shape.dtype)[pool] for _ in range(-(-n // 4096))]
+    return np.concatenate(blocks)[:n]
+
+
 def _rows(request_id, positions, experts, tokens, flags=None) -> dict:
     n = len(positions)
     return {
