@@ -13,6 +13,7 @@ memory-mapped segments: no file of the run is scanned.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -461,8 +462,6 @@ class RouteStore:
 
 
 def _json_list(text: str) -> list[int]:
-    import json
-
     return list(json.loads(text))
 
 
