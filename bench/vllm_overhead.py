@@ -6,9 +6,10 @@
 One engine with the plugin loaded streams to a real service process. Rounds alternate
 capture off / on (`collective_rpc` pauses and resumes it in every worker), so both
 modes share the engine, its warm caches and the machine's load at that moment: on a
-shared 2-core box, separate engines differ by more than the effect measured. Reports
-the median tokens/s of each mode, the ratio on/off, and the capture hooks' own time
-per step (measured inside the worker). Budget (DESIGN.md): on/off >= 0.98. Prints;
+shared 2-core box, separate engines differ by more than the effect measured. Three modes
+alternate: off, capture only (hooks and recorder, nothing sent), on (captured and
+streamed). Reports the median tokens/s of each, the ratios to off, and the capture
+hooks' own time per step (measured inside the worker). Budget (DESIGN.md): on/off >= 0.98. Prints;
 asserts nothing.
 """
 
@@ -59,12 +60,13 @@ def main() -> int:
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         reqs = [TokensPrompt(prompt_token_ids=p) for p in batch]
         llm.generate(reqs, sp, use_tqdm=False)  # warm-up, capture on
-        times: dict[str, list[float]] = {"off": [], "on": []}
+        # off: no capture; capture: hooks + recorder, nothing handed to the sender; on: everything.
+        modes = {"off": (False, False), "capture": (True, False), "on": (True, True)}
+        times: dict[str, list[float]] = {m: [] for m in modes}
         hook_s = steps = 0.0
-        tokens = 0
         for _ in range(args.rounds):
-            for mode in ("off", "on"):
-                assert all(llm.collective_rpc(rpc_set_enabled, args=(mode == "on",)))
+            for mode, (enabled, send) in modes.items():
+                assert all(llm.collective_rpc(rpc_set_enabled, args=(enabled, send)))
                 before = llm.collective_rpc(rpc_cost)[0]
                 t = time.perf_counter()
                 outs = llm.generate(reqs, sp, use_tqdm=False)
@@ -78,14 +80,16 @@ def main() -> int:
         time.sleep(1.0)
         with ReplayClient(svc.url) as client:
             stored = client.run("bench")
-    off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    off, capture, on = (statistics.median(times[m]) for m in ("off", "capture", "on"))
     step_s = on * args.rounds / max(steps, 1)
     result = {
         "tp": args.tp,
         "service_cpus": args.service_cpus,
         "tokens_per_round": tokens,
         "off_tok_s": round(tokens / off, 1),
+        "capture_only_tok_s": round(tokens / capture, 1),
         "on_tok_s": round(tokens / on, 1),
+        "ratio_capture_only_off": round(off / capture, 4),
         "ratio_on_off": round(off / on, 4),
         "budget": 0.98,
         "hook_us_per_step": round(1e6 * hook_s / max(steps, 1), 1),

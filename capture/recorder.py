@@ -71,6 +71,9 @@ class StepRecorder:
         # stamps[layer, row]: the step that wrote it, -step if that step's ids were invalid, 0 never.
         # Every value is <= the current step and -step is the least, so one min per row answers both.
         self.stamps = torch.zeros((L, max_tokens), dtype=torch.int64, device=self.device)
+        # On CPU, numpy views of the same memory: a few numpy calls per layer cost far less
+        # than torch's per-op dispatch on the small per-step tensors of decode.
+        self._np_views = (self.buffer.numpy(), self.stamps.numpy()) if self.device.type == "cpu" else None
         self.step = 0
         self._open = False
         self._layer_rows = [0] * L
@@ -99,6 +102,13 @@ class StepRecorder:
         self._layer_rows[layer_idx] = max(self._layer_rows[layer_idx], n)
         if n == 0:
             return
+        if self._np_views is not None and rows.device.type == "cpu":
+            ids = rows.numpy()
+            if int(ids.min()) >= 0 and int(ids.max()) < E:
+                buffer, stamps = self._np_views
+                buffer[:n, layer_idx] = ids
+                stamps[layer_idx, :n] = self.step
+                return
         if rows.device != self.device:
             rows = rows.to(self.device, non_blocking=True)
         if rows.dtype not in (torch.int32, torch.int64):

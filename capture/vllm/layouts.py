@@ -84,6 +84,12 @@ def _moe_flags(runner) -> tuple[bool, bool, bool, int]:
     return naive, sp, a2a, int(getattr(cfg, "pcp_size", 1) or 1)
 
 
+def is_local_layout(runner) -> bool:
+    """True when this MoE layer's router sees exactly this DP rank's batch (no dispatch, SP or PCP gather)."""
+    naive, sp, a2a, pcp_size = _moe_flags(runner)
+    return not naive and not (sp and a2a) and not (pcp_size > 1 and not a2a)
+
+
 def dispatch_sizes(ctx, par: Parallel, sp: bool) -> tuple[int, ...]:
     """Rows each rank fed the naive dispatch (per DP rank; per EP rank under SP)."""
     dpm = getattr(ctx, "dp_metadata", None)

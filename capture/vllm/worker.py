@@ -30,7 +30,7 @@ import torch
 
 from capture.vllm.binder import BindError, bind_model, install_set_hook
 from capture.vllm.config import PluginConfig
-from capture.vllm.layouts import Parallel, mask_dispatch, pcp_mask_fixed_upstream, restore
+from capture.vllm.layouts import Parallel, is_local_layout, mask_dispatch, pcp_mask_fixed_upstream, restore
 from capture.vllm.scheduler import ATTR as FINISH_ATTR
 from capture.vllm.step import StepBook, StepRowsMeta
 
@@ -75,6 +75,7 @@ class WorkerCapture:
         self.capture_s = 0.0  # time in the router callbacks
         self.hook_s = 0.0  # time in every hook (callbacks, step open, hand-off to the sender)
         self.enabled = True  # `set_enabled(False)` pauses capture (e.g. to measure its cost)
+        self.local_layout: dict[int, bool] = {}  # MoE index -> routes the whole batch locally (static per layer)
 
     # ---- startup -----------------------------------------------------------
 
@@ -212,12 +213,18 @@ class WorkerCapture:
             return
         t0 = time.perf_counter()
         try:
-            from vllm.forward_context import get_forward_context, is_forward_context_available
+            layer = self.layers[int(runner.layer_id)]
+            if self.local_layout.get(layer) is None:
+                self.local_layout[layer] = is_local_layout(runner)
+            if self.local_layout[layer]:  # this rank routed this DP rank's whole batch: nothing to restore
+                rows = topk_ids[: self.meta.num_tokens]
+            else:
+                from vllm.forward_context import get_forward_context, is_forward_context_available
 
-            ctx = get_forward_context() if is_forward_context_available() else None
-            rows = restore(topk_ids, runner, ctx, self.par, self.meta.num_tokens, local_padding=self.local_padding,
-                           pcp_restore_index=self.restore_index_provider() if self.restore_index_provider else None)
-            self.recorder.record(self.layers[int(runner.layer_id)], rows)
+                ctx = get_forward_context() if is_forward_context_available() else None
+                rows = restore(topk_ids, runner, ctx, self.par, self.meta.num_tokens, local_padding=self.local_padding,
+                               pcp_restore_index=self.restore_index_provider() if self.restore_index_provider else None)
+            self.recorder.record(layer, rows)
         except Exception:  # noqa: BLE001 - the layer's rows stay unstamped: the step is flagged STALE
             log.exception("routing-replay: capture failed in layer %s; its rows are sent flagged STALE",
                           getattr(runner, "layer_name", "?"))
@@ -385,12 +392,18 @@ def _refuse_v2_runner() -> None:
 __all__ = ["BindError", "StartupError", "WorkerCapture", "current", "patch_v1_runner"]
 
 
-def rpc_set_enabled(worker, enabled: bool) -> bool:
-    """For `LLM.collective_rpc`: pause or resume capture in every worker; True if one was there."""
+def rpc_set_enabled(worker, enabled: bool, send: bool = True) -> bool:
+    """For `LLM.collective_rpc`: pause or resume capture in every worker; True if one was there.
+
+    `send=False` keeps capturing but hands nothing to the sender (to measure the two apart).
+    """
     wc = _CURRENT
     if wc is None:
         return False
     wc.set_enabled(enabled)
+    if not hasattr(wc, "_sender_aside"):
+        wc._sender_aside = wc.sender
+    wc.sender = wc._sender_aside if send else None
     return True
 
 
