@@ -16,11 +16,10 @@ import uuid
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
 
 from replay_schema import BatchMeta, Flag, RunShape
 from replay_service import agreement
-from replay_service.decode import InputError, rows_from_table
+from replay_service.decode import InputError, read_arrow_body, rows_from_table
 from replay_service.store import NotFound, RouteStore
 
 WORST_TOKENS = 20
@@ -35,10 +34,7 @@ class RequestMismatch:
 
 
 def decode_compare(body: bytes, run: str, shape: RunShape):
-    try:
-        table = pa.ipc.open_stream(pa.py_buffer(body)).read_all()
-    except (pa.ArrowException, OSError) as exc:
-        raise InputError(f"body is not an Arrow IPC stream: {exc}", status=400) from None
+    table = read_arrow_body(body)
     md = dict(table.schema.metadata or {})
     missing = [k for k in ("num_layers", "top_k", "num_experts") if k.encode() not in md]
     if missing:

@@ -72,8 +72,14 @@ def _cases():
                           routes(np.random.default_rng(0), 2))
     neg_pos = build_batch(BatchMeta("good", "w", 4, QWEN3_SHAPE), ["r2"] * 2, np.array([-1, 0]),
                           routes(np.random.default_rng(0), 2))
+    bad_indices = good.set_column(
+        0, "request_id", pa.DictionaryArray.from_arrays(pa.array([0, 1, 2, 7], pa.int32()), pa.array(["r2"]), safe=False)
+    )
     return {
-        "not arrow": (b"this is not arrow", ARROW, 400, "not an Arrow IPC stream"),
+        "not arrow": (b"this is not arrow", ARROW, 400, "not a valid Arrow IPC stream"),
+        # Found by mutating valid bodies: both were 500s before read_arrow_body validated fully.
+        "dictionary index out of range": (encode_stream(bad_indices), ARROW, 400, "not a valid Arrow IPC stream"),
+        "field name not UTF-8": (encode_stream(good).replace(b"position", b"posit\xd6on", 1), ARROW, 400, "not UTF-8"),
         "json body": (b'{"a": 1}', {"content-type": "application/json"}, 415, "ingest takes"),
         "missing metadata": (_with_metadata(good, seq=None), ARROW, 422, "lacks seq"),
         "bad seq": (_with_metadata(good, seq="x"), ARROW, 422, "seq='x' is not an integer"),

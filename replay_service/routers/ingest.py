@@ -17,6 +17,7 @@ from replay_service.decode import (
     decode_npy,
     decode_sglang_json,
     engine_route_rows,
+    read_arrow_body,
     rows_from_table,
 )
 from replay_service.deps import Metrics, RequestId, RunId, Settings, Store, read_body
@@ -96,10 +97,7 @@ def _parse_layers(text: str | None) -> tuple[int, ...] | None:
 def _arrow_route_rows(store: RouteStore, run: str, request_id: str, body: bytes) -> IncomingRows:
     import pyarrow as pa
 
-    try:
-        table = pa.ipc.open_stream(pa.py_buffer(body)).read_all()
-    except (pa.ArrowException, OSError) as exc:
-        raise InputError(f"body is not an Arrow IPC stream: {exc}", status=400) from None
+    table = read_arrow_body(body)
     md = dict(table.schema.metadata or {})
     if store.has_run(run):
         shape = store.run_shape(run)
