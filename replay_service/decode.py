@@ -211,13 +211,33 @@ def select_moe_layers(route: np.ndarray, moe_layers: tuple[int, ...] | None) -> 
 
 
 def decode_npy(body: bytes) -> np.ndarray:
+    """A `.npy` body as an integer array viewing the body (no copy, no pickles).
+
+    The header is checked against the body's length before anything is allocated, and
+    a damaged header is a 400 (numpy raises several kinds of error while parsing one).
+    """
+    fp = io.BytesIO(body)
     try:
-        array = np.load(io.BytesIO(body), allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
+        version = np.lib.format.read_magic(fp)
+        if version == (1, 0):
+            shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(fp)
+        elif version == (2, 0):
+            shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(fp)
+        else:
+            raise ValueError(f"unsupported .npy format version {version}")
+    except Exception as exc:  # noqa: BLE001 - ValueError, SyntaxError, TokenError, ... all mean "bad header"
         raise InputError(f"body is not a .npy array: {exc}", status=400) from None
-    if not np.issubdtype(array.dtype, np.integer):
-        raise InputError(f".npy route must hold integer ids, got {array.dtype}")
-    return array
+    if dtype.hasobject or not np.issubdtype(dtype, np.integer):
+        raise InputError(f".npy route must hold integer ids, got {dtype}")
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    data_bytes = len(body) - fp.tell()
+    if count * dtype.itemsize != data_bytes:
+        raise InputError(
+            f".npy header says {shape} of {dtype} ({count * dtype.itemsize} bytes) but the body holds {data_bytes}",
+            status=400,
+        )
+    array = np.frombuffer(body, dtype=dtype, count=count, offset=fp.tell())
+    return array.reshape(shape, order="F" if fortran_order else "C")
 
 
 @dataclass
@@ -243,10 +263,9 @@ def decode_sglang_json(body: bytes) -> EngineRoute:
         raw = base64.b64decode(doc["routed_experts"], validate=True)
     except (binascii.Error, ValueError) as exc:
         raise InputError(f"'routed_experts' is not valid base64: {exc}") from None
-    try:
-        num_layers, top_k = int(doc["num_layers"]), int(doc["top_k"])
-    except (KeyError, TypeError, ValueError):
-        raise InputError("JSON route needs integer 'num_layers' and 'top_k' (the flattened array's shape)") from None
+    num_layers, top_k = _json_int(doc, "num_layers"), _json_int(doc, "top_k")
+    if num_layers is None or top_k is None:
+        raise InputError("JSON route needs integer 'num_layers' and 'top_k' (the flattened array's shape)")
     dtype_name = doc.get("dtype", "int32")
     if dtype_name not in ("int32", "int64", "int16", "uint8", "uint16"):
         raise InputError(f"'dtype' {dtype_name!r} is not an integer id type (int32 as SGLang sends)")
@@ -256,14 +275,32 @@ def decode_sglang_json(body: bytes) -> EngineRoute:
     ids = np.frombuffer(raw, dtype=dtype)
     if num_layers < 1 or top_k < 1 or ids.size % (num_layers * top_k):
         raise InputError(f"{ids.size} ids do not split into rows of num_layers*top_k = {num_layers}*{top_k}")
-    token_ids = doc.get("token_ids")
+    token_ids, moe_layers = _json_int_list(doc, "token_ids"), _json_int_list(doc, "moe_layers")
     return EngineRoute(
         route=ids.reshape(-1, num_layers, top_k),
-        num_experts=int(doc["num_experts"]) if doc.get("num_experts") is not None else None,
-        moe_layers=tuple(doc["moe_layers"]) if doc.get("moe_layers") else None,
+        num_experts=_json_int(doc, "num_experts"),
+        moe_layers=tuple(moe_layers) if moe_layers else None,
         token_ids=np.asarray(token_ids, np.int64) if token_ids is not None else None,
         source="sglang-output",
     )
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _json_int(doc: dict, key: str) -> int | None:
+    value = doc.get(key)
+    if value is not None and not _is_int(value):
+        raise InputError(f"'{key}' must be an integer, got {value!r}")
+    return value
+
+
+def _json_int_list(doc: dict, key: str) -> list[int] | None:
+    value = doc.get(key)
+    if value is not None and not (isinstance(value, list) and all(_is_int(v) and abs(v) < 2**31 for v in value)):
+        raise InputError(f"'{key}' must be a list of integers")
+    return value
 
 
 def engine_route_rows(

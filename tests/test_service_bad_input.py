@@ -145,6 +145,14 @@ def test_bad_route_uploads(server):
         (json.dumps({"routed_experts": "AAAAAAAAAAAAAAAA", "num_layers": 3, "top_k": 2}).encode(),
          {"content-type": "application/json"}, {}, 422, "do not split into rows"),
         (b"x", {"content-type": "text/plain"}, {}, 415, "a route is"),
+        # Found by mutating valid uploads: each was a 500 before.
+        (npy.getvalue()[:10] + b"{'descr': '<i4', 'fortran_order': False, 'shape': (5, 2, 2), }}".ljust(118) + b"\n"
+         + npy.getvalue()[128:], {"content-type": "application/x-npy"}, {"num_experts": 8}, 400, "not a .npy"),
+        (npy.getvalue()[:-4], {"content-type": "application/x-npy"}, {"num_experts": 8}, 400, "the body holds 76"),
+        (json.dumps({"routed_experts": "AAAAAAAAAAA=", "num_layers": 1, "top_k": 2, "token_ids": ["a"]}).encode(),
+         {"content-type": "application/json"}, {}, 422, "'token_ids' must be a list of integers"),
+        (json.dumps({"routed_experts": "AAAAAAAAAAA=", "num_layers": 1, "top_k": 2, "num_experts": "x"}).encode(),
+         {"content-type": "application/json"}, {}, 422, "'num_experts' must be an integer"),
     ]
     for body, headers, params, status, words in cases:
         answer = httpx.post(url, content=body, headers=headers, params=params)
