@@ -19,7 +19,7 @@ import numpy as np
 
 from replay_schema import BatchMeta, Flag, RunShape
 from replay_service import agreement
-from replay_service.decode import InputError, read_arrow_body, rows_from_table
+from replay_service.decode import InputError, parse_meta, read_arrow_body, rows_from_table
 from replay_service.store import NotFound, RouteStore
 
 WORST_TOKENS = 20
@@ -46,10 +46,7 @@ def decode_compare(body: bytes, run: str, shape: RunShape):
     md.setdefault(b"seq", b"0")
     md[b"run_id"] = run.encode()
     md.setdefault(b"source", b"trainer")
-    try:
-        meta = BatchMeta.from_metadata(md)
-    except ValueError as exc:
-        raise InputError(str(exc)) from None
+    meta = parse_meta(md)
     if (meta.shape.num_layers, meta.shape.top_k, meta.shape.num_experts) != (
         shape.num_layers, shape.top_k, shape.num_experts
     ):

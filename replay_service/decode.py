@@ -98,11 +98,15 @@ def read_arrow_body(body: bytes) -> pa.Table:
 def decode_ingest(body: bytes) -> IncomingRows:
     """Parse and validate a `POST /v1/ingest` body (DESIGN.md schema)."""
     table = read_arrow_body(body)
+    return rows_from_table(table, parse_meta(table.schema.metadata))
+
+
+def parse_meta(metadata) -> BatchMeta:
+    """Schema metadata as a `BatchMeta`; what is missing or malformed is a 422 naming it."""
     try:
-        meta = BatchMeta.from_metadata(table.schema.metadata)
+        return BatchMeta.from_metadata(metadata)
     except ValueError as exc:
         raise InputError(str(exc)) from None
-    return rows_from_table(table, meta)
 
 
 def rows_from_table(table: pa.Table, meta: BatchMeta) -> IncomingRows:

@@ -17,6 +17,7 @@ from replay_service.decode import (
     decode_npy,
     decode_sglang_json,
     engine_route_rows,
+    parse_meta,
     read_arrow_body,
     rows_from_table,
 )
@@ -107,10 +108,7 @@ def _arrow_route_rows(store: RouteStore, run: str, request_id: str, body: bytes)
         md.setdefault(b"moe_layers", repr(list(shape.moe_layers)).encode())
     md.update({b"run_id": run.encode(), b"writer_id": b"upload", b"seq": b"0"})
     md.setdefault(b"source", b"vllm-output")
-    try:
-        meta = BatchMeta.from_metadata(md)
-    except ValueError as exc:
-        raise InputError(str(exc)) from None
+    meta = parse_meta(md)
     meta = BatchMeta(run, f"upload/{request_id}", 0, meta.shape, meta.source)
     if "request_id" in table.schema.names:
         table = table.drop_columns(["request_id"])

@@ -232,10 +232,7 @@ class RouteStore:
         returns those (request, position) for the index's row_flags.
         """
         earlier: list[tuple] = []
-        bounds = np.flatnonzero(np.diff(rows.request_index)) + 1
-        starts = np.concatenate(([0], bounds))
-        ends = np.concatenate((bounds, [rows.num_rows]))
-        for lo, hi in zip(starts.tolist(), ends.tolist()):
+        for lo, hi in _request_spans(rows):
             request_id = rows.request_ids[rows.request_index[lo]]
             pos = rows.positions[lo:hi]
             spans = self.index.query(
@@ -258,9 +255,6 @@ class RouteStore:
 
     def _commit(self, meta, state, rows, flags, shadowed, padding_per_request, earlier_conflicts,
                 rel_path, size, digest, load) -> None:
-        bounds = np.flatnonzero(np.diff(rows.request_index)) + 1
-        starts = np.concatenate(([0], bounds)).tolist()
-        ends = np.concatenate((bounds, [rows.num_rows])).tolist()
         with self.index.transaction() as tx:
             cur = tx.execute(
                 "INSERT INTO segments (run_id, writer_id, seq, path, rows, bytes, digest) VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -268,7 +262,7 @@ class RouteStore:
             )
             segment_id = cur.lastrowid
             seen_requests = set()
-            for lo, hi in zip(starts, ends):
+            for lo, hi in _request_spans(rows):
                 req_idx = int(rows.request_index[lo])
                 request_id = rows.request_ids[req_idx]
                 seen_requests.add(req_idx)
@@ -459,6 +453,12 @@ class RouteStore:
             raise NotFound(f"run {run_id!r} not found")
         with state.lock:
             return state.shape, state.load.copy()
+
+
+def _request_spans(rows: IncomingRows) -> list[tuple[int, int]]:
+    """[lo, hi) row ranges of one request each (rows are sorted by request on ingest)."""
+    bounds = np.flatnonzero(np.diff(rows.request_index)) + 1
+    return list(zip([0, *bounds.tolist()], [*bounds.tolist(), rows.num_rows]))
 
 
 def _json_list(text: str) -> list[int]:
