@@ -71,7 +71,6 @@ class WorkerCapture:
         self.steps = 0
         self.pcp_masks = None
         self.local_padding = None
-        self.restore_index_provider = None
         self.capture_s = 0.0  # time in the router callbacks
         self.hook_s = 0.0  # time in every hook (callbacks, step open, hand-off to the sender)
         self.enabled = True  # `set_enabled(False)` pauses capture (e.g. to measure its cost)
@@ -222,8 +221,7 @@ class WorkerCapture:
                 from vllm.forward_context import get_forward_context, is_forward_context_available
 
                 ctx = get_forward_context() if is_forward_context_available() else None
-                rows = restore(topk_ids, runner, ctx, self.par, self.meta.num_tokens, local_padding=self.local_padding,
-                               pcp_restore_index=self.restore_index_provider() if self.restore_index_provider else None)
+                rows = restore(topk_ids, runner, ctx, self.par, self.meta.num_tokens, local_padding=self.local_padding)
             self.recorder.record(layer, rows)
         except Exception:  # noqa: BLE001 - the layer's rows stay unstamped: the step is flagged STALE
             log.exception("routing-replay: capture failed in layer %s; its rows are sent flagged STALE",
