@@ -7,7 +7,10 @@ the server (the service's own SGLang upload endpoint, so both end in the same
 durable store). Client-side encoding is counted for both. Prints tokens/s and the
 ratio; asserts nothing (shared, noisy machines).
 
-    python bench/ingest.py [--tokens 1048576] [--batch-tokens 32768] [--writers 2]
+    python bench/ingest.py [--tokens 4194304] [--batch-tokens 32768] [--writers 2]
+
+Both transports first send a few untimed batches to another run (the server's
+buffers, connections and page cache warm up, as in a long-running service).
 """
 
 from __future__ import annotations
@@ -58,11 +61,12 @@ def run_parallel(jobs: list, writers: int, send) -> float:
 def main() -> None:
     global url
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=1 << 20)
+    parser.add_argument("--tokens", type=int, default=1 << 22)
     parser.add_argument("--batch-tokens", type=int, default=32768)
     parser.add_argument("--request-tokens", type=int, default=1024)
     parser.add_argument("--writers", type=int, default=2)
     parser.add_argument("--baseline-tokens", type=int, default=1 << 18, help="the baseline is slow: fewer tokens")
+    parser.add_argument("--warmup-batches", type=int, default=8, help="untimed batches (and requests) sent first")
     args = parser.parse_args()
 
     ids = bulk_routes(args.tokens, 0)
@@ -78,13 +82,14 @@ def main() -> None:
             positions = (np.arange(lo, lo + n) % per_request).astype(np.int32)
             batches.append((seq, request_ids, positions, ids[lo : lo + n]))
 
-        def send_arrow(http, job):
+        def send_arrow(http, job, run_id="bench-arrow"):
             seq, request_ids, positions, experts = job
-            meta = BatchMeta("bench-arrow", f"w{seq % args.writers}", seq, SHAPE, source="vllm-plugin")
+            meta = BatchMeta(run_id, f"w{seq % args.writers}", seq, SHAPE, source="vllm-plugin")
             body = encode_stream(build_batch(meta, request_ids, positions, experts))
             answer = http.post("/v1/ingest", content=body, headers={"content-type": ARROW_STREAM_MEDIA_TYPE})
             answer.raise_for_status()
 
+        run_parallel(batches[: args.warmup_batches], args.writers, lambda http, job: send_arrow(http, job, "warmup"))
         arrow_s = run_parallel(batches, args.writers, send_arrow)
         arrow_tps = args.tokens / arrow_s
 
@@ -92,16 +97,17 @@ def main() -> None:
         base_ids = ids[: args.baseline_tokens]
         requests = [(r, base_ids[lo : lo + per_request]) for r, lo in enumerate(range(0, len(base_ids), per_request))]
 
-        def send_json(http, job):
+        def send_json(http, job, run_id="bench-json"):
             r, experts = job
             doc = {
                 "routed_experts": base64.b64encode(experts.astype(np.int32).tobytes()).decode(),
                 "num_layers": SHAPE.num_layers, "top_k": SHAPE.top_k, "num_experts": SHAPE.num_experts,
             }
-            answer = http.post(f"/v1/runs/bench-json/requests/q{r}/routes", content=json.dumps(doc),
+            answer = http.post(f"/v1/runs/{run_id}/requests/q{r}/routes", content=json.dumps(doc),
                                headers={"content-type": "application/json"})
             answer.raise_for_status()
 
+        run_parallel(requests[: args.warmup_batches], args.writers, lambda http, job: send_json(http, job, "warmup-json"))
         json_s = run_parallel(requests, args.writers, send_json)
         json_tps = len(base_ids) / json_s
 

@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from replay_service.errors import install_error_handlers
+from replay_service.buffers import BufferPool
 from replay_service.metrics import ServiceMetrics
 from replay_service.routers import compares, ingest, ops, requests, runs, trainer
 from replay_service.settings import ServiceSettings
@@ -59,6 +60,7 @@ def create_app(settings: ServiceSettings | None = None, store: RouteStore | None
     async def lifespan(app: FastAPI):
         app.state.store = store or RouteStore(settings)
         app.state.ingest_slots = asyncio.Semaphore(settings.max_concurrent_ingests)
+        app.state.body_buffers = BufferPool(keep=settings.max_concurrent_ingests)
         try:
             yield
         finally:

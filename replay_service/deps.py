@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Annotated
 
 from fastapi import Depends, Path, Request
 
 from replay_schema import ID_RULE, valid_id
+from replay_service.buffers import BufferPool
 from replay_service.decode import InputError
 from replay_service.metrics import ServiceMetrics
 from replay_service.settings import ServiceSettings
@@ -48,9 +51,7 @@ RequestId = Annotated[str, Depends(request_id_param)]
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refusing (413) past `limit` bytes before reading it all."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise InputError(f"body of {declared} bytes exceeds the limit of {limit} bytes (REPLAY_MAX_BODY_BYTES)", 413)
+    declared = _declared_length(request, limit)
     chunks = []
     size = 0
     async for chunk in request.stream():
@@ -58,4 +59,39 @@ async def read_body(request: Request, limit: int) -> bytes:
         if size > limit:
             raise InputError(f"body exceeds the limit of {limit} bytes (REPLAY_MAX_BODY_BYTES)", 413)
         chunks.append(chunk)
+    if declared is not None and size != declared:
+        raise InputError(f"body of {size} bytes, but content-length said {declared}")
     return b"".join(chunks)
+
+
+@asynccontextmanager
+async def pooled_body(request: Request, limit: int, pool: BufferPool) -> AsyncIterator[memoryview | bytes]:
+    """The request body, read into a reused buffer when its length is declared.
+
+    Views into it are valid inside the block only (buffers.py says why bodies
+    are not freshly allocated). Without content-length it is `read_body`.
+    """
+    declared = _declared_length(request, limit)
+    if declared is None:
+        yield await read_body(request, limit)
+        return
+    with pool.borrowed(declared) as view:
+        size = 0
+        async for chunk in request.stream():
+            end = size + len(chunk)
+            if end > declared:
+                raise InputError(f"body longer than its content-length of {declared} bytes")
+            view[size:end] = chunk
+            size = end
+        if size != declared:
+            raise InputError(f"body of {size} bytes, but content-length said {declared}")
+        yield view
+
+
+def _declared_length(request: Request, limit: int) -> int | None:
+    declared = request.headers.get("content-length")
+    if declared is None or not declared.isdigit():
+        return None
+    if int(declared) > limit:
+        raise InputError(f"body of {declared} bytes exceeds the limit of {limit} bytes (REPLAY_MAX_BODY_BYTES)", 413)
+    return int(declared)

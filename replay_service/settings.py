@@ -26,4 +26,7 @@ class ServiceSettings(BaseSettings):
     max_batch_requests: int = Field(4096, description="most requests in one batch read")
     page_limit_max: int = Field(1000, description="largest page of a request listing")
     strict_report_rows: int = Field(16, description="bad rows named in a strict-read refusal")
+    direct_io: bool = Field(
+        True, description="write segments with O_DIRECT (skips filling fresh page cache; falls back where unsupported)"
+    )
     fsync: bool = Field(True, description="fsync data and index before acknowledging (turn off only for throwaway data)")

@@ -21,7 +21,7 @@ from replay_service.decode import (
     read_arrow_body,
     rows_from_table,
 )
-from replay_service.deps import Metrics, RequestId, RunId, Settings, Store, read_body
+from replay_service.deps import Metrics, RequestId, RunId, Settings, Store, pooled_body, read_body
 from replay_service.store import IngestResult, RouteStore
 
 router = APIRouter(prefix="/v1", tags=["ingest"])
@@ -63,16 +63,16 @@ async def ingest(request: Request, store: Store, settings: Settings, metrics: Me
     media = _media_type(request)
     if media and media not in ARROW_TYPES:
         raise InputError(f"ingest takes {ARROW_STREAM_MEDIA_TYPE}, got {media}", status=415)
-    body = await _body(request, settings)
-
-    def work() -> IngestResult:
-        return store.ingest(decode_ingest(body))
-
-    try:
-        result = await run_in_threadpool(work)
-    except InputError:
-        metrics.batches.labels("rejected").inc()
-        raise
+    # The slot is held until the rows are stored: bodies in memory stay bounded, and
+    # the body's buffer goes back to the pool only when nothing reads it any more.
+    async with request.app.state.ingest_slots, pooled_body(
+        request, settings.max_body_bytes, request.app.state.body_buffers
+    ) as body:
+        try:
+            result = await run_in_threadpool(lambda: store.ingest(decode_ingest(body)))
+        except InputError:
+            metrics.batches.labels("rejected").inc()
+            raise
     return _record(metrics, result)
 
 

@@ -25,6 +25,7 @@ import pyarrow as pa
 
 from replay_schema import BatchMeta, Flag, RunShape
 from replay_service import checks
+from replay_service.buffers import BufferPool
 from replay_service.decode import IncomingRows, InputError
 from replay_service.settings import ServiceSettings
 from replay_service.store.compares import CompareStore
@@ -68,6 +69,7 @@ class RouteStore:
         self.index = Index(self.root / "index.sqlite", fsync=settings.fsync)
         self.swept = sweep_unindexed(self.segments_root, self.index.indexed_paths())
         self.cache = SegmentCache(self.segments_root, settings.open_segment_cache)
+        self.staging = BufferPool(keep=settings.max_concurrent_ingests)  # segment images before they are written
         self.recent = checks.RecentRows(settings.stale_table_rows)
         self.compares = CompareStore(self.root / "compares", self.index, fsync=settings.fsync)
         self._runs: dict[str, _RunState] = {}
@@ -189,7 +191,8 @@ class RouteStore:
         # The segment is durable before the run lock is taken: concurrent ingests overlap
         # their checks, writes and fsyncs; the lock covers only the index transaction.
         rel_path = f"{meta.run_id}/{uuid.uuid4().hex}.arrow"
-        size = write_segment(self.segments_root / rel_path, _segment_batch(rows, flags, shape), fsync=self.settings.fsync)
+        size = write_segment(self.segments_root / rel_path, _segment_batch(rows, flags, shape), self.staging,
+                             fsync=self.settings.fsync, direct=self.settings.direct_io)
         try:
             with state.lock:
                 previous = self._stored_digest(meta)  # a concurrent retry may have landed meanwhile

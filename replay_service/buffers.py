@@ -1,0 +1,61 @@
+"""Reused page-aligned buffers for request bodies and segment staging.
+
+Why reuse: first touching fresh memory is not free. On the 2-core VMs this
+project is measured on, a 12.6 MB ingest body or segment image in newly
+allocated memory cost 20-35 ms of CPU in page faults (about 10 us per 4 KiB
+page), more than checking its rows. A few buffers that are touched once and
+then reused take that off every request. Page alignment also lets segments be
+written with O_DIRECT (store/files.py).
+
+Memory stays bounded: the pool keeps at most `keep` buffers; a buffer taken
+while none is free is new and is dropped on return when the pool is full.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+PAGE = mmap.PAGESIZE
+_GRANULE = 1 << 20  # sizes round up to whole MiB so near-equal requests share buffers
+
+
+class BufferPool:
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> mmap.mmap:
+        """A writable page-aligned buffer of at least `size` bytes (contents undefined)."""
+        with self._lock:
+            fitting = [b for b in self._free if len(b) >= size]
+            if fitting:
+                best = min(fitting, key=len)
+                self._free.remove(best)
+                return best
+        return mmap.mmap(-1, max(-(-size // _GRANULE) * _GRANULE, _GRANULE))
+
+    def give(self, buffer: mmap.mmap) -> None:
+        with self._lock:
+            if len(self._free) < self.keep:
+                self._free.append(buffer)
+            elif self._free and len(buffer) > min(map(len, self._free)):
+                # Keep the larger one: later large bodies then need no fresh memory.
+                self._free.remove(min(self._free, key=len))
+                self._free.append(buffer)
+
+    @contextmanager
+    def borrowed(self, size: int) -> Iterator[memoryview]:
+        """A writable view of exactly `size` bytes, returned to the pool on exit.
+
+        The caller must not keep views into it past the block: the next borrower
+        overwrites the bytes.
+        """
+        buffer = self.take(size)
+        try:
+            yield memoryview(buffer)[:size]
+        finally:
+            self.give(buffer)
