@@ -112,19 +112,21 @@ def bench_recorder(tokens: int, layers: int, repeats: int) -> dict:
     request_ids = np.array(["req"] * tokens, dtype=object)
     positions = np.arange(tokens, dtype=np.int32)
     res = {}
-    for label, rows in (("clean ids", per_layer), ("one -1 id per layer", [bad] * layers)):
+    cases = (("clean ids", per_layer, "record"), ("one -1 id per layer", [bad] * layers, "record"),
+             ("clean ids", per_layer, "keep"))  # keep: by reference, what the vLLM hook does on CPU
+    for label, rows, how in cases:
         rec_t, end_t = [], []
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
             rec.begin_step()
             for i, r in enumerate(rows):
-                rec.record(i, r)
+                getattr(rec, how)(i, r)
             t1 = time.perf_counter()
             step = rec.end_step(request_ids, positions)
             t2 = time.perf_counter()
             rec_t.append(t1 - t0)
             end_t.append(t2 - t1)
-        res[label] = (statistics.median(rec_t[1:]), statistics.median(end_t[1:]), step.stale_rows)
+        res[(label, how)] = (statistics.median(rec_t[1:]), statistics.median(end_t[1:]), step.stale_rows)
     return res
 
 
@@ -162,9 +164,9 @@ def main() -> None:
     for label, secs in bench_restore(args.tokens, args.layers, args.repeats).items():
         print(f"  {label:<48} {1e6 * secs / args.layers:9.1f} us/layer {1e3 * secs:9.2f} ms/step")
     print(f"StepRecorder, {args.tokens} tokens x {args.layers} layers x top-{K} (uint8)")
-    for label, (rec_s, end_s, stale) in bench_recorder(args.tokens, args.layers, args.repeats).items():
+    for (label, how), (rec_s, end_s, stale) in bench_recorder(args.tokens, args.layers, args.repeats).items():
         print(
-            f"  {label:<22} record x{args.layers} {1e3 * rec_s:7.2f} ms  end_step {1e3 * end_s:6.2f} ms"
+            f"  {label:<22} {how:<6} x{args.layers} {1e3 * rec_s:7.2f} ms  end_step {1e3 * end_s:6.2f} ms"
             f"  step {1e3 * (rec_s + end_s):7.2f} ms  ({args.tokens / (rec_s + end_s) / 1e6:.2f} M tokens/s, stale rows {stale})"
         )
     enqueue_s, stats = bench_enqueue(args.tokens, args.layers, args.repeats)

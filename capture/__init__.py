@@ -42,9 +42,23 @@ Also: `capture.pcp_mask.PcpPaddingMask` (the router's gathered padding mask) and
 `capture.recorder.StepRecorder` (per-step buffer with write stamps, Flag.STALE).
 """
 
-from capture.layout import STRATEGIES, StepLayout
-from capture.pcp_mask import NaiveDispatch, PcpPaddingMask
-from capture.recorder import StepRecorder, StepRows
-from capture.restore import restore_rows
+import importlib
 
-__all__ = ["STRATEGIES", "NaiveDispatch", "PcpPaddingMask", "StepLayout", "StepRecorder", "StepRows", "restore_rows"]
+# Imported on first use (PEP 562): the vLLM plugin's sink process needs `capture.vllm.sink`
+# and `capture.sender`, not torch, which these modules import.
+_HOME = {
+    "STRATEGIES": "capture.layout", "StepLayout": "capture.layout",
+    "NaiveDispatch": "capture.pcp_mask", "PcpPaddingMask": "capture.pcp_mask",
+    "StepRecorder": "capture.recorder", "StepRows": "capture.recorder",
+    "restore_rows": "capture.restore",
+}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module 'capture' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOME[name]), name)
+    globals()[name] = value
+    return value

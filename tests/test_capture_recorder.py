@@ -1,6 +1,12 @@
-"""StepRecorder: write stamps, STALE flags, out-of-range ids, and the seed-002 scenario on gloo."""
+"""StepRecorder: write stamps, STALE flags, out-of-range ids, and the seed-002 scenario on gloo.
+
+Each test runs on both recorder paths: the CPU stage (numpy, what CPU engines use) and
+the torch buffers with write stamps (what a GPU engine uses, here on CPU tensors).
+"""
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import pytest
@@ -14,6 +20,12 @@ except ImportError:  # pragma: no cover
 from capture import StepLayout, StepRecorder, restore_rows
 from replay_schema import BatchMeta, Flag, RunShape, experts_view
 
+@pytest.fixture(autouse=True, params=["cpu-stage", "torch-buffers"])
+def recorder_path(request, monkeypatch):
+    monkeypatch.setitem(globals(), "StepRecorder", functools.partial(_StepRecorder, staged=request.param == "cpu-stage"))
+
+
+_StepRecorder = StepRecorder
 L, K = 4, 8
 SHAPE = RunShape(num_layers=L, top_k=K, num_experts=128)
 
@@ -22,7 +34,7 @@ def ids(seed: int, n: int, e: int = 128, dtype=torch.int32) -> torch.Tensor:
     return torch.randint(0, e, (n, K), generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def full_step(rec: StepRecorder, n: int, seed: int) -> list[torch.Tensor]:
+def full_step(rec: _StepRecorder, n: int, seed: int) -> list[torch.Tensor]:
     rec.begin_step()
     layers = [ids(seed * 10 + l_, n) for l_ in range(L)]
     for l_, rows in enumerate(layers):
@@ -182,3 +194,44 @@ def test_seed_002_only_shard_written_is_flagged(n):
             assert set(wrong_rows) <= set(stale_rows)
         if n > 1:
             assert stale_rows  # the failure arrives flagged instead of as data
+
+
+# ---- keep(): rows by reference, copied at end_step (the CPU engine hook's path) -------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_kept_layers_equal_recorded_layers(dtype):
+    n, padded = 5, 8  # the engine may hand over padding rows past the step's count
+    layers = [ids(40 + l_, padded, dtype=dtype) for l_ in range(L)]
+    kept, recorded = StepRecorder(SHAPE, max_tokens=16), StepRecorder(SHAPE, max_tokens=16)
+    for rec in (kept, recorded):
+        rec.begin_step()
+    for l_, rows in enumerate(layers):
+        kept.keep(l_, rows)
+        recorded.record(l_, rows[:n])
+    a, b = kept.end_step(["r"] * n, np.arange(n)), recorded.end_step(["r"] * n, np.arange(n))
+    assert np.array_equal(a.experts, b.experts) and np.array_equal(a.experts, torch.stack(layers, 1)[:n].numpy())
+    assert not a.flags.any() and a.experts.flags.c_contiguous
+
+
+def test_kept_rows_checked_like_recorded_rows():
+    rec = StepRecorder(SHAPE, max_tokens=16)
+    n = 4
+    # A layer never kept: every row STALE.
+    rec.begin_step()
+    for l_ in range(L - 1):
+        rec.keep(l_, ids(l_, n))
+    assert (rec.end_step(["r"] * n, np.arange(n)).flags == Flag.STALE).all()
+    # A layer kept twice in one step (two micro-batches?): rows do not line up, the step is STALE.
+    rec.begin_step()
+    for l_ in list(range(L)) + [0]:
+        rec.keep(l_, ids(l_, n))
+    assert (rec.end_step(["r"] * n, np.arange(n)).flags == Flag.STALE).all()
+    # A -1 in int32 ids (negative, so huge once unsigned): that row only, stored as the sentinel.
+    rec.begin_step()
+    layers = [ids(l_, n) for l_ in range(L)]
+    layers[2][1, 3] = -1
+    for l_, rows in enumerate(layers):
+        rec.keep(l_, rows)
+    out = rec.end_step(["r"] * n, np.arange(n))
+    assert out.flags.tolist() == [0, Flag.STALE, 0, 0] and out.invalid_rows == 1 and out.experts[1, 2, 3] == 255

@@ -103,3 +103,24 @@ def test_binder_chains_existing_and_later_callbacks_and_refuses_monolithic():
         bind_model(Model(mono=True), lambda r, i: None, runner_cls=Runner)
     with pytest.raises(BindError, match="no vLLM MoERunner"):
         bind_model(torch.nn.Linear(2, 2), lambda r, i: None, runner_cls=Runner)
+
+
+def test_config_refusals_name_the_fix():
+    from types import SimpleNamespace
+
+    from vllm.config import CUDAGraphMode
+
+    from capture.vllm.config import PluginConfig
+    from capture.vllm.worker import StartupError, WorkerCapture
+
+    wc = WorkerCapture(PluginConfig("http://x", "r", None, None))
+    eager = SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.NONE),
+                            cache_config=SimpleNamespace(enable_prefix_caching=False),
+                            parallel_config=SimpleNamespace(pipeline_parallel_size=1))
+    wc.check_config(eager)  # what the tests' engines run with: accepted
+    graphs = SimpleNamespace(**{**vars(eager), "compilation_config": SimpleNamespace(cudagraph_mode=CUDAGraphMode.PIECEWISE)})
+    with pytest.raises(StartupError, match="CUDA graphs are on.*--enforce-eager"):
+        wc.check_config(graphs)
+    cached = SimpleNamespace(**{**vars(eager), "cache_config": SimpleNamespace(enable_prefix_caching=True)})
+    with pytest.raises(StartupError, match="prefix caching is on.*--no-enable-prefix-caching"):
+        wc.check_config(cached)

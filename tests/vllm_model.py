@@ -20,7 +20,9 @@ def prompts(lengths=PROMPT_LENGTHS, salt: int = 0) -> list[list[int]]:
     return [[5 + (7 * i + 13 * salt + 31 * n) % 500 for i in range(n)] for n in lengths]
 
 
-def build_model(path: str, gate_scale: float = 10.0, num_layers: int = NUM_LAYERS) -> str:
+def build_model(path: str, gate_scale: float = 10.0, num_layers: int = NUM_LAYERS, hidden: int = HIDDEN,
+                num_experts: int = NUM_EXPERTS, top_k: int = TOP_K, moe_intermediate: int = 64) -> str:
+    """Write the checkpoint (the defaults are the tests' model; bench/vllm_overhead.py also builds a larger one)."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -29,9 +31,9 @@ def build_model(path: str, gate_scale: float = 10.0, num_layers: int = NUM_LAYER
         return path
     torch.manual_seed(0)
     cfg = Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=256, moe_intermediate_size=64,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=True,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=moe_intermediate,
+        num_hidden_layers=num_layers, num_attention_heads=hidden // 32, num_key_value_heads=hidden // 64, head_dim=32,
+        num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True,
         max_position_embeddings=256, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32",
     )

