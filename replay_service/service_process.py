@@ -21,13 +21,14 @@ def free_port() -> int:
 
 class ServiceProcess:
     def __init__(self, data_dir: Path, port: int | None = None, env: dict[str, str] | None = None,
-                 log_path: Path | None = None, demo: bool = False, cpus: set[int] | None = None) -> None:
+                 log_path: Path | None = None, demo: bool = False, cpus: set[int] | None = None, nice: int = 0) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.env = {**os.environ, **(env or {})}
         self.log_path = log_path or self.data_dir.parent / f"service-{self.port}.log"
         self.demo = demo
         self.cpus = cpus  # pin the service to these CPUs (benchmarks: keep it off the measured cores)
+        self.nice = nice  # benchmarks: below the measured processes, as if on another machine
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -40,8 +41,8 @@ class ServiceProcess:
         if self.demo:
             cmd.append("--demo")
         self._log = open(self.log_path, "ab")
-        pin = (lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None
-        self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=pin)
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     preexec_fn=self._place if self.cpus or self.nice else None)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -53,6 +54,12 @@ class ServiceProcess:
                 time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"service did not come up in {timeout}s; log: {self.log_path.read_text()[-3000:]}")
+
+    def _place(self) -> None:  # in the child, before exec
+        if self.cpus:
+            os.sched_setaffinity(0, self.cpus)
+        if self.nice:
+            os.nice(self.nice)
 
     def kill9(self) -> None:
         if self.proc and self.proc.poll() is None:

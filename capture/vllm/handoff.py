@@ -75,7 +75,8 @@ class StepHandoff:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "capture.vllm.sink", str(read_fd)],
                 pass_fds=(read_fd,), env=env, stdin=subprocess.DEVNULL,
-                start_new_session=True,  # a Ctrl-C to the engine's group reaches the sink only as end of input
+                # Same session as the worker: in a session of its own (its own scheduler autogroup)
+                # the sink got no CPU for seconds beside vLLM's busy-polling engine core.
             )
         os.close(read_fd)
         os.set_blocking(self._fd, False)
@@ -85,6 +86,7 @@ class StepHandoff:
         self._cond = threading.Condition()
         self._flusher: threading.Thread | None = None
         self.lost_frames = 0
+        self.backlogged_frames = 0  # frames that found the pipe full (the sink behind)
         self._closed = False
         self._send(frames.pack("config", sender_fields))
 
@@ -122,6 +124,7 @@ class StepHandoff:
                     return
             self._backlog.append(frame)
             self._backlog_bytes += len(frame)
+            self.backlogged_frames += 1
             if self._flusher is None:
                 self._flusher = threading.Thread(target=self._flush_loop, name="replay-handoff", daemon=True)
                 self._flusher.start()

@@ -176,7 +176,8 @@ class WorkerCapture:
         """Capture cost so far, for `collective_rpc` (bench/vllm_overhead.py)."""
         return {"steps": self.steps, "hook_s": self.hook_s, "capture_s": self.capture_s,
                 "ignored_captures": self.ignored_captures, "sending": self.handoff is not None,
-                "lost_frames": self.handoff.lost_frames if self.handoff is not None else 0}
+                "lost_frames": self.handoff.lost_frames if self.handoff is not None else 0,
+                "backlogged_frames": self.handoff.backlogged_frames if self.handoff is not None else 0}
 
     def on_execute(self, scheduler_output) -> None:
         self.sched = scheduler_output
