@@ -52,7 +52,6 @@ def make_capture(g, dp, pcp, tp, n):
     wc.layers = {3: 0}
     wc.recorder = StepRecorder(RunShape(1, K, E, (3,)), max_tokens=64)
     wc.meta = StepRowsMeta([f"r{g.dp_rank}-0000abcd"], np.array([0, n]), np.arange(n, dtype=np.int32), None)
-    wc.num_tokens = n  # what open_step sets from the scheduler's query_start_loc
     wc.recorder.begin_step()
     wc.capturing = True
     return wc

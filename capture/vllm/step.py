@@ -52,10 +52,10 @@ class StepRowsMeta:
     query_start_loc: np.ndarray  # [num_reqs + 1]
     positions: np.ndarray  # [n] int
     token_ids: np.ndarray | None  # [n] int
+    num_tokens: int = field(init=False)  # rows of the step; a plain attribute, read once per layer
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.query_start_loc[-1]) if len(self.query_start_loc) else 0
+    def __post_init__(self) -> None:
+        self.num_tokens = int(self.query_start_loc[-1]) if len(self.query_start_loc) else 0
 
 
 @dataclass

@@ -65,7 +65,6 @@ class WorkerCapture:
         self.model_id = None
         self.sched = None
         self.meta: StepRowsMeta | None = None
-        self.num_tokens = 0  # rows of this DP rank in the open step
         self.capturing = False
         self.pending = None  # (meta) waiting for sample_tokens
         self.ignored_captures = 0
@@ -194,7 +193,7 @@ class WorkerCapture:
         batch = runner.input_batch
         num_reqs = batch.num_reqs
         qsl = runner.query_start_loc.np[: num_reqs + 1].copy()
-        n = self.num_tokens = int(qsl[-1])
+        n = int(qsl[-1])
         ids = input_ids if input_ids is not None else runner.input_ids.gpu
         pos = positions
         if pos is not None and pos.ndim > 1:  # M-RoPE: [3, n]; the text position is row 0
@@ -230,12 +229,12 @@ class WorkerCapture:
                 self.recorder.keep(layer, topk_ids)
                 rows = None
             elif local:
-                rows = topk_ids[: self.num_tokens]
+                rows = topk_ids[: self.meta.num_tokens]
             else:
                 from vllm.forward_context import get_forward_context, is_forward_context_available
 
                 ctx = get_forward_context() if is_forward_context_available() else None
-                rows = restore(topk_ids, runner, ctx, self.par, self.num_tokens, local_padding=self.local_padding)
+                rows = restore(topk_ids, runner, ctx, self.par, self.meta.num_tokens, local_padding=self.local_padding)
             if rows is not None:
                 self.recorder.record(layer, rows)
         except Exception:  # noqa: BLE001 - the layer's rows stay unstamped: the step is flagged STALE
