@@ -85,7 +85,7 @@ def main() -> int:
                     hook_s += after["hook_s"] - before["hook_s"]
                     steps += after["steps"] - before["steps"]
         tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs)
-        backlogged = llm.collective_rpc(rpc_cost)[0].get("backlogged_frames", 0)
+        backlogged = after.get("backlogged_frames", 0)  # the last round ran "on"
         stop_engine(llm)
         time.sleep(1.0)
         with ReplayClient(svc.url) as client:

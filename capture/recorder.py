@@ -230,19 +230,22 @@ class StepRecorder:
         if not n or self._misaligned or self._layer_rows.count(n) != len(self._layer_rows):
             return None
         block = self._stage[:, :n] if whole is None else whole
-        as_unsigned = block.view(block.dtype.str.replace("i", "u"))  # a negative id becomes huge
-        if as_unsigned.max() >= self.shape.num_experts:
+        if not self._in_range(block):
             if whole is not None:
                 self._stage[:, :n] = whole  # the flagging path reads the stage
             return None
         return np.ascontiguousarray(block.transpose(1, 0, 2), self.np_dtype)
+
+    def _in_range(self, block: np.ndarray) -> bool:
+        """Every id in [0, num_experts): one max over the ids read as unsigned (a negative one is huge)."""
+        return bool(block.view(block.dtype.str.replace("i", "u")).max() < self.shape.num_experts)
 
     def _end_step_cpu(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(experts [n, L, K], stale [n], invalid [n]) from the stage."""
         block = self._stage[:, :n]
         written = min(self._layer_rows)  # rows every layer wrote this step
         stale = np.arange(n) >= written
-        if not n or (block.min() >= 0 and block.max() < self.shape.num_experts):
+        if not n or self._in_range(block):
             return np.ascontiguousarray(block.transpose(1, 0, 2), self.np_dtype), stale, np.zeros(n, np.bool_)
         # An id outside [0, E): stored as the sentinel, never cast; its row is STALE.
         # Only what a layer wrote this step counts (rows past it are stale already).
