@@ -158,24 +158,16 @@ def groups(dp: int, pcp: int, tp: int) -> Groups:
     at = lambda d, p, t: (d * pcp + p) * tp + t  # noqa: E731
     # Create every group of the layout in one fixed order on every rank.
     by_rank: dict[int, dict[str, object]] = {r: {} for r in range(size)}
-    for d in range(dp):
-        for p in range(pcp):
-            ranks = [at(d, p, t) for t in range(tp)]
-            g = group_of(ranks)
+
+    def make(axis: str, members: list[list[int]]) -> None:
+        for ranks in members:
+            group = group_of(ranks)
             for r in ranks:
-                by_rank[r]["tp"] = g
-    for d in range(dp):
-        for t in range(tp):
-            ranks = [at(d, p, t) for p in range(pcp)]
-            g = group_of(ranks)
-            for r in ranks:
-                by_rank[r]["pcp"] = g
-    for p in range(pcp):
-        for t in range(tp):
-            ranks = [at(d, p, t) for d in range(dp)]
-            g = group_of(ranks)
-            for r in ranks:
-                by_rank[r]["dp"] = g
+                by_rank[r][axis] = group
+
+    make("tp", [[at(d, p, t) for t in range(tp)] for d in range(dp) for p in range(pcp)])
+    make("pcp", [[at(d, p, t) for p in range(pcp)] for d in range(dp) for t in range(tp)])
+    make("dp", [[at(d, p, t) for d in range(dp)] for p in range(pcp) for t in range(tp)])
     if rank >= size:
         return Groups(active=False)
     d, rem = divmod(rank, pcp * tp)
