@@ -206,9 +206,9 @@ class StepRecorder:
         """Copy the kept layers' rows; returns them as `[L, n, K]` when they are the whole step."""
         kept, self._kept = self._kept, []
         layers = [layer for layer, _ in kept]
-        shapes = {tuple(rows.shape) for _, rows in kept}
-        if len(shapes) != 1 or len(set(layers)) != len(layers) or self._stage is None:
-            self._misaligned |= len(set(layers)) != len(layers)
+        repeated = len(set(layers)) != len(layers)
+        if repeated or len({tuple(rows.shape) for _, rows in kept}) != 1 or self._stage is None:
+            self._misaligned |= repeated
             for layer, rows in kept:  # the general path, with its checks
                 self.record(layer, rows[:n])
             return None

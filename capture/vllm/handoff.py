@@ -138,11 +138,8 @@ class StepHandoff:
             with self._cond:
                 while not self._backlog and not self._closed:
                     self._cond.wait()
-                if not self._backlog or self._fd < 0:
-                    self._cond.notify_all()
-                    if self._closed:
-                        return
-                    continue
+                if not self._backlog or self._fd < 0:  # closed and written out, or the sink is gone
+                    return
                 fd = self._fd
             select.select([], [fd], [], 0.5)
             with self._cond:
