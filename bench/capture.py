@@ -30,7 +30,8 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from capture import StepLayout, StepRecorder, restore_rows  # noqa: E402
 from capture.restore import _gather_single  # noqa: E402
-from replay_schema import RunShape  # noqa: E402
+from replay_format import RunShape  # noqa: E402
+
 
 K = 8
 
@@ -103,7 +104,7 @@ def bench_restore(tokens: int, layers: int, repeats: int) -> dict:
 
 def bench_recorder(tokens: int, layers: int, repeats: int) -> dict:
     torch.set_num_threads(1)
-    shape = RunShape(num_layers=layers, top_k=K, num_experts=128)
+    shape = RunShape(num_moe_layers=layers, top_k=K, num_experts=128)
     rec = StepRecorder(shape, max_tokens=tokens)
     g = torch.Generator().manual_seed(0)
     per_layer = [torch.randint(0, 128, (tokens, K), generator=g, dtype=torch.int32) for _ in range(layers)]
@@ -134,9 +135,9 @@ def bench_enqueue(tokens: int, layers: int, repeats: int) -> tuple[float, dict]:
     from pathlib import Path
 
     from capture.sender import RouteSender, SenderConfig
-    from replay_service.service_process import ServiceProcess
+    from tests.support.service import ServiceProcess
 
-    shape = RunShape(num_layers=layers, top_k=K, num_experts=128)
+    shape = RunShape(num_moe_layers=layers, top_k=K, num_experts=128)
     rng = np.random.default_rng(0)
     experts = rng.integers(0, 128, (tokens, layers, K), dtype=np.uint8)
     request_ids = [f"req-{i // 512}" for i in range(tokens)]

@@ -27,12 +27,14 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from replay_schema import BatchMeta, RunShape, build_batch, encode_stream
+from replay_format import RunShape
+
+from replay_format.rows import RowsMeta, build_rows, encode_stream
 from replay_service.client import ReplayClient
 from replay_service.demo import bulk_routes
-from replay_service.service_process import ServiceProcess
+from tests.support.service import ServiceProcess
 
-SHAPE = RunShape(num_layers=48, top_k=8, num_experts=128)
+SHAPE = RunShape(num_moe_layers=48, top_k=8, num_experts=128)
 
 
 
@@ -55,13 +57,13 @@ def read_files_directly(data_dir: Path, requests: list[str]) -> torch.Tensor:
         names = req.dictionary.to_pylist()
         index = req.indices.to_numpy()
         positions = batch.column("position").to_numpy()
-        experts = batch.column("experts").flatten().to_numpy().reshape(batch.num_rows, SHAPE.num_layers, SHAPE.top_k)
+        experts = batch.column("experts").flatten().to_numpy().reshape(batch.num_rows, SHAPE.num_moe_layers, SHAPE.top_k)
         for k, name in enumerate(names):
             if name in wanted:
                 rows = np.flatnonzero(index == k)
                 pieces[wanted[name]].append((positions[rows], experts[rows]))
     total = sum(len(p) for parts in pieces for p, _ in parts)
-    out = torch.empty((total, SHAPE.num_layers, SHAPE.top_k), dtype=torch.uint8)
+    out = torch.empty((total, SHAPE.num_moe_layers, SHAPE.top_k), dtype=torch.uint8)
     view = out.numpy()
     at = 0
     for parts in pieces:
@@ -88,9 +90,9 @@ def main() -> None:
             per_batch = 8  # requests per ingest batch: 8 x 8191 rows, as a sender would ship them
             for seq, lo in enumerate(range(0, args.requests, per_batch)):
                 chunk = requests[lo : lo + per_batch]
-                meta = BatchMeta("bench", "w", seq, SHAPE)
+                meta = RowsMeta("bench", "w", seq, SHAPE)
                 at = lo * rows
-                body = encode_stream(build_batch(meta, [r for r in chunk for _ in range(rows)],
+                body = encode_stream(build_rows(meta, [r for r in chunk for _ in range(rows)],
                                                  np.tile(np.arange(rows, dtype=np.int32), len(chunk)),
                                                  ids[at : at + len(chunk) * rows]))
                 client.ingest(body)
@@ -123,7 +125,7 @@ def main() -> None:
         "direct_arrow_files": args.requests * rows / t_files,
     }
     mb = SHAPE.row_width * tokens / 1e6
-    print(f"fetch a training batch: {args.requests} requests x {args.tokens} tokens, {SHAPE.num_layers} x top-"
+    print(f"fetch a training batch: {args.requests} requests x {args.tokens} tokens, {SHAPE.num_moe_layers} x top-"
           f"{SHAPE.top_k} uint8 ({mb:.0f} MB), into a torch tensor; best of {args.repeat}")
     print(f"  service /v1/trainer/megatron (THD) {t_mega:6.3f} s  {rate['service_megatron'] / 1e6:6.2f} M tokens/s"
           f"  (median {mega_med:.3f} s)")

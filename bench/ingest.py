@@ -26,11 +26,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from replay_schema import ARROW_STREAM_MEDIA_TYPE, BatchMeta, RunShape, build_batch, encode_stream
-from replay_service.demo import bulk_routes
-from replay_service.service_process import ServiceProcess
+from replay_format import ARROW_STREAM_MEDIA_TYPE, RunShape
 
-SHAPE = RunShape(num_layers=48, top_k=8, num_experts=128)
+from replay_format.rows import RowsMeta, build_rows, encode_stream
+from replay_service.demo import bulk_routes
+from tests.support.service import ServiceProcess
+
+SHAPE = RunShape(num_moe_layers=48, top_k=8, num_experts=128)
 
 
 
@@ -84,8 +86,8 @@ def main() -> None:
 
         def send_arrow(http, job, run_id="bench-arrow"):
             seq, request_ids, positions, experts = job
-            meta = BatchMeta(run_id, f"w{seq % args.writers}", seq, SHAPE, source="vllm-plugin")
-            body = encode_stream(build_batch(meta, request_ids, positions, experts))
+            meta = RowsMeta(run_id, f"w{seq % args.writers}", seq, SHAPE, source="vllm-plugin")
+            body = encode_stream(build_rows(meta, request_ids, positions, experts))
             answer = http.post("/v1/ingest", content=body, headers={"content-type": ARROW_STREAM_MEDIA_TYPE})
             answer.raise_for_status()
 
@@ -101,7 +103,7 @@ def main() -> None:
             r, experts = job
             doc = {
                 "routed_experts": base64.b64encode(experts.astype(np.int32).tobytes()).decode(),
-                "num_layers": SHAPE.num_layers, "top_k": SHAPE.top_k, "num_experts": SHAPE.num_experts,
+                "num_layers": SHAPE.num_moe_layers, "top_k": SHAPE.top_k, "num_experts": SHAPE.num_experts,
             }
             answer = http.post(f"/v1/runs/{run_id}/requests/q{r}/routes", content=json.dumps(doc),
                                headers={"content-type": "application/json"})
@@ -114,7 +116,7 @@ def main() -> None:
         stored = httpx.get(f"{url}/v1/runs/bench-arrow").json()
         assert stored["rows"] == args.tokens, stored
     row_bytes = SHAPE.row_width
-    print(f"ingest, {SHAPE.num_layers} x top-{SHAPE.top_k} uint8 rows ({row_bytes} B/token), "
+    print(f"ingest, {SHAPE.num_moe_layers} x top-{SHAPE.top_k} uint8 rows ({row_bytes} B/token), "
           f"{args.writers} writers, durable (fsync) store")
     print(f"  arrow ipc   {args.tokens:>9} tokens  {arrow_s:7.2f} s  {arrow_tps / 1e6:6.2f} M tokens/s  "
           f"({arrow_tps * row_bytes / 1e6:.0f} MB/s of ids), batches of {args.batch_tokens}")

@@ -52,9 +52,9 @@ def main() -> int:
 
     from capture.vllm.worker import rpc_cost, rpc_set_enabled
     from replay_service.client import ReplayClient
-    from replay_service.service_process import ServiceProcess
+    from tests.support.service import ServiceProcess
     from tests.test_vllm_e2e import _engine_env, start_engine, stop_engine
-    from tests.vllm_model import build_model, prompts
+    from tests.support.vllm_model import build_model, prompts
 
     work = tempfile.mkdtemp(prefix="rr_bench_")
     model_dir = build_model(os.path.join(work, "model"), **MODELS[args.model])

@@ -1,12 +1,12 @@
 """StepRecorder: one step's routing rows, with a per-(row, layer) write stamp.
 
-    rec = StepRecorder(RunShape(num_layers=48, top_k=8, num_experts=128), max_tokens=8192)
+    rec = StepRecorder(RunShape(num_moe_layers=48, top_k=8, num_experts=128), max_tokens=8192)
     rec.begin_step()
     rec.record(layer_idx, rows)          # per MoE layer (0..L-1): restored [n, K] ids, any int dtype
     out = rec.end_step(request_ids, positions, token_ids)   # StepRows: experts [n, L, K] + flags
 
 Buffers are allocated once. On a device: `[max_tokens, L, K]` ids (uint8/uint16,
-`replay_schema.expert_dtype`) and write stamps (the step, per (row, layer)); `record` writes
+`replay_format.expert_dtype`) and write stamps (the step, per (row, layer)); `record` writes
 rows `0..n-1` of one layer and stamps them. On CPU: a layer-major int64 stage that `record`
 copies the ids into as they are, with the layer's row count as its stamp; `end_step`
 range-checks and narrows the whole step at once (fewer calls per layer: they dominate
@@ -31,14 +31,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from replay_schema import BatchMeta, Flag, RunShape, build_batch
+from replay_format import Flag, RunShape
+
+from replay_format.rows import RowsMeta, build_rows
 
 _TORCH_DTYPE = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint16): torch.uint16}
 
 
 @dataclass
 class StepRows:
-    """One step's rows, ready for `replay_schema.build_batch` (`to_batch`)."""
+    """One step's rows, ready for `replay_format.rows.build_rows` (`to_batch`)."""
 
     step: int
     request_ids: object  # per row: list/array of str or a pyarrow DictionaryArray
@@ -52,8 +54,8 @@ class StepRows:
     def __len__(self) -> int:
         return len(self.positions)
 
-    def to_batch(self, meta: BatchMeta):
-        return build_batch(meta, self.request_ids, self.positions, self.experts, self.token_ids, self.flags)
+    def to_batch(self, meta: RowsMeta):
+        return build_rows(meta, self.request_ids, self.positions, self.experts, self.token_ids, self.flags)
 
 
 class StepRecorder:
@@ -71,7 +73,7 @@ class StepRecorder:
         self.dtype = _TORCH_DTYPE[self.np_dtype]
         self.sentinel = int(np.iinfo(self.np_dtype).max)
         self.moe_index = {layer: i for i, layer in enumerate(shape.moe_layers)}  # model layer -> MoE index
-        L, K = shape.num_layers, shape.top_k
+        L, K = shape.num_moe_layers, shape.top_k
         self.step = 0
         self._open = False
         self._layer_rows = [0] * L
@@ -100,7 +102,7 @@ class StepRecorder:
         """Start a step; returns its stamp (1, 2, ...)."""
         self.step += 1
         self._open = True
-        self._layer_rows = [0] * self.shape.num_layers
+        self._layer_rows = [0] * self.shape.num_moe_layers
         self._kept = []
         self._misaligned = False
         return self.step
@@ -119,7 +121,7 @@ class StepRecorder:
         """Write one MoE layer's restored rows `[n, K]` at rows 0..n-1 for this step."""
         if not self._open:
             raise RuntimeError("record() outside a step: call begin_step() first")
-        L, K = self.shape.num_layers, self.shape.top_k
+        L, K = self.shape.num_moe_layers, self.shape.top_k
         if not 0 <= layer_idx < L:
             raise ValueError(f"layer_idx {layer_idx} outside 0..{L - 1}")
         if self._stage is not None and (isinstance(rows, np.ndarray) or rows.device.type == "cpu"):

@@ -37,7 +37,9 @@ import httpx
 import numpy as np
 import pyarrow as pa
 
-from replay_schema import ARROW_STREAM_MEDIA_TYPE, BatchMeta, RunShape, build_batch, encode_stream
+from replay_format import ARROW_STREAM_MEDIA_TYPE, RunShape
+
+from replay_format.rows import RowsMeta, build_rows, encode_stream
 
 log = logging.getLogger("routing_replay.sender")
 
@@ -219,11 +221,8 @@ class RouteSender:
             tokens = np.concatenate([r[3] if r[3] is not None else np.full(len(r[1]), -1, np.int64) for r in rows])
         flags = np.concatenate([r[4] if r[4] is not None else np.zeros(len(r[1]), np.uint16) for r in rows])
         seq = self._next_seq()
-        meta = BatchMeta(cfg.run_id, cfg.writer_id, seq, cfg.shape, source=cfg.source)
-        token_arg = None if tokens is None else np.where(tokens < 0, 0, tokens)
-        batch = build_batch(meta, request_ids, positions, experts, token_ids=token_arg, flags=flags)
-        if tokens is not None and (tokens < 0).any():
-            batch = batch.set_column(2, "token_id", pa.array(tokens.astype(np.int32), mask=tokens < 0))
+        meta = RowsMeta(cfg.run_id, cfg.writer_id, seq, cfg.shape, source=cfg.source)
+        batch = build_rows(meta, request_ids, positions, experts, token_ids=tokens, flags=flags)
         return _Item("batch", seq, encode_stream(batch), rows=n)
 
     def _enqueue(self, item: _Item) -> None:

@@ -10,10 +10,10 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
-from replay_service.errors import install_error_handlers
+from replay_service.api.errors import install_error_handlers
 from replay_service.buffers import BufferPool
 from replay_service.metrics import ServiceMetrics
-from replay_service.routers import compares, ingest, ops, requests, runs, trainer
+from replay_service.api import compares, ingest, ops, requests, runs, trainer
 from replay_service.settings import ServiceSettings
 from replay_service.store import RouteStore
 

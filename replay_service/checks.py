@@ -14,7 +14,7 @@ import threading
 import numba
 import numpy as np
 
-from replay_schema import Flag
+from replay_format import Flag
 
 _ZERO = np.uint16(Flag.ZERO)
 _DUPLICATE = np.uint16(Flag.DUPLICATE)

@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 import pyarrow as pa
 
-from replay_schema import ARROW_STREAM_MEDIA_TYPE, NPY_MEDIA_TYPE, Flag, flag_names
+from replay_format import ARROW_STREAM_MEDIA_TYPE, Flag, NPY_MEDIA_TYPE, flag_names
 
 
 class ReplayError(Exception):
@@ -221,7 +221,7 @@ class ReplayClient:
     def ingest(self, batch: pa.RecordBatch | bytes) -> dict:
         """Post one batch (DESIGN.md schema, metadata with run_id, writer_id, seq)."""
         if isinstance(batch, pa.RecordBatch):
-            from replay_schema import encode_stream
+            from replay_format.rows import encode_stream
 
             batch = encode_stream(batch)
         return self._json("POST", "/v1/ingest", content=batch, headers={"content-type": ARROW_STREAM_MEDIA_TYPE})
@@ -389,7 +389,7 @@ class ReplayClient:
 
     def compare(self, run_id: str, request_ids, positions, experts, label: str | None = None) -> dict:
         """Post the trainer's own top-k (n, L, K) per (request, position); the stored comparison comes back."""
-        from replay_schema import RunShape
+        from replay_format import RunShape
         from replay_service.trainer import compare_body
 
         info = self.run(run_id)

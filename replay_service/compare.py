@@ -17,10 +17,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from replay_schema import BatchMeta, Flag, RunShape
+from replay_format import Flag, RunShape
+
+from replay_format.rows import RowsMeta
 from replay_service import agreement
-from replay_service.decode import InputError, parse_meta, read_arrow_body, rows_from_table
-from replay_service.store import NotFound, RouteStore
+from replay_service.decode import parse_meta, read_arrow_body, rows_from_table
+from replay_service.errors import Conflict, InvalidInput, NotFound
+from replay_service.store import RouteStore
 
 WORST_TOKENS = 20
 WORST_LAYERS = 10
@@ -35,31 +38,30 @@ class RequestMismatch:
 
 def decode_compare(body: bytes, run: str, shape: RunShape):
     table = read_arrow_body(body)
-    md = dict(table.schema.metadata or {})
-    missing = [k for k in ("num_layers", "top_k", "num_experts") if k.encode() not in md]
+    md = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+    missing = [k for k in ("num_moe_layers", "top_k", "num_experts") if k not in md
+               and not (k == "num_moe_layers" and "num_layers" in md and "format_version" not in md)]
     if missing:
-        raise InputError(f"schema metadata lacks {', '.join(missing)} (they must match run {run!r})")
-    given_run = md.get(b"run_id", run.encode()).decode()
+        raise InvalidInput(f"schema metadata lacks {', '.join(missing)} (they must match run {run!r})")
+    given_run = md.get("run_id", run)
     if given_run != run:
-        raise InputError(f"schema metadata run_id={given_run!r} but the URL names run {run!r}", status=422)
-    md.setdefault(b"writer_id", b"trainer")
-    md.setdefault(b"seq", b"0")
-    md[b"run_id"] = run.encode()
-    md.setdefault(b"source", b"trainer")
+        raise InvalidInput(f"schema metadata run_id={given_run!r} but the URL names run {run!r}")
+    md.setdefault("writer_id", "trainer")
+    md.setdefault("seq", "0")
+    md["run_id"] = run
+    md.setdefault("source", "trainer")
     meta = parse_meta(md)
-    if (meta.shape.num_layers, meta.shape.top_k, meta.shape.num_experts) != (
-        shape.num_layers, shape.top_k, shape.num_experts
+    if (meta.shape.num_moe_layers, meta.shape.top_k, meta.shape.num_experts) != (
+        shape.num_moe_layers, shape.top_k, shape.num_experts
     ):
-        raise InputError(
-            f"the trainer's rows are {meta.shape.num_layers} layers x top-{meta.shape.top_k} of "
-            f"{meta.shape.num_experts} experts; run {run!r} records {shape.num_layers} x top-{shape.top_k} "
-            f"of {shape.num_experts}",
-            status=409,
-        )
-    rows = rows_from_table(table, BatchMeta(run, meta.writer_id, meta.seq, shape, meta.source))
+        raise Conflict(
+            f"the trainer's rows are {meta.shape.num_moe_layers} layers x top-{meta.shape.top_k} of "
+            f"{meta.shape.num_experts} experts; run {run!r} records {shape.num_moe_layers} x top-{shape.top_k} "
+            f"of {shape.num_experts}")
+    rows = rows_from_table(table, RowsMeta(run, meta.writer_id, meta.seq, shape, meta.source))
     usable = (rows.flags & Flag.PADDING) == 0
     if usable.any() and int(rows.experts[usable].max()) >= shape.num_experts:
-        raise InputError(f"the trainer's rows hold an id >= num_experts={shape.num_experts}")
+        raise InvalidInput(f"the trainer's rows hold an id >= num_experts={shape.num_experts}")
     return rows, usable
 
 
@@ -67,7 +69,7 @@ def run_compare(store: RouteStore, run: str, body: bytes, label: str | None,
                 compare_id: str | None = None) -> tuple[dict, list[RequestMismatch]]:
     shape = store.run_shape(run)
     rows, usable = decode_compare(body, run, shape)
-    tally = agreement.Tally(shape.num_layers)
+    tally = agreement.Tally(shape.num_moe_layers)
     per_request: list[RequestMismatch] = []
     missing_rows = 0
     for req_idx, request_id in enumerate(rows.request_ids):
@@ -79,7 +81,7 @@ def run_compare(store: RouteStore, run: str, body: bytes, label: str | None,
         pick, positions = pick[order], positions[order]
         if (positions[1:] == positions[:-1]).any():
             dup = int(positions[1:][positions[1:] == positions[:-1]][0])
-            raise InputError(f"request {request_id!r}: position {dup} appears twice in the trainer's rows")
+            raise InvalidInput(f"request {request_id!r}: position {dup} appears twice in the trainer's rows")
         try:
             route = store.read_route(run, request_id, int(positions[0]), int(positions[-1]) + 1)
         except NotFound:
@@ -91,7 +93,7 @@ def run_compare(store: RouteStore, run: str, body: bytes, label: str | None,
         clean[have] = route.flags[slots[have]] == 0
         missing_rows += int(np.count_nonzero(~clean))
         pick, positions, slots = pick[clean], positions[clean], slots[clean]
-        trainer = rows.experts[pick].reshape(-1, shape.num_layers, shape.top_k)
+        trainer = rows.experts[pick].reshape(-1, shape.num_moe_layers, shape.top_k)
         recorded = route.experts_3d()[slots]
         differs, jaccard = agreement.compare_rows(trainer, recorded)
         agreement.add_request(tally, request_id, positions, differs, jaccard, WORST_TOKENS)

@@ -7,18 +7,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from replay_schema import BatchMeta, Flag, RunShape
+from replay_format import Flag, RunShape
+
+from replay_format.rows import RowsMeta
 from replay_service.decode import IncomingRows
 from replay_service.store import RouteStore
 
 DEMO_RUN = "demo"
-DEMO_SHAPE = RunShape(num_layers=48, top_k=8, num_experts=128)
+DEMO_SHAPE = RunShape(num_moe_layers=48, top_k=8, num_experts=128)
 
 
 def synthetic_routes(rng: np.random.Generator, num_rows: int, shape: RunShape = DEMO_SHAPE) -> np.ndarray:
     """Distinct top-k per layer from a skewed per-layer expert popularity, like real routers."""
-    popularity = rng.gamma(0.6, size=(shape.num_layers, shape.num_experts))
-    logits = np.log(popularity)[None] + rng.gumbel(size=(num_rows, shape.num_layers, shape.num_experts))
+    popularity = rng.gamma(0.6, size=(shape.num_moe_layers, shape.num_experts))
+    logits = np.log(popularity)[None] + rng.gumbel(size=(num_rows, shape.num_moe_layers, shape.num_experts))
     return np.argpartition(-logits, shape.top_k, axis=-1)[..., : shape.top_k].astype(shape.dtype)
 
 
@@ -26,7 +28,7 @@ def bulk_routes(n: int, seed: int = 0, shape: RunShape = DEMO_SHAPE) -> np.ndarr
     """Many distinct rows, fast (benchmarks): a 4096-row pool of distinct top-k sets, each
     block of it relabelled by a random expert permutation (ids stay distinct per layer)."""
     rng = np.random.default_rng(seed)
-    keys = rng.random((4096, shape.num_layers, shape.num_experts), np.float32)
+    keys = rng.random((4096, shape.num_moe_layers, shape.num_experts), np.float32)
     pool = np.argpartition(keys, shape.top_k, axis=-1)[..., : shape.top_k].astype(shape.dtype)
     blocks = [rng.permutation(shape.num_experts).astype(shape.dtype)[pool] for _ in range(-(-n // 4096))]
     return np.concatenate(blocks)[:n]
@@ -46,7 +48,7 @@ def _rows(request_id, positions, experts, tokens, flags=None) -> dict:
 def _incoming(parts: list[dict], seq: int) -> IncomingRows:
     ids = [p["request_id"] for p in parts]
     return IncomingRows(
-        meta=BatchMeta(DEMO_RUN, "demo", seq, DEMO_SHAPE, source="synthetic"),
+        meta=RowsMeta(DEMO_RUN, "demo", seq, DEMO_SHAPE, source="synthetic"),
         request_ids=ids,
         request_index=np.concatenate([np.full(len(p["positions"]), i, np.int32) for i, p in enumerate(parts)]),
         positions=np.concatenate([p["positions"] for p in parts]),
@@ -71,7 +73,7 @@ def load_demo(store: RouteStore, seed: int = 7) -> dict:
     bad["zero"][100:104] = 0  # never-written buffer rows
     bad["duplicate"][200, 5, 1] = bad["duplicate"][200, 5, 0]  # one layer repeats an id
     bad["out-of-range"][300, 10, 3] = 255  # padding -1 cast to uint8
-    bad["stale"][50] = clean[0]["experts"][10].reshape(DEMO_SHAPE.num_layers, DEMO_SHAPE.top_k)  # another request's row
+    bad["stale"][50] = clean[0]["experts"][10].reshape(DEMO_SHAPE.num_moe_layers, DEMO_SHAPE.top_k)  # another request's row
     writer_stale = np.zeros(n, np.uint16)
     writer_stale[400:402] = Flag.STALE  # the capture's write stamp said: not written this step
     tokens = {name: rng.integers(0, 32000, n) for name in bad}

@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pyarrow as pa
 
-from replay_schema import ARROW_STREAM_MEDIA_TYPE, NPY_MEDIA_TYPE, flag_names
-from replay_service.errors import StrictRefusal
+from replay_format import ARROW_STREAM_MEDIA_TYPE, NPY_MEDIA_TYPE, flag_names
+from replay_service.errors import InvalidInput, StrictRefusal
 from replay_service.store.reads import RouteRows
 
 FORMATS = {"arrow": ARROW_STREAM_MEDIA_TYPE, "npy": NPY_MEDIA_TYPE, "json": "application/json"}
@@ -18,9 +18,7 @@ FORMATS = {"arrow": ARROW_STREAM_MEDIA_TYPE, "npy": NPY_MEDIA_TYPE, "json": "app
 def pick_format(format_param: str | None, accept: str | None) -> str:
     if format_param:
         if format_param not in FORMATS:
-            from replay_service.decode import InputError
-
-            raise InputError(f"format {format_param!r} is not one of {', '.join(FORMATS)}", status=422)
+            raise InvalidInput(f"format {format_param!r} is not one of {', '.join(FORMATS)}")
         return format_param
     for name, media in FORMATS.items():
         if accept and media in accept:
@@ -33,7 +31,7 @@ def route_metadata(run_id: str, route: RouteRows, start: int, end: int) -> dict[
     return {
         "run_id": run_id,
         "request_id": route.request_id,
-        "num_layers": str(shape.num_layers),
+        "num_layers": str(shape.num_moe_layers),
         "top_k": str(shape.top_k),
         "num_experts": str(shape.num_experts),
         "moe_layers": json.dumps(list(shape.moe_layers)),
@@ -88,7 +86,7 @@ def route_json(run_id: str, route: RouteRows, start: int, end: int) -> dict:
         "request_id": route.request_id,
         "start": start,
         "end": end,
-        "num_layers": route.shape.num_layers,
+        "num_layers": route.shape.num_moe_layers,
         "top_k": route.shape.top_k,
         "num_experts": route.shape.num_experts,
         "moe_layers": list(route.shape.moe_layers),

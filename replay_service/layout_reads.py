@@ -16,10 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from replay_schema import RunShape, flag_names
+from replay_format import RunShape, flag_names
 from replay_service import layouts
-from replay_service.decode import InputError
-from replay_service.errors import StrictRefusal
+from replay_service.errors import Conflict, InvalidInput, StrictRefusal
 from replay_service.store import RouteStore
 
 
@@ -38,30 +37,28 @@ def common_shape(store: RouteStore, seqs: list[SequenceRef]) -> RunShape:
         if shape is None:
             shape = s
         elif s != shape:
-            raise InputError(
-                f"run {ref.run!r} records {s.num_layers} x top-{s.top_k} of {s.num_experts} (MoE layers "
-                f"{list(s.moe_layers)}), unlike the micro-batch's first run; one micro-batch needs one model shape",
-                status=409,
-            )
+            raise Conflict(
+                f"run {ref.run!r} records {s.num_moe_layers} x top-{s.top_k} of {s.num_experts} (MoE layers "
+                f"{list(s.moe_layers)}), unlike the micro-batch's first run; one micro-batch needs one model shape")
     return shape
 
 
 def layer_selection(shape: RunShape, layers: list[int] | None, model_layers: tuple[int, int] | None) -> np.ndarray:
     """MoE ordinals of this pipeline stage: given directly, or by the stage's model-layer range [lo, hi)."""
     if layers is not None and model_layers is not None:
-        raise InputError("give either layers (MoE ordinals) or model_layers ([lo, hi) of model layers), not both")
+        raise InvalidInput("give either layers (MoE ordinals) or model_layers ([lo, hi) of model layers), not both")
     if layers is not None:
         sel = np.asarray(layers, np.int64)
-        if not sel.size or sel.min() < 0 or sel.max() >= shape.num_layers:
-            raise InputError(f"layers {layers} are not MoE ordinals 0..{shape.num_layers - 1}")
+        if not sel.size or sel.min() < 0 or sel.max() >= shape.num_moe_layers:
+            raise InvalidInput(f"layers {layers} are not MoE ordinals 0..{shape.num_moe_layers - 1}")
         return sel
     if model_layers is not None:
         lo, hi = model_layers
         sel = np.array([i for i, m in enumerate(shape.moe_layers) if lo <= m < hi], np.int64)
         if not sel.size:
-            raise InputError(f"model layers [{lo}, {hi}) hold no MoE layer (MoE layers are {list(shape.moe_layers)})")
+            raise InvalidInput(f"model layers [{lo}, {hi}) hold no MoE layer (MoE layers are {list(shape.moe_layers)})")
         return sel
-    return np.arange(shape.num_layers, dtype=np.int64)
+    return np.arange(shape.num_moe_layers, dtype=np.int64)
 
 
 def sequence_specs(store: RouteStore, seqs: list[SequenceRef]) -> list[layouts.SequenceSpec]:
@@ -71,7 +68,7 @@ def sequence_specs(store: RouteStore, seqs: list[SequenceRef]) -> list[layouts.S
         try:
             specs.append(layouts.sequence_spec(expected, ref.start, ref.num_tokens, f"sequence {i} ({ref.run}/{ref.request})"))
         except layouts.LayoutError as exc:
-            raise InputError(str(exc)) from None
+            raise InvalidInput(str(exc)) from None
     return specs
 
 
@@ -89,7 +86,7 @@ def gather(store: RouteStore, seqs, specs, plan: layouts.Plan, shape: RunShape, 
                                 "flags": flag_names(int(route.flags[j]))})
         return route.experts, ok
 
-    experts, valid = layouts.gather_rows(plan, specs, read_rows, shape.num_layers, shape.top_k, shape.num_experts,
+    experts, valid = layouts.gather_rows(plan, specs, read_rows, shape.num_moe_layers, shape.top_k, shape.num_experts,
                                          sel, shape.dtype)
     if strict:
         has_row = plan.sequence >= 0

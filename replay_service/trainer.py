@@ -22,7 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from replay_schema import Flag, RunShape, build_batch, encode_stream, BatchMeta
+from replay_format import Flag, RunShape
+
+from replay_format.rows import RowsMeta, build_rows, encode_stream
 
 
 def _view(array: pa.Array, backing: bytearray, base: int, dtype: np.dtype) -> np.ndarray:
@@ -148,12 +150,12 @@ def sequences_doc(sequences) -> list[dict]:
 def compare_body(run_id: str, shape: RunShape, request_ids, positions, experts) -> bytes:
     """An Arrow IPC body for POST /v1/runs/{run}/compare: rows `(n, L, K)` with a request id and position each."""
     experts = np.asarray(experts)
-    if experts.ndim != 3 or experts.shape[1:] != (shape.num_layers, shape.top_k):
-        raise ValueError(f"experts must be (n, {shape.num_layers}, {shape.top_k}), got {experts.shape}")
+    if experts.ndim != 3 or experts.shape[1:] != (shape.num_moe_layers, shape.top_k):
+        raise ValueError(f"experts must be (n, {shape.num_moe_layers}, {shape.top_k}), got {experts.shape}")
     if experts.size and (experts.min() < 0 or experts.max() >= shape.num_experts):
         raise ValueError(f"ids must be in 0..{shape.num_experts - 1}")
-    meta = BatchMeta(run_id, "trainer", 0, shape, source="trainer")
-    batch = build_batch(meta, list(request_ids), np.asarray(positions), experts.astype(shape.dtype),
+    meta = RowsMeta(run_id, "trainer", 0, shape, source="trainer")
+    batch = build_rows(meta, list(request_ids), np.asarray(positions), experts.astype(shape.dtype),
                         flags=np.zeros(len(experts), np.uint16))
     return encode_stream(batch)
 

@@ -31,9 +31,9 @@ def sets(a) -> np.ndarray:
 
 def main() -> int:
     from replay_service.client import ReplayClient
-    from replay_service.service_process import ServiceProcess
+    from tests.support.service import ServiceProcess
     from tests.test_vllm_e2e import check_against_reference, generate, start_engine, stop_engine, wait_finished
-    from tests.vllm_model import build_model, hf_reference, prompts
+    from tests.support.vllm_model import build_model, hf_reference, prompts
 
     work = tempfile.mkdtemp(prefix="rr_gpu_")
     model_dir = build_model(os.path.join(work, "model"))

@@ -21,7 +21,7 @@ def pytest_runtest_makereport(item, call):
     if REQUIRE_ALL and report.skipped and not hasattr(report, "wasxfail"):
         report.outcome = "failed"
 
-from replay_service.service_process import ServiceProcess
+from tests.support.service import ServiceProcess
 
 
 @pytest.fixture

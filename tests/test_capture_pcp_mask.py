@@ -15,10 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-try:
-    from tests.gloo_util import CollectiveCounter, gloo_pool, groups
-except ImportError:  # pragma: no cover
-    from gloo_util import CollectiveCounter, gloo_pool, groups
+from tests.support.gloo import CollectiveCounter, gloo_pool, groups
 
 from capture import NaiveDispatch, PcpPaddingMask, StepLayout, restore_rows
 from capture.pcp_mask import gather_padding_mask

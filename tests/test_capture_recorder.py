@@ -12,13 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-try:
-    from tests.gloo_util import gloo_pool, groups
-except ImportError:  # pragma: no cover
-    from gloo_util import gloo_pool, groups
+from tests.support.gloo import gloo_pool, groups
 
 from capture import StepLayout, StepRecorder, restore_rows
-from replay_schema import BatchMeta, Flag, RunShape, experts_view
+from replay_format import Flag, RunShape
+from replay_format.rows import RowsMeta, experts_view
 
 @pytest.fixture(autouse=True, params=["cpu-stage", "torch-buffers"])
 def recorder_path(request, monkeypatch):
@@ -27,7 +25,7 @@ def recorder_path(request, monkeypatch):
 
 _StepRecorder = StepRecorder
 L, K = 4, 8
-SHAPE = RunShape(num_layers=L, top_k=K, num_experts=128)
+SHAPE = RunShape(num_moe_layers=L, top_k=K, num_experts=128)
 
 
 def ids(seed: int, n: int, e: int = 128, dtype=torch.int32) -> torch.Tensor:
@@ -120,7 +118,7 @@ def test_copy_survives_the_next_step_and_builds_a_batch():
     full_step(rec, 12, seed=5)
     rec.end_step(["q"] * 12, np.arange(12))
     assert np.array_equal(out.experts, torch.stack(layers, 1).numpy())
-    batch = out.to_batch(BatchMeta(run_id="run1", writer_id="w0", seq=0, shape=SHAPE, source="vllm-plugin"))
+    batch = out.to_batch(RowsMeta(run_id="run1", writer_id="w0", seq=0, shape=SHAPE, source="vllm-plugin"))
     assert np.array_equal(experts_view(batch.column("experts"), SHAPE), out.experts)
     assert batch.column("flags").to_pylist() == [0] * 12
 

@@ -17,10 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-try:  # tests/ is a package here; keep one copy of the pool module either way
-    from tests.gloo_util import gloo_pool, groups
-except ImportError:  # pragma: no cover
-    from gloo_util import gloo_pool, groups
+from tests.support.gloo import gloo_pool, groups
 
 from capture import StepLayout, restore_rows
 from capture.layout import split_sizes

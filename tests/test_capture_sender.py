@@ -10,8 +10,8 @@ import pytest
 
 from capture.sender import RouteSender, SenderConfig
 from replay_service.client import ReplayClient
-from replay_service.service_process import ServiceProcess, free_port
-from tests.routes_data import QWEN3_SHAPE, many_routes
+from tests.support.service import ServiceProcess, free_port
+from tests.support.data import QWEN3_SHAPE, many_routes
 
 STEP_ROWS = 512
 

@@ -10,9 +10,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from replay_schema import ARROW_STREAM_MEDIA_TYPE, BatchMeta, RunShape, build_batch, encode_stream
-from tests.routes_data import QWEN3_SHAPE, batch_bytes, routes
-from replay_service.service_process import ServiceProcess
+from replay_format import ARROW_STREAM_MEDIA_TYPE, RunShape
+
+from replay_format.rows import RowsMeta, build_rows, encode_stream
+from tests.support.data import QWEN3_SHAPE, batch_bytes, routes
+from tests.support.service import ServiceProcess
 
 ARROW = {"content-type": ARROW_STREAM_MEDIA_TYPE}
 
@@ -37,7 +39,7 @@ def _table_bytes(table: pa.Table) -> bytes:
 
 def _good_batch(seq: int = 1, n: int = 4) -> pa.RecordBatch:
     rng = np.random.default_rng(seq)
-    return build_batch(BatchMeta("good", "w", seq, QWEN3_SHAPE), ["r2"] * n, np.arange(n), routes(rng, n))
+    return build_rows(RowsMeta("good", "w", seq, QWEN3_SHAPE), ["r2"] * n, np.arange(n), routes(rng, n))
 
 
 def _with_metadata(batch: pa.RecordBatch, **changes) -> bytes:
@@ -63,14 +65,14 @@ def _cases():
          pa.FixedSizeListArray.from_arrays(pa.array(np.full(4 * 384, -1, np.int32)), 384), good.column(4)],
         names=good.schema.names,
     ).replace_schema_metadata(good.schema.metadata)
-    wrong_width = build_batch(BatchMeta("good", "w", 2, RunShape(47, 8, 128)), ["r2"] * 2, np.arange(2),
+    wrong_width = build_rows(RowsMeta("good", "w", 2, RunShape(47, 8, 128)), ["r2"] * 2, np.arange(2),
                               routes(np.random.default_rng(0), 2, RunShape(47, 8, 128)))
     renamed = good.rename_columns(["request_id", "pos", "token_id", "experts", "flags"]).replace_schema_metadata(
         good.schema.metadata
     )
-    bad_req = build_batch(BatchMeta("good", "w", 3, QWEN3_SHAPE), ["../etc"] * 2, np.arange(2),
+    bad_req = build_rows(RowsMeta("good", "w", 3, QWEN3_SHAPE), ["../etc"] * 2, np.arange(2),
                           routes(np.random.default_rng(0), 2))
-    neg_pos = build_batch(BatchMeta("good", "w", 4, QWEN3_SHAPE), ["r2"] * 2, np.array([-1, 0]),
+    neg_pos = build_rows(RowsMeta("good", "w", 4, QWEN3_SHAPE), ["r2"] * 2, np.array([-1, 0]),
                           routes(np.random.default_rng(0), 2))
     bad_indices = good.set_column(
         0, "request_id", pa.DictionaryArray.from_arrays(pa.array([0, 1, 2, 7], pa.int32()), pa.array(["r2"]), safe=False)
@@ -84,7 +86,7 @@ def _cases():
         "missing metadata": (_with_metadata(good, seq=None), ARROW, 422, "lacks seq"),
         "bad seq": (_with_metadata(good, seq="x"), ARROW, 422, "seq='x' is not an integer"),
         "renamed column": (encode_stream(renamed), ARROW, 422, "lacks column 'position'"),
-        "L*K differs from metadata": (_with_metadata(good, num_layers=47, moe_layers=None), ARROW, 422, "num_layers*top_k"),
+        "L*K differs from metadata": (_with_metadata(good, num_moe_layers=47, moe_layers=None), ARROW, 422, "num_moe_layers*top_k"),
         "L*K differs from run": (encode_stream(wrong_width), ARROW, 409, "run 'good' stores rows of 48 layers"),
         "ids too wide": (encode_stream(too_wide), ARROW, 422, "id 300, which does not fit uint8"),
         "negative ids": (encode_stream(negative), ARROW, 422, "id -1"),

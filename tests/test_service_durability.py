@@ -8,10 +8,10 @@ import time
 import httpx
 import numpy as np
 
-from replay_schema import ARROW_STREAM_MEDIA_TYPE
+from replay_format import ARROW_STREAM_MEDIA_TYPE
 from replay_service.client import ReplayClient, ReplayError
-from tests.routes_data import batch_bytes, many_routes, routes
-from replay_service.service_process import ServiceProcess
+from tests.support.data import batch_bytes, many_routes, routes
+from tests.support.service import ServiceProcess
 
 ARROW = {"content-type": ARROW_STREAM_MEDIA_TYPE}
 

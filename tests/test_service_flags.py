@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from replay_schema import Flag
+from replay_format import Flag
 from replay_service.client import ReplayClient, StrictReadError
-from tests.routes_data import batch_bytes, routes
+from tests.support.data import batch_bytes, routes
 
 N = 200
 

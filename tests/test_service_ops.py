@@ -6,8 +6,8 @@ import httpx
 import numpy as np
 
 from replay_service.client import ReplayClient
-from tests.routes_data import batch_bytes, routes
-from replay_service.service_process import ServiceProcess
+from tests.support.data import batch_bytes, routes
+from tests.support.service import ServiceProcess
 
 
 def test_healthz_metrics_docs(service):

@@ -10,9 +10,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from replay_schema import RunShape
+from replay_format import RunShape
 from replay_service.client import ReplayClient
-from tests.routes_data import QWEN3_SHAPE, batch_bytes, routes
+from tests.support.data import QWEN3_SHAPE, batch_bytes, routes
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_summaries_and_listing(stored, shared_service):
 def test_vllm_routed_experts_upload_keeps_moe_layers(shared_service):
     """vLLM's routed_experts carries every model layer; dense ones are zeros and are dropped."""
     rng = np.random.default_rng(2)
-    shape = RunShape(num_layers=4, top_k=8, num_experts=64)
+    shape = RunShape(num_moe_layers=4, top_k=8, num_experts=64)
     moe = routes(rng, 99, shape)
     engine = np.zeros((99, 6, 8), np.int32)  # layers 0 and 1 dense (like DeepSeek-V3's first layers)
     engine[:, 2:] = moe
@@ -126,7 +126,7 @@ def test_vllm_routed_experts_upload_keeps_moe_layers(shared_service):
 
 def test_sglang_base64_upload(shared_service):
     rng = np.random.default_rng(3)
-    shape = RunShape(num_layers=3, top_k=4, num_experts=300)  # > 256 experts: stored as uint16
+    shape = RunShape(num_moe_layers=3, top_k=4, num_experts=300)  # > 256 experts: stored as uint16
     ids = routes(rng, 57, shape).astype(np.int32)
     payload = base64.b64encode(ids.tobytes()).decode()
     client = ReplayClient(shared_service.url)

@@ -9,16 +9,18 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from replay_schema import BatchMeta, RunShape, build_batch
+from replay_format import RunShape
+
+from replay_format.rows import RowsMeta, build_rows
 from replay_service.buffers import BufferPool
 from replay_service.store import files
 
-SHAPE = RunShape(num_layers=48, top_k=8, num_experts=128)
+SHAPE = RunShape(num_moe_layers=48, top_k=8, num_experts=128)
 
 
 def _batch(rows: int, seed: int) -> pa.RecordBatch:
     experts = np.random.default_rng(seed).integers(0, 128, (rows, 48, 8), dtype=np.uint8)
-    return build_batch(BatchMeta("seg", "w", seed, SHAPE), [f"r{i % 3}" for i in range(rows)], np.arange(rows), experts)
+    return build_rows(RowsMeta("seg", "w", seed, SHAPE), [f"r{i % 3}" for i in range(rows)], np.arange(rows), experts)
 
 
 def _read(path) -> pa.RecordBatch:

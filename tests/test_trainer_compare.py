@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from replay_schema import RunShape
+from replay_format import RunShape
 from replay_service.client import ReplayClient, ReplayError
 from replay_service.trainer import compare_body
-from tests.routes_data import QWEN3_SHAPE
-from tests.trainer_data import store_requests
+from tests.support.data import QWEN3_SHAPE
+from tests.support.data import store_requests
 
-L, K, E = QWEN3_SHAPE.num_layers, QWEN3_SHAPE.top_k, QWEN3_SHAPE.num_experts
+L, K, E = QWEN3_SHAPE.num_moe_layers, QWEN3_SHAPE.top_k, QWEN3_SHAPE.num_experts
 LENGTHS = {"c-a": 401, "c-b": 201}  # 400 and 200 rows
 
 
@@ -91,7 +91,7 @@ def test_bad_compare_bodies_are_named(stored, shared_service):
     arrow = {"content-type": "application/vnd.apache.arrow.stream"}
     r = http.post("/v1/runs/cmp/compare", content=b"not arrow", headers=arrow)
     assert r.status_code == 400 and "Arrow" in r.json()["detail"]
-    other = RunShape(num_layers=4, top_k=8, num_experts=128)
+    other = RunShape(num_moe_layers=4, top_k=8, num_experts=128)
     body = compare_body("cmp", other, ["c-a"], [0], np.zeros((1, 4, 8), np.uint8) + np.arange(8, dtype=np.uint8))
     r = http.post("/v1/runs/cmp/compare", content=body, headers=arrow)
     assert r.status_code == 409 and "4 layers" in r.json()["detail"]
@@ -105,7 +105,7 @@ def test_bad_compare_bodies_are_named(stored, shared_service):
 
 
 def test_demo_run_carries_a_comparison(tmp_path):
-    from replay_service.service_process import ServiceProcess
+    from tests.support.service import ServiceProcess
 
     with ServiceProcess(tmp_path / "demo", demo=True, env={"REPLAY_FSYNC": "false"}) as proc:
         client = ReplayClient(proc.url)

@@ -18,10 +18,10 @@ RouterReplay = router_replay.RouterReplay
 RouterReplayAction = router_replay.RouterReplayAction
 
 from replay_service.client import ReplayClient  # noqa: E402
-from tests.routes_data import QWEN3_SHAPE  # noqa: E402
-from tests.trainer_data import store_requests  # noqa: E402
+from tests.support.data import QWEN3_SHAPE  # noqa: E402
+from tests.support.data import store_requests  # noqa: E402
 
-L, K, E = QWEN3_SHAPE.num_layers, QWEN3_SHAPE.top_k, QWEN3_SHAPE.num_experts
+L, K, E = QWEN3_SHAPE.num_moe_layers, QWEN3_SHAPE.top_k, QWEN3_SHAPE.num_experts
 LENGTHS = {"m-a": 37, "m-b": 64, "m-c": 9, "m-d": 50}
 
 

@@ -17,10 +17,10 @@ mutils = pytest.importorskip("megatron.core.utils")
 mappings = pytest.importorskip("megatron.core.tensor_parallel.mappings")
 
 from replay_service.client import ReplayClient  # noqa: E402
-from tests.routes_data import QWEN3_SHAPE  # noqa: E402
-from tests.trainer_data import store_requests  # noqa: E402
+from tests.support.data import QWEN3_SHAPE  # noqa: E402
+from tests.support.data import store_requests  # noqa: E402
 
-L, K = QWEN3_SHAPE.num_layers, QWEN3_SHAPE.top_k
+L, K = QWEN3_SHAPE.num_moe_layers, QWEN3_SHAPE.top_k
 LENGTHS = {"s-a": 301, "s-b": 180, "s-c": 257, "s-d": 96}
 ORDER = list(LENGTHS)
 

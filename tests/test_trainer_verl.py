@@ -8,10 +8,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from replay_service.client import ReplayClient, ReplayError  # noqa: E402
-from tests.routes_data import QWEN3_SHAPE  # noqa: E402
-from tests.trainer_data import store_requests  # noqa: E402
+from tests.support.data import QWEN3_SHAPE  # noqa: E402
+from tests.support.data import store_requests  # noqa: E402
 
-L, K, E = QWEN3_SHAPE.num_layers, QWEN3_SHAPE.top_k, QWEN3_SHAPE.num_experts
+L, K, E = QWEN3_SHAPE.num_moe_layers, QWEN3_SHAPE.top_k, QWEN3_SHAPE.num_experts
 # request: (prompt tokens, response tokens)
 SHAPES = {"v-a": (5, 7), "v-b": (12, 3), "v-c": (1, 16)}
 

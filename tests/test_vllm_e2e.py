@@ -20,8 +20,8 @@ vllm = pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
 from replay_service.client import ReplayClient  # noqa: E402
-from replay_service.service_process import ServiceProcess  # noqa: E402
-from tests.vllm_model import TOP_K, build_model, hf_reference, prompts  # noqa: E402
+from tests.support.service import ServiceProcess  # noqa: E402
+from tests.support.vllm_model import TOP_K, build_model, hf_reference, prompts  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

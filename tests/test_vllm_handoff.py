@@ -17,10 +17,10 @@ import pytest
 
 from capture.vllm import frames
 from capture.vllm.handoff import StepHandoff
-from replay_schema import RunShape
+from replay_format import RunShape
 from replay_service.client import ReplayClient
 
-SHAPE = RunShape(num_layers=4, top_k=8, num_experts=64)
+SHAPE = RunShape(num_moe_layers=4, top_k=8, num_experts=64)
 ROWS_PER_REQUEST = 6
 
 
@@ -28,7 +28,7 @@ def _handoff(service, tmp_path, run_id: str, **kw) -> StepHandoff:
     return StepHandoff({
         "url": service.url, "run_id": run_id, "writer_id": "w0", "source": "vllm-plugin",
         "spill_dir": str(tmp_path / "spill"), "flush_interval_s": 0.05,
-        "shape": {"num_layers": SHAPE.num_layers, "top_k": SHAPE.top_k, "num_experts": SHAPE.num_experts,
+        "shape": {"num_moe_layers": SHAPE.num_moe_layers, "top_k": SHAPE.top_k, "num_experts": SHAPE.num_experts,
                   "moe_layers": tuple(SHAPE.moe_layers)},
     }, token=None, **kw)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from replay_service.client import ReplayClient
-from replay_service.service_process import ServiceProcess
+from tests.support.service import ServiceProcess
 
 
 @pytest.fixture(scope="module")

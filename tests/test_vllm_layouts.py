@@ -21,7 +21,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from tests.gloo_util import gloo_pool, groups  # noqa: E402
+from tests.support.gloo import gloo_pool, groups  # noqa: E402
 
 K, E = 2, 8
 
@@ -45,7 +45,7 @@ def make_capture(g, dp, pcp, tp, n):
     from capture.vllm.layouts import Parallel
     from capture.vllm.step import StepRowsMeta
     from capture.vllm.worker import WorkerCapture
-    from replay_schema import RunShape
+    from replay_format import RunShape
 
     wc = WorkerCapture(PluginConfig("http://unused", "r", None, None))
     wc.par = Parallel(tp, g.tp_rank, pcp, g.pcp_rank, dp, g.dp_rank, g.tp_group, g.pcp_group, g.dp_group)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from replay_service.client import ReplayClient
-from replay_service.service_process import ServiceProcess
-from tests.web_browser import browser, goto_hash, new_page, require_browser, set_hash
+from tests.support.service import ServiceProcess
+from tests.support.browser import browser, goto_hash, new_page, require_browser, set_hash
 
 BIG_RUN, BIG_REQ = "big", "long-32k"
 BIG_ROWS, BIG_L, BIG_K, BIG_E = 32768, 48, 8, 128

@@ -51,7 +51,7 @@ class PluginConfig:
         run_id = (env.get(ENV_RUN) or "").strip()
         if not run_id:
             raise PluginConfigError(f"routing-replay: {ENV_URL} is set but {ENV_RUN} is not; set the run id routes go to")
-        from replay_schema import ID_RULE, valid_id
+        from replay_format import ID_RULE, valid_id
 
         if not valid_id(run_id):
             raise PluginConfigError(f"routing-replay: {ENV_RUN}={run_id!r} is not a valid id ({ID_RULE})")

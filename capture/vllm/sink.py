@@ -122,7 +122,7 @@ def _merged(group: list[frames.StepFrame]) -> frames.StepFrame:
 
 def main(fd: int) -> int:
     from capture.sender import RouteSender, SenderConfig
-    from replay_schema import RunShape
+    from replay_format import RunShape
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.nice(_NICE)
@@ -148,7 +148,7 @@ def main(fd: int) -> int:
             if body is None:
                 sink.flush()
                 continue
-            kind, value = frames.unpack(body, shape.dtype, (shape.num_layers, shape.top_k))
+            kind, value = frames.unpack(body, shape.dtype, (shape.num_moe_layers, shape.top_k))
             if kind == "step":
                 sink.step(value)
             elif kind == "finish":

@@ -78,7 +78,7 @@ class StepBook:
     def _state(self, internal: str) -> RequestState:
         st = self.requests.get(internal)
         if st is None:
-            from replay_schema import valid_id
+            from replay_format import valid_id
 
             ext = external_id(internal)
             st = self.requests[internal] = RequestState(ext, storable=valid_id(ext))

@@ -90,7 +90,7 @@ class WorkerCapture:
         self.model_id = id(model)
         self.par = Parallel.from_vllm()
         first = bound[0].router
-        from replay_schema import RunShape
+        from replay_format import RunShape
 
         shape = RunShape(len(bound), int(first.top_k), int(first.global_num_experts),
                          tuple(sorted(b.layer_id for b in bound)))
@@ -104,7 +104,7 @@ class WorkerCapture:
         _info(
             "routing-replay: capturing %d MoE layers (top-%d of %d experts) -> %s run %r; worker tp=%d/%d pcp=%d/%d "
             "dp=%d/%d; %s (pid %d)",
-            shape.num_layers, shape.top_k, shape.num_experts, self.config.url, self.config.run_id,
+            shape.num_moe_layers, shape.top_k, shape.num_experts, self.config.url, self.config.run_id,
             self.par.tp_rank, self.par.tp_size, self.par.pcp_rank, self.par.pcp_size, self.par.dp_rank,
             self.par.dp_size,
             f"sending through sink pid {self.handoff.pid}" if self.handoff else "not sending (rank 0 of its TP/PCP group sends)",
@@ -142,7 +142,7 @@ class WorkerCapture:
         handoff = StepHandoff({
             "url": cfg.url, "run_id": cfg.run_id, "writer_id": writer, "source": "vllm-plugin",
             "spill_dir": str(cfg.spill_dir / writer),
-            "shape": {"num_layers": shape.num_layers, "top_k": shape.top_k, "num_experts": shape.num_experts,
+            "shape": {"num_moe_layers": shape.num_moe_layers, "top_k": shape.top_k, "num_experts": shape.num_experts,
                       "moe_layers": tuple(shape.moe_layers)},
         }, token=cfg.token)
         atexit.register(handoff.close, 30.0)

@@ -23,19 +23,18 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from replay_schema import BatchMeta, Flag, RunShape
+from replay_format import Flag, RunShape
+
+from replay_format.rows import RowsMeta
 from replay_service import checks
 from replay_service.buffers import BufferPool
-from replay_service.decode import IncomingRows, InputError
+from replay_service.decode import IncomingRows
+from replay_service.errors import Conflict, InvalidInput, NotFound
 from replay_service.settings import ServiceSettings
 from replay_service.store.compares import CompareStore
 from replay_service.store.files import SegmentCache, sweep_unindexed, write_segment
 from replay_service.store.index import COUNT_COLUMNS, COUNTED_FLAGS, Index, moe_layers_json
 from replay_service.store.reads import RouteRows, assemble_route
-
-
-class NotFound(Exception):
-    pass
 
 
 @dataclass
@@ -90,7 +89,7 @@ class RouteStore:
             if row is None:
                 return None
             shape = RunShape(row["num_layers"], row["top_k"], row["num_experts"], tuple(_json_list(row["moe_layers"])))
-            load = np.zeros((shape.num_layers, shape.num_experts), np.int64)
+            load = np.zeros((shape.num_moe_layers, shape.num_experts), np.int64)
             if row["load"] is not None:
                 load[:] = np.frombuffer(row["load"], np.int64).reshape(load.shape)
             state = self._new_state(shape, load)
@@ -98,10 +97,10 @@ class RouteStore:
             return state
 
     def _new_state(self, shape: RunShape, load: np.ndarray) -> _RunState:
-        bits = checks.route_entropy_bits(shape.num_layers, shape.top_k, shape.num_experts)
+        bits = checks.route_entropy_bits(shape.num_moe_layers, shape.top_k, shape.num_experts)
         return _RunState(shape, load, check_content=bits >= self.settings.stale_min_entropy_bits)
 
-    def _run_for_ingest(self, meta: BatchMeta) -> _RunState:
+    def _run_for_ingest(self, meta: RowsMeta) -> _RunState:
         state = self._load_run(meta.run_id)
         if state is None:
             with self._runs_lock:
@@ -112,19 +111,17 @@ class RouteStore:
                         tx.execute(
                             "INSERT INTO runs (run_id, num_layers, top_k, num_experts, moe_layers, source, created_at)"
                             " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                            (meta.run_id, shape.num_layers, shape.top_k, shape.num_experts,
+                            (meta.run_id, shape.num_moe_layers, shape.top_k, shape.num_experts,
                              moe_layers_json(shape.moe_layers), meta.source, time.time()),
                         )
-                    state = self._new_state(shape, np.zeros((shape.num_layers, shape.num_experts), np.int64))
+                    state = self._new_state(shape, np.zeros((shape.num_moe_layers, shape.num_experts), np.int64))
                     self._runs[meta.run_id] = state
         if state.shape != meta.shape:
-            raise InputError(
-                f"run {meta.run_id!r} stores rows of {state.shape.num_layers} layers x top-{state.shape.top_k} "
+            raise Conflict(
+                f"run {meta.run_id!r} stores rows of {state.shape.num_moe_layers} layers x top-{state.shape.top_k} "
                 f"of {state.shape.num_experts} experts (MoE layers {list(state.shape.moe_layers)}); this batch has "
-                f"{meta.shape.num_layers} x top-{meta.shape.top_k} of {meta.shape.num_experts} "
-                f"(MoE layers {list(meta.shape.moe_layers)})",
-                status=409,
-            )
+                f"{meta.shape.num_moe_layers} x top-{meta.shape.top_k} of {meta.shape.num_experts} "
+                f"(MoE layers {list(meta.shape.moe_layers)})")
         return state
 
     def run_shape(self, run_id: str) -> RunShape:
@@ -138,7 +135,7 @@ class RouteStore:
 
     # ---- ingest -----------------------------------------------------------
 
-    def _stored_digest(self, meta: BatchMeta) -> str | None:
+    def _stored_digest(self, meta: RowsMeta) -> str | None:
         row = self.index.one(
             "SELECT digest FROM segments WHERE run_id = ? AND writer_id = ? AND seq = ?",
             (meta.run_id, meta.writer_id, meta.seq),
@@ -165,7 +162,7 @@ class RouteStore:
 
         load = np.zeros_like(state.load)
         content_flags, hashes = checks.check_rows(
-            rows.experts, shape.num_layers, shape.top_k, shape.num_experts, np.zeros(rows.num_rows, np.bool_), load
+            rows.experts, shape.num_moe_layers, shape.top_k, shape.num_experts, np.zeros(rows.num_rows, np.bool_), load
         )
         digest = f"{rows.num_rows}:{int(hashes.sum(dtype=np.uint64))}:{int(order_key.sum(dtype=np.int64))}"
         previous = self._stored_digest(meta)
@@ -203,7 +200,7 @@ class RouteStore:
                 if shadowed.any():  # only served rows count towards expert load
                     uncount = shadowed & (content_flags == 0)
                     unload = np.zeros_like(load)
-                    checks.check_rows(rows.experts[uncount], shape.num_layers, shape.top_k, shape.num_experts,
+                    checks.check_rows(rows.experts[uncount], shape.num_moe_layers, shape.top_k, shape.num_experts,
                                       np.zeros(int(uncount.sum()), np.bool_), unload)
                     load -= unload
                 self._commit(meta, state, rows, flags, shadowed, padding_per_request, earlier_conflicts,
@@ -218,13 +215,11 @@ class RouteStore:
             flagged["CONFLICT"] += len(earlier_conflicts)
         return IngestResult(True, rows.num_rows, int(padding.sum()), {k: v for k, v in flagged.items() if v}, size)
 
-    def _duplicate(self, meta: BatchMeta, previous: str, digest: str, num_rows: int) -> IngestResult:
+    def _duplicate(self, meta: RowsMeta, previous: str, digest: str, num_rows: int) -> IngestResult:
         if previous != digest:
-            raise InputError(
+            raise Conflict(
                 f"writer {meta.writer_id!r} already stored seq {meta.seq} in run {meta.run_id!r} with other rows; "
-                "a retry must resend the same batch, new rows need a new seq",
-                status=409,
-            )
+                "a retry must resend the same batch, new rows need a new seq")
         return IngestResult(False, num_rows)
 
     def _check_overlaps(self, run_id: str, rows: IncomingRows, shadowed: np.ndarray) -> list[tuple]:
@@ -333,11 +328,9 @@ class RouteStore:
             if row is not None and row["final_tokens"] is not None and (
                 row["final_tokens"] != num_tokens or row["status"] != status
             ):
-                raise InputError(
+                raise Conflict(
                     f"request {request_id!r} was already {row['status']} with {row['final_tokens']} tokens; "
-                    f"got {status} with {num_tokens}",
-                    status=409,
-                )
+                    f"got {status} with {num_tokens}")
             tx.execute(
                 "INSERT INTO requests (run_id, request_id) VALUES (?, ?) ON CONFLICT DO NOTHING", (run_id, request_id)
             )
@@ -368,12 +361,11 @@ class RouteStore:
         if end is None:
             end = expected
         if start < 0 or end < start:
-            raise InputError(f"bad range start={start} end={end}", status=422)
+            raise InvalidInput(f"bad range start={start} end={end}")
         if end - start > self.settings.max_read_rows:
-            raise InputError(
+            raise InvalidInput(
                 f"range {start}..{end} is {end - start} rows, more than one read returns "
-                f"(REPLAY_MAX_READ_ROWS={self.settings.max_read_rows}); read it in pieces with start/end"
-            )
+                f"(REPLAY_MAX_READ_ROWS={self.settings.max_read_rows}); read it in pieces with start/end")
         spans = self.index.query(
             "SELECT s.row_start, s.row_count, g.path FROM spans s JOIN segments g USING (segment_id)"
             " WHERE s.run_id = ? AND s.request_id = ? AND s.pos_max >= ? AND s.pos_min < ?"
@@ -492,13 +484,4 @@ def request_summary(row) -> dict:
 
 
 def _segment_batch(rows: IncomingRows, flags: np.ndarray, shape: RunShape) -> pa.RecordBatch:
-    tokens = rows.token_ids
-    token_array = pa.array(tokens.astype(np.int32), mask=tokens < 0) if (tokens < 0).any() else pa.array(tokens.astype(np.int32))
-    arrays = [
-        pa.DictionaryArray.from_arrays(pa.array(rows.request_index, pa.int32()), pa.array(rows.request_ids, pa.utf8())),
-        pa.array(rows.positions),
-        token_array,
-        pa.FixedSizeListArray.from_arrays(pa.array(rows.experts.reshape(-1)), shape.row_width),
-        pa.array(flags),
-    ]
-    return pa.RecordBatch.from_arrays(arrays, schema=shape.schema())
+    return rows.to_record_batch(flags)

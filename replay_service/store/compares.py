@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from replay_service.errors import NotFound
 from replay_service.store.files import fsync_dir
 from replay_service.store.index import Index
 
@@ -31,8 +32,8 @@ CREATE INDEX IF NOT EXISTS compares_by_run ON compares (run_id, created_at);
 """
 
 
-class CompareNotFound(LookupError):
-    pass
+class CompareNotFound(NotFound):
+    """A stored comparison (or a request in it) that does not exist."""
 
 
 class CompareStore:

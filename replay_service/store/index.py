@@ -12,7 +12,7 @@ import sqlite3
 import threading
 from pathlib import Path
 
-from replay_schema import Flag
+from replay_format import Flag
 
 # Counted per request; GAP is derived on read, PADDING counts rows dropped at ingest.
 COUNTED_FLAGS = (Flag.ZERO, Flag.DUPLICATE, Flag.OUT_OF_RANGE, Flag.STALE, Flag.CONFLICT, Flag.PADDING)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from replay_schema import Flag, RunShape
+from replay_format import Flag, RunShape
+from replay_format.rows import rows_schema
 
 
 @dataclass
@@ -31,7 +32,7 @@ class RouteRows:
         return len(self.positions)
 
     def experts_3d(self) -> np.ndarray:
-        return self.experts.reshape(self.num_rows, self.shape.num_layers, self.shape.top_k)
+        return self.experts.reshape(self.num_rows, self.shape.num_moe_layers, self.shape.top_k)
 
     def bad_rows(self) -> np.ndarray:
         return np.flatnonzero(self.flags)
@@ -45,7 +46,7 @@ class RouteRows:
             pa.FixedSizeListArray.from_arrays(pa.array(self.experts.reshape(-1)), self.shape.row_width),
             pa.array(self.flags),
         ]
-        return pa.RecordBatch.from_arrays(arrays, schema=self.shape.schema(metadata))
+        return pa.RecordBatch.from_arrays(arrays, schema=rows_schema(self.shape, metadata))
 
 
 def _piece_arrays(piece: pa.RecordBatch, width: int):

@@ -9,10 +9,10 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
-from replay_schema import ARROW_STREAM_MEDIA_TYPE, ID_RULE, valid_id
+from replay_format import ARROW_STREAM_MEDIA_TYPE, ID_RULE, valid_id
 from replay_service import layouts
-from replay_service.decode import InputError
-from replay_service.deps import Settings, Store
+from replay_service.errors import InvalidInput
+from replay_service.api.deps import Settings, Store
 from replay_service.layout_reads import SequenceRef, common_shape, encode, gather, layer_selection, sequence_specs
 
 router = APIRouter(prefix="/v1/trainer", tags=["trainer"])
@@ -52,11 +52,11 @@ class VerlQuery(_Common):
 
 def _refs(body: _Common, settings) -> list[SequenceRef]:
     if len(body.sequences) > settings.max_batch_requests:
-        raise InputError(f"{len(body.sequences)} sequences exceeds max_batch_requests={settings.max_batch_requests}")
+        raise InvalidInput(f"{len(body.sequences)} sequences exceeds max_batch_requests={settings.max_batch_requests}")
     for s in body.sequences:
         for kind, value in (("run id", s.run), ("request id", s.request)):
             if not valid_id(value):
-                raise InputError(f"{kind} {value!r} is not a valid id: {ID_RULE}")
+                raise InvalidInput(f"{kind} {value!r} is not a valid id: {ID_RULE}")
     return [SequenceRef(s.run, s.request, s.start, s.num_tokens) for s in body.sequences]
 
 
@@ -67,12 +67,11 @@ def _answer(store, settings, body: _Common, refs, make_plan, layout: dict) -> Re
     try:
         plan = make_plan(specs)
     except layouts.LayoutError as exc:
-        raise InputError(str(exc)) from None
+        raise InvalidInput(str(exc)) from None
     if plan.num_tokens > settings.max_read_rows:
-        raise InputError(
+        raise InvalidInput(
             f"this rank's slice is {plan.num_tokens} tokens, more than one read returns "
-            f"(REPLAY_MAX_READ_ROWS={settings.max_read_rows}); use smaller micro-batches"
-        )
+            f"(REPLAY_MAX_READ_ROWS={settings.max_read_rows}); use smaller micro-batches")
     experts, valid = gather(store, refs, specs, plan, shape, sel, body.strict, settings.strict_report_rows)
     layout = {**layout, "tokens": plan.num_tokens, "total_tokens": plan.total_tokens,
               "seq_length": plan.seq_length, "cu_seqlens": plan.cu_seqlens,
@@ -112,7 +111,7 @@ async def megatron(body: MegatronQuery, store: Store, settings: Settings) -> Res
 async def verl(body: VerlQuery, store: Store, settings: Settings) -> Response:
     refs = _refs(body, settings)
     if len(body.prompt_lengths) != len(refs):
-        raise InputError(f"prompt_lengths has {len(body.prompt_lengths)} entries for {len(refs)} sequences")
+        raise InvalidInput(f"prompt_lengths has {len(body.prompt_lengths)} entries for {len(refs)} sequences")
 
     def make_plan(specs):
         return layouts.verl_plan(body.prompt_lengths, [s.num_tokens for s in specs], body.prompt_width,

@@ -8,11 +8,12 @@ from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
-from replay_schema import ARROW_STREAM_MEDIA_TYPE, NPY_MEDIA_TYPE, BatchMeta
+from replay_format import ARROW_STREAM_MEDIA_TYPE, NPY_MEDIA_TYPE, FormatError
+
+from replay_format.rows import RowsMeta, shape_metadata
 from replay_service.decode import (
     EngineRoute,
     IncomingRows,
-    InputError,
     decode_ingest,
     decode_npy,
     decode_sglang_json,
@@ -21,7 +22,8 @@ from replay_service.decode import (
     read_arrow_body,
     rows_from_table,
 )
-from replay_service.deps import Metrics, RequestId, RunId, Settings, Store, pooled_body, read_body
+from replay_service.api.deps import Metrics, RequestId, RunId, Settings, Store, pooled_body, read_body
+from replay_service.errors import InvalidInput, ServiceError, UnsupportedMediaType
 from replay_service.store import IngestResult, RouteStore
 
 router = APIRouter(prefix="/v1", tags=["ingest"])
@@ -62,7 +64,7 @@ def _record(metrics, result: IngestResult) -> dict:
 async def ingest(request: Request, store: Store, settings: Settings, metrics: Metrics) -> dict:
     media = _media_type(request)
     if media and media not in ARROW_TYPES:
-        raise InputError(f"ingest takes {ARROW_STREAM_MEDIA_TYPE}, got {media}", status=415)
+        raise UnsupportedMediaType(f"ingest takes {ARROW_STREAM_MEDIA_TYPE}, got {media}")
     # The slot is held until the rows are stored: bodies in memory stay bounded, and
     # the body's buffer goes back to the pool only when nothing reads it any more.
     async with request.app.state.ingest_slots, pooled_body(
@@ -70,7 +72,7 @@ async def ingest(request: Request, store: Store, settings: Settings, metrics: Me
     ) as body:
         try:
             result = await run_in_threadpool(lambda: store.ingest(decode_ingest(body)))
-        except InputError:
+        except (ServiceError, FormatError):
             metrics.batches.labels("rejected").inc()
             raise
     return _record(metrics, result)
@@ -92,24 +94,20 @@ def _parse_layers(text: str | None) -> tuple[int, ...] | None:
     try:
         return tuple(int(x) for x in text.split(","))
     except ValueError:
-        raise InputError(f"moe_layers={text!r} is not a comma-separated list of layer indices") from None
+        raise InvalidInput(f"moe_layers={text!r} is not a comma-separated list of layer indices") from None
 
 
 def _arrow_route_rows(store: RouteStore, run: str, request_id: str, body: bytes) -> IncomingRows:
     import pyarrow as pa
 
     table = read_arrow_body(body)
-    md = dict(table.schema.metadata or {})
-    if store.has_run(run):
-        shape = store.run_shape(run)
-        md.setdefault(b"num_layers", str(shape.num_layers).encode())
-        md.setdefault(b"top_k", str(shape.top_k).encode())
-        md.setdefault(b"num_experts", str(shape.num_experts).encode())
-        md.setdefault(b"moe_layers", repr(list(shape.moe_layers)).encode())
-    md.update({b"run_id": run.encode(), b"writer_id": b"upload", b"seq": b"0"})
-    md.setdefault(b"source", b"vllm-output")
+    md = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+    if store.has_run(run) and "num_moe_layers" not in md and "num_layers" not in md:
+        md = {**shape_metadata(store.run_shape(run)), **md}
+    md.update({"run_id": run, "writer_id": "upload", "seq": "0"})
+    md.setdefault("source", "vllm-output")
     meta = parse_meta(md)
-    meta = BatchMeta(run, f"upload/{request_id}", 0, meta.shape, meta.source)
+    meta = RowsMeta(run, f"upload/{request_id}", 0, meta.shape, meta.source)
     if "request_id" in table.schema.names:
         table = table.drop_columns(["request_id"])
     table = table.add_column(0, "request_id", pa.array([request_id] * table.num_rows, pa.utf8()))
@@ -147,7 +145,7 @@ async def upload_route(
         elif media in ARROW_TYPES:
             rows = _arrow_route_rows(store, run, request, body)
         else:
-            raise InputError(f"a route is {NPY_MEDIA_TYPE}, application/json or {ARROW_STREAM_MEDIA_TYPE}; got {media or 'no content type'}", 415)
+            raise UnsupportedMediaType(f"a route is {NPY_MEDIA_TYPE}, application/json or {ARROW_STREAM_MEDIA_TYPE}; got {media or 'no content type'}")
         result = store.ingest(rows)
         if finish:
             store.finish(run, request, int(rows.positions.max()) + 2 if rows.num_rows else 1, "finished")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from fastapi import APIRouter
 
-from replay_service.deps import RunId, Store
+from replay_service.api.deps import RunId, Store
 
 router = APIRouter(prefix="/v1", tags=["runs"])
 
@@ -28,7 +28,7 @@ def expert_load(run: RunId, store: Store) -> dict:
     imbalance = np.divide(load.max(axis=1), mean, out=np.zeros_like(mean, dtype=float), where=mean > 0)
     return {
         "run_id": run,
-        "num_layers": shape.num_layers,
+        "num_layers": shape.num_moe_layers,
         "num_experts": shape.num_experts,
         "top_k": shape.top_k,
         "moe_layers": list(shape.moe_layers),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from replay_service.deps import Metrics, Settings, Store
+from replay_service.api.deps import Metrics, Settings, Store
 
 router = APIRouter(tags=["operations"])
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Query, Request
 from starlette.concurrency import run_in_threadpool
 
-from replay_schema import ARROW_STREAM_MEDIA_TYPE
+from replay_format import ARROW_STREAM_MEDIA_TYPE
 from replay_service.compare import run_compare
-from replay_service.decode import InputError
-from replay_service.deps import RequestId, RunId, Settings, Store, read_body
+from replay_service.errors import InvalidInput, UnsupportedMediaType
+from replay_service.api.deps import RequestId, RunId, Settings, Store, read_body
 
 router = APIRouter(prefix="/v1", tags=["compare"])
 
@@ -28,7 +28,7 @@ async def compare(
 ) -> dict:
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media and media not in ARROW_TYPES:
-        raise InputError(f"compare takes {ARROW_STREAM_MEDIA_TYPE}, got {media}", status=415)
+        raise UnsupportedMediaType(f"compare takes {ARROW_STREAM_MEDIA_TYPE}, got {media}")
     async with request.app.state.ingest_slots:  # bounds bodies held in memory, like ingest
         body = await read_body(request, settings.max_body_bytes)
 
@@ -68,12 +68,11 @@ def compare_request(
     if end is None:
         end = int(positions[-1]) + 1 if len(positions) else start
     if end < start:
-        raise InputError(f"bad range start={start} end={end}")
+        raise InvalidInput(f"bad range start={start} end={end}")
     keep = (positions >= start) & (positions < end)
     if int(keep.sum()) > settings.max_json_rows:
-        raise InputError(
-            f"{int(keep.sum())} positions is more than JSON serves ({settings.max_json_rows}); use start/end"
-        )
+        raise InvalidInput(
+            f"{int(keep.sum())} positions is more than JSON serves ({settings.max_json_rows}); use start/end")
     return {
         "request_id": request,
         "start": start,

@@ -8,9 +8,9 @@ from typing import Annotated
 
 from fastapi import Depends, Path, Request
 
-from replay_schema import ID_RULE, valid_id
+from replay_format import ID_RULE, valid_id
 from replay_service.buffers import BufferPool
-from replay_service.decode import InputError
+from replay_service.errors import InvalidInput, TooLarge
 from replay_service.metrics import ServiceMetrics
 from replay_service.settings import ServiceSettings
 from replay_service.store import RouteStore
@@ -30,7 +30,7 @@ def get_metrics(request: Request) -> ServiceMetrics:
 
 def _checked(kind: str, value: str) -> str:
     if not valid_id(value):
-        raise InputError(f"{kind} {value!r} is not a valid id: {ID_RULE}", status=422)
+        raise InvalidInput(f"{kind} {value!r} is not a valid id: {ID_RULE}")
     return value
 
 
@@ -57,10 +57,10 @@ async def read_body(request: Request, limit: int) -> bytes:
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise InputError(f"body exceeds the limit of {limit} bytes (REPLAY_MAX_BODY_BYTES)", 413)
+            raise TooLarge(f"body exceeds the limit of {limit} bytes (REPLAY_MAX_BODY_BYTES)")
         chunks.append(chunk)
     if declared is not None and size != declared:
-        raise InputError(f"body of {size} bytes, but content-length said {declared}")
+        raise InvalidInput(f"body of {size} bytes, but content-length said {declared}")
     return b"".join(chunks)
 
 
@@ -80,11 +80,11 @@ async def pooled_body(request: Request, limit: int, pool: BufferPool) -> AsyncIt
         async for chunk in request.stream():
             end = size + len(chunk)
             if end > declared:
-                raise InputError(f"body longer than its content-length of {declared} bytes")
+                raise InvalidInput(f"body longer than its content-length of {declared} bytes")
             view[size:end] = chunk
             size = end
         if size != declared:
-            raise InputError(f"body of {size} bytes, but content-length said {declared}")
+            raise InvalidInput(f"body of {size} bytes, but content-length said {declared}")
         yield view
 
 
@@ -93,5 +93,5 @@ def _declared_length(request: Request, limit: int) -> int | None:
     if declared is None or not declared.isdigit():
         return None
     if int(declared) > limit:
-        raise InputError(f"body of {declared} bytes exceeds the limit of {limit} bytes (REPLAY_MAX_BODY_BYTES)", 413)
+        raise TooLarge(f"body of {declared} bytes exceeds the limit of {limit} bytes (REPLAY_MAX_BODY_BYTES)")
     return int(declared)

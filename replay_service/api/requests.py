@@ -10,10 +10,11 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
-from replay_schema import ARROW_STREAM_MEDIA_TYPE, ID_RULE, parse_flag, valid_id
+from replay_format import ARROW_STREAM_MEDIA_TYPE, ID_RULE, parse_flag, valid_id
+from replay_format.rows import rows_schema
 from replay_service import encode
-from replay_service.decode import InputError
-from replay_service.deps import RequestId, RunId, Settings, Store
+from replay_service.errors import InvalidInput
+from replay_service.api.deps import RequestId, RunId, Settings, Store
 
 router = APIRouter(prefix="/v1", tags=["requests"])
 
@@ -30,7 +31,7 @@ def list_requests(
     try:
         wanted = parse_flag(flag) if flag else None
     except ValueError as exc:
-        raise InputError(str(exc)) from None
+        raise InvalidInput(str(exc)) from None
     return store.list_requests(run, wanted, cursor, min(limit, settings.page_limit_max))
 
 
@@ -65,10 +66,9 @@ async def get_route(
         headers = {"X-Route-Start": str(start), "X-Route-End": str(stop)}
         if kind == "json":
             if route.num_rows > settings.max_json_rows:
-                raise InputError(
+                raise InvalidInput(
                     f"{route.num_rows} rows is more than JSON serves ({settings.max_json_rows}); "
-                    "use start/end, or format=arrow or npy",
-                )
+                    "use start/end, or format=arrow or npy",)
             return Response(
                 content=_json_bytes(encode.route_json(run, route, start, stop)),
                 media_type="application/json",
@@ -127,10 +127,10 @@ class _Chunks:
 )
 async def batch_routes(run: RunId, body: BatchQuery, store: Store, settings: Settings) -> Response:
     if len(body.requests) > settings.max_batch_requests:
-        raise InputError(f"{len(body.requests)} requests exceeds max_batch_requests={settings.max_batch_requests}")
+        raise InvalidInput(f"{len(body.requests)} requests exceeds max_batch_requests={settings.max_batch_requests}")
     for rid in body.requests:
         if not valid_id(rid):
-            raise InputError(f"request id {rid!r} is not a valid id: {ID_RULE}")
+            raise InvalidInput(f"request id {rid!r} is not a valid id: {ID_RULE}")
     shape = store.run_shape(run)
 
     def check_all() -> None:
@@ -142,12 +142,12 @@ async def batch_routes(run: RunId, body: BatchQuery, store: Store, settings: Set
     # Every request is read once before the first byte goes out, so a missing
     # request or a strict refusal is a clean 404/409 instead of a cut stream.
     await run_in_threadpool(check_all)
-    metadata = {"run_id": run, "num_layers": str(shape.num_layers), "top_k": str(shape.top_k),
+    metadata = {"run_id": run, "num_layers": str(shape.num_moe_layers), "top_k": str(shape.top_k),
                 "num_experts": str(shape.num_experts), "requests": str(len(body.requests))}
 
     def stream() -> Iterator[bytes]:
         sink = _Chunks()
-        writer = pa.ipc.new_stream(sink, shape.schema(metadata))
+        writer = pa.ipc.new_stream(sink, rows_schema(shape, metadata))
         for rid in body.requests:
             route = store.read_route(run, rid, body.start, body.end)
             writer.write_batch(route.to_batch())

@@ -1,0 +1,194 @@
+"""What every format shares: flags, ids, the expert dtype, a run's shape, versions, errors.
+
+Imports only numpy and pyarrow: the inference worker, the sink process, the service
+and the trainer all import it. Each message format is a module beside this one with
+its spec (`<name>.md`) next to it; `README.md` lists them.
+
+Vocabulary (one meaning per word, in code, on the wire and in the API):
+- *model layer*: index of a decoder layer in the model, `0 .. num_hidden_layers-1`.
+- *MoE layer*: a model layer with a router. `moe_layers` lists their model-layer
+  indices; a row holds `num_moe_layers` of them, in that order.
+- *MoE ordinal*: position in `moe_layers` (`0 .. num_moe_layers-1`).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+ARROW_STREAM_MEDIA_TYPE = "application/vnd.apache.arrow.stream"
+NPY_MEDIA_TYPE = "application/x-npy"
+JSON_MEDIA_TYPE = "application/json"
+
+# In memory a missing input token id is NO_TOKEN in an int32 array; on the wire it is an
+# Arrow null in the nullable int32 `token_id` column. Nothing else spells it.
+NO_TOKEN = -1
+
+# Run, request and writer ids travel in URL paths and name files on disk: a
+# conservative charset, no path separators, no "..", bounded length.
+ID_MAX_LEN = 128
+ID_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:@+=-]{0,127}$")
+ID_RULE = f"1-{ID_MAX_LEN} characters of A-Z a-z 0-9 . _ : @ + = -, not starting with '.' or '-', no '..'"
+
+
+class FormatError(ValueError):
+    """Bytes or metadata that do not follow a format's spec; the message names what is wrong."""
+
+
+class UndecodableError(FormatError):
+    """The bytes are not the container the format needs at all (not Arrow IPC, not .npy, not JSON)."""
+
+
+class Flag(enum.IntFlag):
+    """Per-row flag bits (rows.md, "Flags"). `web/js/dom.js` mirrors this table (a test ties them)."""
+
+    ZERO = 1
+    DUPLICATE = 2
+    OUT_OF_RANGE = 4
+    STALE = 8
+    CONFLICT = 16
+    GAP = 32
+    PADDING = 64
+
+
+ALL_FLAGS = tuple(Flag)
+FLAG_MASK = int(sum(ALL_FLAGS))
+# Bits a writer may set itself; the rest are the service's verdicts, recomputed on ingest.
+WRITER_FLAGS = Flag.STALE | Flag.PADDING
+
+
+def flag_names(bits: int) -> list[str]:
+    """The names of the flags set in `bits`, in bit order."""
+    return [f.name for f in ALL_FLAGS if bits & f and f.name is not None]
+
+
+def parse_flag(name: str) -> Flag:
+    """A flag by name (any case); FormatError naming the known flags otherwise."""
+    try:
+        return Flag[name.upper()]
+    except KeyError:
+        raise FormatError(f"unknown flag {name!r}; flags are {', '.join(flag_names(FLAG_MASK))}") from None
+
+
+class Source(enum.StrEnum):
+    """Who produced a batch of rows."""
+
+    VLLM_PLUGIN = "vllm-plugin"
+    VLLM_OUTPUT = "vllm-output"
+    SGLANG_OUTPUT = "sglang-output"
+    TRAINER = "trainer"
+    SYNTHETIC = "synthetic"
+
+
+def valid_id(value: str) -> bool:
+    """True when `value` follows ID_RULE."""
+    return isinstance(value, str) and bool(ID_PATTERN.match(value)) and ".." not in value
+
+
+def check_id(kind: str, value: str) -> str:
+    """`value` if it is a valid id, else FormatError naming `kind` and the rule."""
+    if not valid_id(value):
+        raise FormatError(f"{kind} {value!r} is not a valid id: {ID_RULE}")
+    return value
+
+
+def expert_dtype(num_experts: int) -> np.dtype:
+    """uint8 up to 256 experts, else uint16; never int32 on the wire or on disk."""
+    if num_experts < 1 or num_experts > 65536:
+        raise FormatError(f"num_experts must be in 1..65536, got {num_experts}")
+    return np.dtype(np.uint8) if num_experts <= 256 else np.dtype(np.uint16)
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What a run's rows look like: `num_moe_layers` x top-k ids of `num_experts`, and which model layers those are."""
+
+    num_moe_layers: int
+    top_k: int
+    num_experts: int
+    moe_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_moe_layers < 1 or self.top_k < 1:
+            raise FormatError(f"num_moe_layers and top_k must be >= 1, got {self.num_moe_layers} and {self.top_k}")
+        if self.top_k > self.num_experts:
+            raise FormatError(f"top_k {self.top_k} exceeds num_experts {self.num_experts}")
+        expert_dtype(self.num_experts)
+        layers = tuple(int(x) for x in self.moe_layers) or tuple(range(self.num_moe_layers))
+        object.__setattr__(self, "moe_layers", layers)
+        if len(layers) != self.num_moe_layers:
+            raise FormatError(f"moe_layers lists {len(layers)} layers but num_moe_layers is {self.num_moe_layers}")
+        if min(layers) < 0 or any(b <= a for a, b in zip(layers, layers[1:])):
+            raise FormatError(f"moe_layers {list(layers)} must be increasing model-layer indices >= 0")
+
+    @property
+    def dtype(self) -> np.dtype:
+        return expert_dtype(self.num_experts)
+
+    @property
+    def arrow_type(self) -> pa.DataType:
+        return pa.from_numpy_dtype(self.dtype)
+
+    @property
+    def row_width(self) -> int:
+        return self.num_moe_layers * self.top_k
+
+
+@dataclass(frozen=True, order=True)
+class FormatVersion:
+    """`major.minor`: a reader takes every minor of the majors it knows and refuses the rest."""
+
+    major: int
+    minor: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.major}.{self.minor}"
+
+    @classmethod
+    def parse(cls, text: str, what: str) -> "FormatVersion":
+        """`"2.0"` -> FormatVersion(2, 0); FormatError naming `what` otherwise."""
+        major, dot, minor = text.partition(".")
+        if not (major.isdigit() and (not dot or minor.isdigit())):
+            raise FormatError(f"{what}: format_version {text!r} is not MAJOR.MINOR")
+        return cls(int(major), int(minor or 0))
+
+    def check(self, what: str, known: "FormatVersion") -> "FormatVersion":
+        """self, when a reader of `known` can read it (same major or older); else FormatError."""
+        if self.major > known.major:
+            raise FormatError(
+                f"{what}: format_version {self} is newer than this reader knows ({known.major}.x); "
+                "upgrade routing-replay on the reading side"
+            )
+        return self
+
+
+def decode_metadata(metadata: dict[bytes, bytes] | None, what: str) -> dict[str, str]:
+    """Arrow schema metadata as text; FormatError when a key or value is not UTF-8."""
+    try:
+        return {k.decode(): v.decode() for k, v in (metadata or {}).items()}
+    except UnicodeDecodeError as exc:
+        raise FormatError(f"{what}: schema metadata is not UTF-8 ({exc})") from None
+
+
+def metadata_int(md: dict[str, str], key: str, what: str, low: int = 0, high: int = 2**63 - 1) -> int:
+    """An integer metadata value in [low, high]; FormatError naming the key otherwise."""
+    if key not in md:
+        raise FormatError(f"{what}: schema metadata lacks {key}")
+    try:
+        value = int(md[key])
+    except ValueError:
+        raise FormatError(f"{what}: schema metadata {key}={md[key]!r} is not an integer") from None
+    if not low <= value <= high:
+        raise FormatError(f"{what}: schema metadata {key}={value} is outside {low}..{high}")
+    return value
+
+
+def metadata_version(md: dict[str, str], what: str, known: FormatVersion, legacy: FormatVersion) -> FormatVersion:
+    """The message's format_version (`legacy` when absent: written before versions existed), checked."""
+    text = md.get("format_version")
+    version = legacy if text is None else FormatVersion.parse(text, what)
+    return version.check(what, known)
