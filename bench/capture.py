@@ -23,15 +23,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from capture import StepLayout, StepRecorder, restore_rows  # noqa: E402
-from capture.restore import _gather_single  # noqa: E402
-from replay_format import RunShape  # noqa: E402
-
+from capture import RowSharding, StepRecorder, Strategy, restore_rows
+from capture.worker.restore import _gather_single
+from replay_format import RunShape
 
 K = 8
 
@@ -55,18 +54,18 @@ def _restore_worker(rank: int, init_file: str, tokens: int, layers: int, repeats
     g = torch.Generator().manual_seed(0)
     rows = {}
     for label, n, strategy in (
-        (f"alltoall {tokens} (even split)", tokens, "alltoall"),
-        (f"alltoall {tokens - 1} (uneven split)", tokens - 1, "alltoall"),
-        (f"mc2 {tokens}", tokens, "mc2"),
-        (f"sequence_parallel {tokens}", tokens, "sequence_parallel"),
+        (f"alltoall {tokens} (even split)", tokens, Strategy.ALLTOALL),
+        (f"alltoall {tokens - 1} (uneven split)", tokens - 1, Strategy.ALLTOALL),
+        (f"mc2 {tokens}", tokens, Strategy.MC2),
+        (f"sequence_parallel {tokens}", tokens, Strategy.SEQUENCE_PARALLEL),
     ):
         batch = torch.randint(0, 128, (n, K), generator=g, dtype=torch.int32)
-        layout = StepLayout(num_tokens=n, strategy=strategy, tp_size=2, tp_rank=rank)
-        pad = layout.plan().tp_sizes
+        sharding = RowSharding(num_tokens=n, strategy=strategy, tp_size=2, tp_rank=rank)
+        pad = sharding.plan().tp_sizes
         shard = torch.tensor_split(torch.cat([batch, batch.new_full((max(0, sum(pad) - n), K), -1)]), 2)[rank]
-        got = restore_rows(shard, layout)
+        got = restore_rows(shard, sharding)
         assert torch.equal(got, batch), label
-        rows[label] = _median_step(lambda s=shard, lay=layout: restore_rows(s, lay), layers, repeats)
+        rows[label] = _median_step(lambda s=shard, sh=sharding: restore_rows(s, sh), layers, repeats)
     half = torch.randint(0, 128, (tokens // 2, K), generator=g, dtype=torch.int32)
     buf = half.new_empty((tokens, K))
     rows["bare all_gather (floor)"] = _median_step(lambda: _gather_single(buf, half, None), layers, repeats)
@@ -77,7 +76,7 @@ def _restore_worker(rank: int, init_file: str, tokens: int, layers: int, repeats
     gathered = torch.randint(0, 128, (2 * chunk, K), generator=g, dtype=torch.int32)
     real = torch.cat([torch.arange(chunk - 3), torch.arange(chunk, 2 * chunk - 3)])
     index = real[torch.randperm(real.numel(), generator=torch.Generator().manual_seed(1))]
-    lay = StepLayout(num_tokens=2 * chunk - 6, strategy="local", pcp_size=2, pcp_rank=rank)
+    lay = RowSharding(num_tokens=2 * chunk - 6, strategy=Strategy.LOCAL, pcp_size=2, pcp_rank=rank)
     rows[f"pcp=2 local {2 * chunk - 6} + mask + restore index"] = _median_step(
         lambda: restore_rows(gathered, lay, pcp_group=None, pcp_padding=mask, pcp_restore_index=index), layers, repeats
     )
@@ -168,7 +167,8 @@ def main() -> None:
     for (label, how), (rec_s, end_s, stale) in bench_recorder(args.tokens, args.layers, args.repeats).items():
         print(
             f"  {label:<22} {how:<6} x{args.layers} {1e3 * rec_s:7.2f} ms  end_step {1e3 * end_s:6.2f} ms"
-            f"  step {1e3 * (rec_s + end_s):7.2f} ms  ({args.tokens / (rec_s + end_s) / 1e6:.2f} M tokens/s, stale rows {stale})"
+            f"  step {1e3 * (rec_s + end_s):7.2f} ms  ({args.tokens / (rec_s + end_s) / 1e6:.2f} M tokens/s,"
+            f" stale rows {stale})"
         )
     enqueue_s, stats = bench_enqueue(args.tokens, args.layers, args.repeats)
     print(f"RouteSender.submit, {args.tokens} rows of {args.layers} x top-{K} uint8 (forward-thread cost)")

@@ -19,23 +19,26 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+ROOT = str(Path(__file__).resolve().parent.parent)
+if ROOT not in sys.path:  # `python bench/fetch.py` from anywhere: tests.support is not installed
+    sys.path.insert(0, ROOT)
 
 import numpy as np
 import pyarrow as pa
 import torch
 
+from replay_client import ReplayClient
 from replay_format import RunShape
-
 from replay_format.rows import RowsMeta, build_rows, encode_stream
-from replay_service.client import ReplayClient
 from replay_service.demo import bulk_routes
 from tests.support.service import ServiceProcess
 
 SHAPE = RunShape(num_moe_layers=48, top_k=8, num_experts=128)
-
 
 
 def best(fn, repeat: int) -> tuple[float, object]:
@@ -57,7 +60,8 @@ def read_files_directly(data_dir: Path, requests: list[str]) -> torch.Tensor:
         names = req.dictionary.to_pylist()
         index = req.indices.to_numpy()
         positions = batch.column("position").to_numpy()
-        experts = batch.column("experts").flatten().to_numpy().reshape(batch.num_rows, SHAPE.num_moe_layers, SHAPE.top_k)
+        experts = batch.column("experts").flatten().to_numpy()
+        experts = experts.reshape(batch.num_rows, SHAPE.num_moe_layers, SHAPE.top_k)
         for k, name in enumerate(names):
             if name in wanted:
                 rows = np.flatnonzero(index == k)
@@ -129,7 +133,8 @@ def main() -> None:
           f"{SHAPE.top_k} uint8 ({mb:.0f} MB), into a torch tensor; best of {args.repeat}")
     print(f"  service /v1/trainer/megatron (THD) {t_mega:6.3f} s  {rate['service_megatron'] / 1e6:6.2f} M tokens/s"
           f"  (median {mega_med:.3f} s)")
-    print(f"  service /v1/runs/.../routes/batch  {t_routes:6.3f} s  {rate['service_batch_routes'] / 1e6:6.2f} M tokens/s"
+    print(f"  service /v1/runs/.../routes/batch  {t_routes:6.3f} s  "
+          f"{rate['service_batch_routes'] / 1e6:6.2f} M tokens/s"
           f"  (median {routes_med:.3f} s)")
     print(f"  direct Arrow files, one process    {t_files:6.3f} s  {rate['direct_arrow_files'] / 1e6:6.2f} M tokens/s"
           f"  (median {files_med:.3f} s)")

@@ -18,16 +18,20 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+ROOT = str(Path(__file__).resolve().parent.parent)
+if ROOT not in sys.path:  # `python bench/ingest.py` from anywhere: tests.support is not installed
+    sys.path.insert(0, ROOT)
+
 import httpx
 import numpy as np
 
 from replay_format import ARROW_STREAM_MEDIA_TYPE, RunShape
-
 from replay_format.rows import RowsMeta, build_rows, encode_stream
 from replay_service.demo import bulk_routes
 from tests.support.service import ServiceProcess
@@ -80,7 +84,8 @@ def main() -> None:
         batches = []
         for seq, lo in enumerate(range(0, args.tokens, args.batch_tokens)):
             n = min(args.batch_tokens, args.tokens - lo)
-            request_ids = [f"r{(lo + i) // per_request}" for i in range(0, n, per_request) for _ in range(per_request)][:n]
+            request_ids = [f"r{(lo + i) // per_request}"
+                           for i in range(0, n, per_request) for _ in range(per_request)][:n]
             positions = (np.arange(lo, lo + n) % per_request).astype(np.int32)
             batches.append((seq, request_ids, positions, ids[lo : lo + n]))
 
@@ -109,7 +114,8 @@ def main() -> None:
                                headers={"content-type": "application/json"})
             answer.raise_for_status()
 
-        run_parallel(requests[: args.warmup_batches], args.writers, lambda http, job: send_json(http, job, "warmup-json"))
+        run_parallel(requests[: args.warmup_batches], args.writers,
+                     lambda http, job: send_json(http, job, "warmup-json"))
         json_s = run_parallel(requests, args.writers, send_json)
         json_tps = len(base_ids) / json_s
 

@@ -50,11 +50,11 @@ def main() -> int:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from capture.vllm.worker import rpc_cost, rpc_set_enabled
+    from capture.vllm.worker.runner import rpc_cost, rpc_set_enabled
     from replay_service.client import ReplayClient
     from tests.support.service import ServiceProcess
-    from tests.test_vllm_e2e import _engine_env, start_engine, stop_engine
     from tests.support.vllm_model import build_model, prompts
+    from tests.test_vllm_e2e import _engine_env, start_engine, stop_engine
 
     work = tempfile.mkdtemp(prefix="rr_bench_")
     model_dir = build_model(os.path.join(work, "model"), **MODELS[args.model])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -149,14 +150,14 @@ class FormatVersion:
         return f"{self.major}.{self.minor}"
 
     @classmethod
-    def parse(cls, text: str, what: str) -> "FormatVersion":
+    def parse(cls, text: str, what: str) -> FormatVersion:
         """`"2.0"` -> FormatVersion(2, 0); FormatError naming `what` otherwise."""
         major, dot, minor = text.partition(".")
         if not (major.isdigit() and (not dot or minor.isdigit())):
             raise FormatError(f"{what}: format_version {text!r} is not MAJOR.MINOR")
         return cls(int(major), int(minor or 0))
 
-    def check(self, what: str, known: "FormatVersion") -> "FormatVersion":
+    def check(self, what: str, known: FormatVersion) -> FormatVersion:
         """self, when a reader of `known` can read it (same major or older); else FormatError."""
         if self.major > known.major:
             raise FormatError(
@@ -192,3 +193,65 @@ def metadata_version(md: dict[str, str], what: str, known: FormatVersion, legacy
     text = md.get("format_version")
     version = legacy if text is None else FormatVersion.parse(text, what)
     return version.check(what, known)
+
+
+def writable_view(array: pa.Array, backing: bytearray) -> np.ndarray:
+    """A writable numpy view of a primitive Arrow array whose values lie inside `backing`.
+
+    Readers of a received body (a `bytearray` the client filled) hand out arrays that view it, so
+    `torch.from_numpy` shares that memory too. Nulls are not looked at: callers fill them first.
+    An array whose values are not inside `backing` (never for a stream read from it) is copied.
+    """
+    dtype = np.dtype(array.type.to_pandas_dtype())
+    data = array.buffers()[1]
+    base = np.frombuffer(backing, np.uint8).ctypes.data if len(backing) else 0
+    start = (data.address - base + array.offset * dtype.itemsize) if data is not None else -1
+    if len(array) and 0 <= start and start + len(array) * dtype.itemsize <= len(backing):
+        return np.frombuffer(backing, dtype=dtype, count=len(array), offset=start)
+    return np.array(array.to_numpy(zero_copy_only=False), dtype=dtype)  # a fresh, writable copy
+
+
+class IpcParts:
+    """A write-only file for `pa.ipc.new_stream` that keeps what Arrow hands it, uncopied.
+
+    Arrow writes small framing as `bytes` and each large column buffer as the array's own
+    `pa.Buffer`: the parts reference the arrays, so an answer reaches the socket without
+    another copy of its ids. `take()` hands over what was written since the last call.
+    """
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.parts: list[memoryview] = []
+
+    def write(self, data) -> int:
+        """Keep one piece (Arrow's calling convention for a file object)."""
+        self.parts.append(memoryview(data))
+        return len(self.parts[-1])
+
+    def flush(self) -> None:
+        """Nothing buffered."""
+
+    def close(self) -> None:
+        """Arrow closes the sink when the stream ends."""
+        self.closed = True
+
+    def take(self) -> list[memoryview]:
+        """The parts written since the last `take`."""
+        out, self.parts = self.parts, []
+        return out
+
+
+def ipc_stream_parts(schema: pa.Schema, batches) -> Iterator[list[memoryview]]:
+    """An Arrow IPC stream of `batches` (any iterable, read lazily) as the parts of each batch in turn.
+
+    The first list holds the schema and the first batch, the last the end-of-stream marker;
+    a server streams them as they come, without holding every batch at once.
+    """
+    sink = IpcParts()
+    writer = pa.ipc.new_stream(sink, schema)
+    for batch in batches:
+        writer.write_batch(batch)
+        yield sink.take()
+    writer.close()
+    yield sink.take()

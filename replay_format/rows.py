@@ -75,7 +75,8 @@ def shape_from_metadata(md: dict[str, str], what: str, version: FormatVersion = 
                 raise ValueError
             moe_layers = tuple(parsed)
         except (ValueError, RecursionError):
-            raise FormatError(f"{what}: schema metadata moe_layers={md['moe_layers'][:100]!r} is not a JSON list of ints") from None
+            text = md["moe_layers"][:100]
+            raise FormatError(f"{what}: schema metadata moe_layers={text!r} is not a JSON list of ints") from None
     try:
         return RunShape(num_moe_layers, top_k, num_experts, moe_layers)
     except FormatError as exc:
@@ -111,7 +112,7 @@ class RowsMeta:
         }
 
     @classmethod
-    def from_metadata(cls, md: dict[str, str]) -> "RowsMeta":
+    def from_metadata(cls, md: dict[str, str]) -> RowsMeta:
         """Parse and validate decoded metadata; FormatError naming the missing or bad key."""
         what = "row batch"
         version = metadata_version(md, what, VERSION, LEGACY_VERSION)
@@ -153,12 +154,13 @@ class Rows:
     def num_rows(self) -> int:
         return len(self.positions)
 
-    def take(self, index: np.ndarray) -> "Rows":
+    def take(self, index: np.ndarray) -> Rows:
         """These rows at `index` (a bool mask or row numbers), same dictionary."""
         return replace(self, request_index=self.request_index[index], positions=self.positions[index],
                        token_ids=self.token_ids[index], experts=self.experts[index], flags=self.flags[index])
 
-    def to_record_batch(self, flags: np.ndarray | None = None, metadata: dict[str, str] | None = None) -> pa.RecordBatch:
+    def to_record_batch(self, flags: np.ndarray | None = None,
+                        metadata: dict[str, str] | None = None) -> pa.RecordBatch:
         """The rows as a record batch (`flags` replaces theirs; the service writes its verdicts)."""
         return build_rows(self.meta.shape, (self.request_ids, self.request_index), self.positions, self.experts,
                           self.token_ids, self.flags if flags is None else flags, metadata)
@@ -266,7 +268,8 @@ def _integer_column(column: pa.Array, name: str, allow_null: bool) -> np.ndarray
     return column.to_numpy(zero_copy_only=False)
 
 
-def narrow_ids(values: np.ndarray, num_experts: int, usable: np.ndarray | None = None, what: str = "experts") -> np.ndarray:
+def narrow_ids(values: np.ndarray, num_experts: int, usable: np.ndarray | None = None,
+               what: str = "experts") -> np.ndarray:
     """Integer ids narrowed to uint8/uint16; an id that does not fit is a FormatError, never wrapped.
 
     `usable` masks the rows whose content matters (padding rows are dropped later).

@@ -25,23 +25,24 @@ CHUNK_ROWS = 8192  # rows compared at once: bounds the (rows, L, K, K) temporary
 class Tally:
     """Running sums over many requests; `finish` turns them into the answer."""
 
-    num_layers: int
+    num_moe_layers: int
     tokens: int = 0
     differing_tokens: int = 0
-    layer_differ: np.ndarray = None  # (L,) int64: tokens whose layer set differs
-    layer_jaccard: np.ndarray = None  # (L,) float64: sum of Jaccard
-    worst: list = field(default_factory=list)  # (layers_differing, -jaccard, request, position)
+    layer_differ: np.ndarray = field(init=False)  # (L,) int64: tokens whose layer set differs
+    layer_jaccard: np.ndarray = field(init=False)  # (L,) float64: sum of Jaccard
+    # (layers differing, -jaccard, request, position) of the worst tokens so far
+    worst: list[tuple[int, float, str, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.layer_differ = np.zeros(self.num_layers, np.int64)
-        self.layer_jaccard = np.zeros(self.num_layers, np.float64)
+        self.layer_differ = np.zeros(self.num_moe_layers, np.int64)
+        self.layer_jaccard = np.zeros(self.num_moe_layers, np.float64)
 
 
 def compare_rows(trainer: np.ndarray, recorded: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """`(n, L, K)` each -> (differs (n, L) bool, jaccard (n, L) float64)."""
-    n, num_layers, top_k = trainer.shape
-    differs = np.empty((n, num_layers), np.bool_)
-    jaccard = np.empty((n, num_layers), np.float64)
+    n, num_moe_layers, top_k = trainer.shape
+    differs = np.empty((n, num_moe_layers), np.bool_)
+    jaccard = np.empty((n, num_moe_layers), np.float64)
     for lo in range(0, n, CHUNK_ROWS):
         hi = min(lo + CHUNK_ROWS, n)
         a = np.sort(trainer[lo:hi].astype(np.int32), axis=-1)
@@ -55,6 +56,7 @@ def compare_rows(trainer: np.ndarray, recorded: np.ndarray) -> tuple[np.ndarray,
 
 def add_request(tally: Tally, request_id: str, positions: np.ndarray, differs: np.ndarray, jaccard: np.ndarray,
                 worst_tokens: int) -> None:
+    """Add one request's compared rows to the tally, keeping the `worst_tokens` worst tokens overall."""
     if not len(positions):
         return
     per_token = differs.sum(axis=1)
@@ -75,21 +77,22 @@ def add_request(tally: Tally, request_id: str, positions: np.ndarray, differs: n
 
 
 def finish(tally: Tally, moe_layers: tuple[int, ...], worst_layers: int = 10) -> dict:
+    """The figures of a tally: overall and per MoE layer, the worst layers (MoE ordinals) and tokens."""
     tokens = tally.tokens
     if tokens:
         layer_mismatch = tally.layer_differ / tokens
         layer_jaccard = tally.layer_jaccard / tokens
-        router = float(tally.layer_differ.sum() / (tokens * tally.num_layers))
+        router = float(tally.layer_differ.sum() / (tokens * tally.num_moe_layers))
         token = tally.differing_tokens / tokens
-        jac = float(tally.layer_jaccard.sum() / (tokens * tally.num_layers))
+        jac = float(tally.layer_jaccard.sum() / (tokens * tally.num_moe_layers))
     else:
-        layer_mismatch = np.zeros(tally.num_layers)
-        layer_jaccard = np.zeros(tally.num_layers)
+        layer_mismatch = np.zeros(tally.num_moe_layers)
+        layer_jaccard = np.zeros(tally.num_moe_layers)
         router = token = jac = 0.0
     per_layer = [
         {"layer": i, "model_layer": int(moe_layers[i]), "router_mismatch": float(layer_mismatch[i]),
          "jaccard": float(layer_jaccard[i])}
-        for i in range(tally.num_layers)
+        for i in range(tally.num_moe_layers)
     ]
     bad_layers = np.flatnonzero(tally.layer_differ)
     ranked = bad_layers[np.lexsort((bad_layers, layer_jaccard[bad_layers], -layer_mismatch[bad_layers]))]

@@ -10,10 +10,10 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
+from replay_service.api import compares, ingest, ops, requests, runs, trainer
 from replay_service.api.errors import install_error_handlers
 from replay_service.buffers import BufferPool
 from replay_service.metrics import ServiceMetrics
-from replay_service.api import compares, ingest, ops, requests, runs, trainer
 from replay_service.settings import ServiceSettings
 from replay_service.store import RouteStore
 
@@ -54,6 +54,7 @@ class LatencyMiddleware:
 
 
 def create_app(settings: ServiceSettings | None = None, store: RouteStore | None = None) -> FastAPI:
+    """The service: `settings` (default: from REPLAY_* variables), a store opened at start-up unless given."""
     settings = settings or ServiceSettings()
 
     @asynccontextmanager

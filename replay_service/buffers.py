@@ -5,7 +5,7 @@ project is measured on, a 12.6 MB ingest body or segment image in newly
 allocated memory cost 20-35 ms of CPU in page faults (about 10 us per 4 KiB
 page), more than checking its rows. A few buffers that are touched once and
 then reused take that off every request. Page alignment also lets segments be
-written with O_DIRECT (store/files.py).
+written with O_DIRECT (ingest/segment.py).
 
 Memory stays bounded: the pool keeps at most `keep` buffers; a buffer taken
 while none is free is new and is dropped on return when the pool is full.
@@ -23,6 +23,8 @@ _GRANULE = 1 << 20  # sizes round up to whole MiB so near-equal requests share b
 
 
 class BufferPool:
+    """Page-aligned anonymous buffers, kept for reuse (at most `keep` of them)."""
+
     def __init__(self, keep: int) -> None:
         self.keep = keep
         self._free: list[mmap.mmap] = []
@@ -39,6 +41,7 @@ class BufferPool:
         return mmap.mmap(-1, max(-(-size // _GRANULE) * _GRANULE, _GRANULE))
 
     def give(self, buffer: mmap.mmap) -> None:
+        """Return a buffer taken with `take`; kept for reuse while the pool has room."""
         with self._lock:
             if len(self._free) < self.keep:
                 self._free.append(buffer)

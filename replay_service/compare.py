@@ -1,27 +1,22 @@
 """POST /v1/runs/{run}/compare: a trainer's own routing against the recorded one.
 
-The body is an Arrow IPC stream in the DESIGN.md row schema (the trainer's
-top-k ids per token, e.g. Megatron `RouterReplay` in RECORD mode); `run_id`,
-`writer_id` and `seq` may be left out of the metadata, `num_layers`, `top_k`
-and `num_experts` must match the run. Rows the trainer marked `PADDING` are
-ignored. Each trainer row is compared with the clean recorded row at the same
-position; trainer rows with no clean recorded row (flagged, or never recorded)
-are counted in `missing_rows` and left out of every figure.
+The body is a compare body (replay_format/compare.md: a row batch of the trainer's top-k per
+token, e.g. Megatron `RouterReplay` in RECORD mode). Rows the trainer marked `PADDING` are
+ignored. Each trainer row is compared with the clean recorded row at the same position;
+trainer rows with no clean recorded row (flagged, or never recorded) are counted in
+`missing_rows` and left out of every figure. `agreement` computes the figures.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
 
 import numpy as np
 
-from replay_format import Flag, RunShape
-
-from replay_format.rows import RowsMeta
+from replay_format import Flag
+from replay_format.compare import RequestMismatch, ShapeMismatch, read_compare_body
 from replay_service import agreement
-from replay_service.decode import parse_meta, read_arrow_body, rows_from_table
 from replay_service.errors import Conflict, InvalidInput, NotFound
 from replay_service.store import RouteStore
 
@@ -29,46 +24,15 @@ WORST_TOKENS = 20
 WORST_LAYERS = 10
 
 
-@dataclass
-class RequestMismatch:
-    request_id: str
-    positions: np.ndarray  # int32 (n,): positions compared
-    mismatch: np.ndarray  # bool (n, L)
-
-
-def decode_compare(body: bytes, run: str, shape: RunShape):
-    table = read_arrow_body(body)
-    md = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
-    missing = [k for k in ("num_moe_layers", "top_k", "num_experts") if k not in md
-               and not (k == "num_moe_layers" and "num_layers" in md and "format_version" not in md)]
-    if missing:
-        raise InvalidInput(f"schema metadata lacks {', '.join(missing)} (they must match run {run!r})")
-    given_run = md.get("run_id", run)
-    if given_run != run:
-        raise InvalidInput(f"schema metadata run_id={given_run!r} but the URL names run {run!r}")
-    md.setdefault("writer_id", "trainer")
-    md.setdefault("seq", "0")
-    md["run_id"] = run
-    md.setdefault("source", "trainer")
-    meta = parse_meta(md)
-    if (meta.shape.num_moe_layers, meta.shape.top_k, meta.shape.num_experts) != (
-        shape.num_moe_layers, shape.top_k, shape.num_experts
-    ):
-        raise Conflict(
-            f"the trainer's rows are {meta.shape.num_moe_layers} layers x top-{meta.shape.top_k} of "
-            f"{meta.shape.num_experts} experts; run {run!r} records {shape.num_moe_layers} x top-{shape.top_k} "
-            f"of {shape.num_experts}")
-    rows = rows_from_table(table, RowsMeta(run, meta.writer_id, meta.seq, shape, meta.source))
-    usable = (rows.flags & Flag.PADDING) == 0
-    if usable.any() and int(rows.experts[usable].max()) >= shape.num_experts:
-        raise InvalidInput(f"the trainer's rows hold an id >= num_experts={shape.num_experts}")
-    return rows, usable
-
-
-def run_compare(store: RouteStore, run: str, body: bytes, label: str | None,
+def run_compare(store: RouteStore, run: str, body: bytes | memoryview, label: str | None,
                 compare_id: str | None = None) -> tuple[dict, list[RequestMismatch]]:
+    """Compare a compare body with run `run`'s recorded rows: (the answer, per-request mismatch bits to store)."""
     shape = store.run_shape(run)
-    rows, usable = decode_compare(body, run, shape)
+    try:
+        rows = read_compare_body(body, run, shape)
+    except ShapeMismatch as exc:
+        raise Conflict(str(exc)) from None
+    usable = (rows.flags & Flag.PADDING) == 0
     tally = agreement.Tally(shape.num_moe_layers)
     per_request: list[RequestMismatch] = []
     missing_rows = 0
@@ -105,13 +69,37 @@ def run_compare(store: RouteStore, run: str, body: bytes, label: str | None,
         "label": label,
         "created_at": time.time(),
         "requests": len(rows.request_ids),
-        "tokens": result["tokens"],
-        "router_mismatch": result["router_mismatch"],
-        "token_mismatch": result["token_mismatch"],
-        "jaccard": result["jaccard"],
         "missing_rows": missing_rows,
-        "per_layer": result["per_layer"],
-        "worst_layers": result["worst_layers"],
-        "worst_tokens": result["worst_tokens"],
+        **result,
     }
     return doc, per_request
+
+
+def record_compare(store: RouteStore, run: str, body: bytes | memoryview, label: str | None,
+                   compare_id: str | None = None) -> dict:
+    """`run_compare`, then store the comparison (its answer and its per-token bits); the answer."""
+    doc, per_request = run_compare(store, run, body, label, compare_id)
+    store.compares.save(doc, per_request)
+    return doc
+
+
+def compare_request_detail(store: RouteStore, run: str, compare_id: str, request_id: str, start: int,
+                           end: int | None, max_rows: int) -> dict:
+    """The `CompareRequestDetail` answer: positions in `[start, end)` compared and their per-layer mismatch bits."""
+    item = store.compares.request_mismatch(run, compare_id, request_id)
+    positions = item.positions
+    if end is None:
+        end = int(positions[-1]) + 1 if len(positions) else start
+    if end < start:
+        raise InvalidInput(f"bad range start={start} end={end}")
+    keep = (positions >= start) & (positions < end)
+    if int(keep.sum()) > max_rows:
+        raise InvalidInput(f"{int(keep.sum())} positions is more than JSON serves ({max_rows}); use start/end")
+    return {
+        "request_id": request_id,
+        "start": start,
+        "end": end,
+        "num_moe_layers": item.mismatch.shape[1],
+        "positions": positions[keep].tolist(),
+        "mismatch": item.mismatch[keep].astype(np.uint8).tolist(),
+    }

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from replay_format import Flag, RunShape
-
-from replay_format.rows import RowsMeta
-from replay_service.decode import IncomingRows
-from replay_service.store import RouteStore
+from replay_format import Flag, RunShape, Source
+from replay_format.rows import Rows, RowsMeta
+from replay_service.store import RequestStatus, RouteStore
 
 DEMO_RUN = "demo"
 DEMO_SHAPE = RunShape(num_moe_layers=48, top_k=8, num_experts=128)
@@ -40,15 +38,15 @@ def _rows(request_id, positions, experts, tokens, flags=None) -> dict:
         "request_id": request_id,
         "positions": np.asarray(positions, np.int32),
         "experts": experts.reshape(n, -1),
-        "tokens": np.asarray(tokens, np.int64),
+        "tokens": np.asarray(tokens, np.int32),
         "flags": np.zeros(n, np.uint16) if flags is None else np.asarray(flags, np.uint16),
     }
 
 
-def _incoming(parts: list[dict], seq: int) -> IncomingRows:
+def _incoming(parts: list[dict], seq: int) -> Rows:
     ids = [p["request_id"] for p in parts]
-    return IncomingRows(
-        meta=RowsMeta(DEMO_RUN, "demo", seq, DEMO_SHAPE, source="synthetic"),
+    return Rows(
+        meta=RowsMeta(DEMO_RUN, "demo", seq, DEMO_SHAPE, source=Source.SYNTHETIC),
         request_ids=ids,
         request_index=np.concatenate([np.full(len(p["positions"]), i, np.int32) for i, p in enumerate(parts)]),
         positions=np.concatenate([p["positions"] for p in parts]),
@@ -59,6 +57,7 @@ def _incoming(parts: list[dict], seq: int) -> IncomingRows:
 
 
 def load_demo(store: RouteStore, seed: int = 7) -> dict:
+    """Store the demo run (once: it is idempotent) and return its run summary."""
     rng = np.random.default_rng(seed)
     finished: dict[str, int] = {}
     clean = []
@@ -69,11 +68,13 @@ def load_demo(store: RouteStore, seed: int = 7) -> dict:
     store.ingest(_incoming(clean, 0))
 
     n = 512
-    bad = {name: synthetic_routes(rng, n) for name in ("zero", "duplicate", "out-of-range", "stale", "gap", "padding", "conflict")}
+    kinds = ("zero", "duplicate", "out-of-range", "stale", "gap", "padding", "conflict")
+    bad = {name: synthetic_routes(rng, n) for name in kinds}
     bad["zero"][100:104] = 0  # never-written buffer rows
     bad["duplicate"][200, 5, 1] = bad["duplicate"][200, 5, 0]  # one layer repeats an id
     bad["out-of-range"][300, 10, 3] = 255  # padding -1 cast to uint8
-    bad["stale"][50] = clean[0]["experts"][10].reshape(DEMO_SHAPE.num_moe_layers, DEMO_SHAPE.top_k)  # another request's row
+    # another request's row
+    bad["stale"][50] = clean[0]["experts"][10].reshape(DEMO_SHAPE.num_moe_layers, DEMO_SHAPE.top_k)
     writer_stale = np.zeros(n, np.uint16)
     writer_stale[400:402] = Flag.STALE  # the capture's write stamp said: not written this step
     tokens = {name: rng.integers(0, 32000, n) for name in bad}
@@ -97,11 +98,12 @@ def load_demo(store: RouteStore, seed: int = 7) -> dict:
     again = synthetic_routes(rng, 3)
     store.ingest(_incoming([_rows("flagged-conflict", [20, 21, 22], again, tokens["conflict"][20:23])], 2))
     for request_id, num_tokens in finished.items():
-        store.finish(DEMO_RUN, request_id, num_tokens, "finished")
+        store.finish(DEMO_RUN, request_id, num_tokens, RequestStatus.FINISHED)
     # One request still generating (open), and one aborted halfway.
-    store.ingest(_incoming([_rows("open-0", np.arange(300), synthetic_routes(rng, 300), rng.integers(0, 32000, 300))], 3))
-    store.ingest(_incoming([_rows("aborted-0", np.arange(90), synthetic_routes(rng, 90), rng.integers(0, 32000, 90))], 4))
-    store.finish(DEMO_RUN, "aborted-0", 91, "aborted")
+    for seq, (request_id, n) in enumerate((("open-0", 300), ("aborted-0", 90)), start=3):
+        part = _rows(request_id, np.arange(n), synthetic_routes(rng, n), rng.integers(0, 32000, n))
+        store.ingest(_incoming([part], seq))
+    store.finish(DEMO_RUN, "aborted-0", 91, RequestStatus.ABORTED)
     load_demo_compare(store)
     return store.run_summary(DEMO_RUN)
 
@@ -117,8 +119,8 @@ def load_demo_compare(store: RouteStore, seed: int = 11) -> dict:
     roughly the R3 paper's picture (about 10% router-level, over 90% token-level
     mismatch). Idempotent: a fixed compare id, stored once.
     """
+    from replay_client.trainer import compare_body  # the demo posts as a trainer would
     from replay_service.compare import run_compare
-    from replay_service.trainer import compare_body
 
     existing = [c for c in store.compares.list(DEMO_RUN) if c["compare_id"] == DEMO_COMPARE]
     if existing:

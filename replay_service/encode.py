@@ -1,46 +1,69 @@
-"""Route answers: Arrow IPC stream (default), .npy, or JSON for people."""
+"""Read answers, service side: the route format asked for, strict refusals, the bytes of each format.
+
+Arrow is the route answer of replay_format/route.md (built by `replay_format.route.encode_routes`),
+`.npy` is numpy's format, JSON is `api.models.RouteJson` for people. The routers only pick the
+HTTP response class; every decision about what goes out is made here.
+"""
 
 from __future__ import annotations
 
+import enum
 import io
-import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
-import pyarrow as pa
+from pydantic_core import to_json
 
-from replay_format import ARROW_STREAM_MEDIA_TYPE, NPY_MEDIA_TYPE, flag_names
+from replay_format import ARROW_STREAM_MEDIA_TYPE, JSON_MEDIA_TYPE, NO_TOKEN, NPY_MEDIA_TYPE, RunShape, flag_names
+from replay_format.route import RequestRoute, RouteMeta, encode_routes
 from replay_service.errors import InvalidInput, StrictRefusal
+from replay_service.store import RouteStore
 from replay_service.store.reads import RouteRows
 
-FORMATS = {"arrow": ARROW_STREAM_MEDIA_TYPE, "npy": NPY_MEDIA_TYPE, "json": "application/json"}
+
+class RouteFormat(enum.StrEnum):
+    """The representations of a route answer (`format=` or `Accept`)."""
+
+    ARROW = "arrow"
+    NPY = "npy"
+    JSON = "json"
+
+    @property
+    def media_type(self) -> str:
+        return {RouteFormat.ARROW: ARROW_STREAM_MEDIA_TYPE, RouteFormat.NPY: NPY_MEDIA_TYPE,
+                RouteFormat.JSON: JSON_MEDIA_TYPE}[self]
 
 
-def pick_format(format_param: str | None, accept: str | None) -> str:
+def pick_format(format_param: str | None, accept: str | None) -> RouteFormat:
+    """`format=` when given, else the first format the Accept header names, else Arrow."""
     if format_param:
-        if format_param not in FORMATS:
-            raise InvalidInput(f"format {format_param!r} is not one of {', '.join(FORMATS)}")
-        return format_param
-    for name, media in FORMATS.items():
-        if accept and media in accept:
-            return name
-    return "arrow"
+        try:
+            return RouteFormat(format_param)
+        except ValueError:
+            raise InvalidInput(f"format {format_param!r} is not one of {', '.join(RouteFormat)}") from None
+    for kind in RouteFormat:
+        if accept and kind.media_type in accept:
+            return kind
+    return RouteFormat.ARROW
 
 
-def route_metadata(run_id: str, route: RouteRows, start: int, end: int) -> dict[str, str]:
-    shape = route.shape
-    return {
-        "run_id": run_id,
-        "request_id": route.request_id,
-        "num_layers": str(shape.num_moe_layers),
-        "top_k": str(shape.top_k),
-        "num_experts": str(shape.num_experts),
-        "moe_layers": json.dumps(list(shape.moe_layers)),
-        "start": str(start),
-        "end": str(end),
-    }
+@dataclass
+class Answer:
+    """What goes out: the body in parts (views of the arrays where possible), its media type and headers."""
+
+    media_type: str
+    parts: list[bytes | memoryview]
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return sum(memoryview(p).nbytes for p in self.parts)
 
 
 def flag_counts(flags: np.ndarray) -> dict[str, int]:
+    """Rows per flag name."""
     bits, counts = np.unique(flags[flags != 0], return_counts=True)
     out: dict[str, int] = {}
     for b, c in zip(bits.tolist(), counts.tolist()):
@@ -50,12 +73,11 @@ def flag_counts(flags: np.ndarray) -> dict[str, int]:
 
 
 def refuse_if_flagged(route: RouteRows, report_rows: int, what: str) -> None:
+    """StrictRefusal naming the first `report_rows` flagged or missing rows of `route`, if it has any."""
     bad = route.bad_rows()
     if bad.size:
-        named = [
-            {"request_id": route.request_id, "position": int(route.positions[i]), "flags": flag_names(int(route.flags[i]))}
-            for i in bad[:report_rows]
-        ]
+        named: list[dict[str, Any]] = [{"request_id": route.request_id, "position": int(route.positions[i]),
+                  "flags": flag_names(int(route.flags[i]))} for i in bad[:report_rows]]
         first = named[0]
         raise StrictRefusal(
             f"strict read refused: {what} has {bad.size} flagged or missing rows, the first at position "
@@ -64,35 +86,85 @@ def refuse_if_flagged(route: RouteRows, report_rows: int, what: str) -> None:
         )
 
 
-def arrow_stream(batches: list[pa.RecordBatch]) -> bytes:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, batches[0].schema) as writer:
-        for batch in batches:
-            writer.write_batch(batch)
-    return sink.getvalue().to_pybytes()
+def request_route(route: RouteRows) -> RequestRoute:
+    """The store's rows as the route format's `RequestRoute` (the same arrays, no copy)."""
+    return RequestRoute(route.request_id, route.positions, route.token_ids, route.experts, route.flags)
 
 
-def npy_bytes(array: np.ndarray) -> bytes:
+def route_answer(run: str, route: RouteRows, start: int, kind: RouteFormat, max_json_rows: int) -> Answer:
+    """One request's rows `[start, start + n)` in `kind`, with the X-Route-* headers."""
+    stop = start + route.num_rows
+    headers = {"X-Route-Start": str(start), "X-Route-End": str(stop)}
+    if kind == RouteFormat.JSON:
+        if route.num_rows > max_json_rows:
+            raise InvalidInput(f"{route.num_rows} rows is more than JSON serves ({max_json_rows}); "
+                               "use start/end, or format=arrow or npy")
+        return Answer(kind.media_type, [to_json(route_json(run, route, start, stop))], headers)
+    counts = flag_counts(route.flags)
+    headers["X-Route-Flags"] = ",".join(f"{k}={v}" for k, v in counts.items()) or "none"
+    if kind == RouteFormat.NPY:
+        return Answer(kind.media_type, npy_parts(route.experts_3d()), headers)
+    meta = RouteMeta(run, route.shape, requests=1, start=start, end=stop)
+    parts: list[bytes | memoryview] = [p for chunk in encode_routes(meta, [request_route(route)]) for p in chunk]
+    return Answer(kind.media_type, parts, headers)
+
+
+def batch_answer(store: RouteStore, run: str, request_ids: list[str], start: int, end: int | None, strict: bool,
+                 report_rows: int) -> Iterator[list[memoryview]]:
+    """Many requests' routes as one Arrow route answer, one record batch per request, streamed.
+
+    Every request is read once before this returns, so a missing request or a strict refusal is a
+    clean 404/409 instead of a cut stream; the stream then reads each again as it goes out.
+    """
+    shape = store.run_shape(run)
+    for rid in request_ids:
+        route = store.read_route(run, rid, start, end)
+        if strict:
+            refuse_if_flagged(route, report_rows, f"request {rid!r}")
+    meta = RouteMeta(run, shape, requests=len(request_ids), start=start, end=end)
+    return encode_routes(meta, (request_route(store.read_route(run, rid, start, end)) for rid in request_ids))
+
+
+def npy_parts(array: np.ndarray) -> list[bytes | memoryview]:
+    """`.npy` (format 1.0) of `array`: its header, then the array's own bytes (no copy when contiguous)."""
     header = io.BytesIO()
     np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(array))
-    return b"".join((header.getvalue(), memoryview(np.ascontiguousarray(array)).cast("B")))
+    return [header.getvalue(), np.ascontiguousarray(array).data.cast("B")]
 
 
 def route_json(run_id: str, route: RouteRows, start: int, end: int) -> dict:
+    """The `RouteJson` answer (api/models.py) as plain data (serialised without per-row validation: it is large)."""
     experts = route.experts_3d().tolist()
-    tokens = route.token_ids.to_pylist()
+    tokens = route.token_ids
     return {
         "run_id": run_id,
         "request_id": route.request_id,
         "start": start,
         "end": end,
-        "num_layers": route.shape.num_moe_layers,
+        "num_moe_layers": route.shape.num_moe_layers,
         "top_k": route.shape.top_k,
         "num_experts": route.shape.num_experts,
         "moe_layers": list(route.shape.moe_layers),
         "flagged": flag_counts(route.flags),
         "rows": [
-            {"position": int(p), "token_id": t, "experts": e, "flags": flag_names(int(f))}
-            for p, t, e, f in zip(route.positions.tolist(), tokens, experts, route.flags.tolist())
+            {"position": int(p), "token_id": None if t == NO_TOKEN else t, "experts": e, "flags": flag_names(int(f))}
+            for p, t, e, f in zip(route.positions.tolist(), tokens.tolist(), experts, route.flags.tolist())
         ],
+    }
+
+
+def expert_load(run_id: str, shape: RunShape, load: np.ndarray) -> dict:
+    """The `ExpertLoad` answer: the `(num_moe_layers, num_experts)` token counts and each layer's max/mean."""
+    rows_counted = int(load[0].sum() // shape.top_k) if load.size else 0
+    mean = load.mean(axis=1)
+    imbalance = np.divide(load.max(axis=1), mean, out=np.zeros_like(mean, dtype=float), where=mean > 0)
+    return {
+        "run_id": run_id,
+        "num_moe_layers": shape.num_moe_layers,
+        "num_experts": shape.num_experts,
+        "top_k": shape.top_k,
+        "moe_layers": list(shape.moe_layers),
+        "rows": rows_counted,
+        "counts": load.tolist(),
+        "imbalance": [round(float(x), 4) for x in imbalance],
     }

@@ -15,7 +15,8 @@ class ServiceMetrics:
         r = self.registry
         self.rows_ingested = Counter("replay_rows_ingested", "Rows stored by ingest and route uploads", registry=r)
         self.rows_flagged = Counter("replay_rows_flagged", "Stored rows carrying a flag, by flag", ["flag"], registry=r)
-        self.padding_dropped = Counter("replay_padding_rows_dropped", "Writer padding rows dropped at ingest", registry=r)
+        self.padding_dropped = Counter("replay_padding_rows_dropped", "Writer padding rows dropped at ingest",
+                                       registry=r)
         self.bytes_stored = Counter("replay_bytes_stored", "Bytes of segment files written", registry=r)
         self.batches = Counter("replay_ingest_batches", "Ingest batches by outcome", ["outcome"], registry=r)
         self.latency = Histogram(

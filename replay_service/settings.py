@@ -11,22 +11,30 @@ DEFAULT_PORT = 8470
 
 
 class ServiceSettings(BaseSettings):
+    """Every setting of the service; each is also the environment variable `REPLAY_<NAME>`."""
+
     model_config = SettingsConfigDict(env_prefix="REPLAY_", extra="ignore")
 
-    data_dir: Path = Field(Path("replay-data"), description="directory of the Arrow store")
-    max_body_bytes: int = Field(512 * 2**20, description="largest accepted request body; larger answers 413")
-    max_concurrent_ingests: int = Field(4, description="ingests processed at once; bodies in memory are bounded by this x max_body_bytes")
-    open_segment_cache: int = Field(256, description="segment files kept memory-mapped for reads")
-    stale_table_rows: int = Field(1 << 21, description="slots of the recent-row table for the STALE content check (24 B each)")
+    # Defaults are passed as `default=`: type checkers read a positional one as "required".
+    data_dir: Path = Field(default=Path("replay-data"), description="directory of the Arrow store")
+    max_body_bytes: int = Field(default=512 * 2**20, description="largest accepted request body; larger answers 413")
+    max_concurrent_ingests: int = Field(
+        default=4, description="ingests processed at once; bodies in memory are bounded by this x max_body_bytes")
+    open_segment_cache: int = Field(default=256, description="segment files kept memory-mapped for reads")
+    stale_table_rows: int = Field(
+        default=1 << 21, description="slots of the recent-row table for the STALE content check (24 B each)")
     stale_min_entropy_bits: float = Field(
-        48.0, description="the content STALE check runs only for runs whose rows can take more than 2**bits values"
-    )
-    max_read_rows: int = Field(1 << 20, description="most rows one route read returns; page longer ones with start/end")
-    max_json_rows: int = Field(4096, description="largest route range served as JSON; use Arrow or .npy beyond")
-    max_batch_requests: int = Field(4096, description="most requests in one batch read")
-    page_limit_max: int = Field(1000, description="largest page of a request listing")
-    strict_report_rows: int = Field(16, description="bad rows named in a strict-read refusal")
+        default=48.0,
+        description="the content STALE check runs only for runs whose rows can take more than 2**bits values")
+    max_read_rows: int = Field(
+        default=1 << 20, description="most rows one route read returns; page longer ones with start/end")
+    max_json_rows: int = Field(
+        default=4096, description="largest route range served as JSON; use Arrow or .npy beyond")
+    max_batch_requests: int = Field(default=4096, description="most requests in one batch read")
+    page_limit_max: int = Field(default=1000, description="largest page of a request listing")
+    strict_report_rows: int = Field(default=16, description="bad rows named in a strict-read refusal")
     direct_io: bool = Field(
-        True, description="write segments with O_DIRECT (skips filling fresh page cache; falls back where unsupported)"
-    )
-    fsync: bool = Field(True, description="fsync data and index before acknowledging (turn off only for throwaway data)")
+        default=True,
+        description="write segments with O_DIRECT (skips filling fresh page cache; falls back where unsupported)")
+    fsync: bool = Field(
+        default=True, description="fsync data and index before acknowledging (turn off only for throwaway data)")

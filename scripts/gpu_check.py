@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """GPU end-to-end check for the routing-replay vLLM plugin (see scripts/gpu_check.sh for what it needs).
 
-1. Builds the tiny Qwen3-MoE (tests/vllm_model.py), starts a replay service process.
+1. Builds the tiny Qwen3-MoE (tests/support/vllm_model.py), starts a replay service process.
 2. Engine A: vLLM (GPU) with the plugin on (V1 runner: VLLM_USE_V2_MODEL_RUNNER=0),
    enforce_eager, float32, prefix caching off; generates for several prompts; waits for
    the routes; every stored route must equal transformers' float32 router top-k (as sets),
@@ -32,8 +32,8 @@ def sets(a) -> np.ndarray:
 def main() -> int:
     from replay_service.client import ReplayClient
     from tests.support.service import ServiceProcess
-    from tests.test_vllm_e2e import check_against_reference, generate, start_engine, stop_engine, wait_finished
     from tests.support.vllm_model import build_model, hf_reference, prompts
+    from tests.test_vllm_e2e import check_against_reference, generate, start_engine, stop_engine, wait_finished
 
     work = tempfile.mkdtemp(prefix="rr_gpu_")
     model_dir = build_model(os.path.join(work, "model"))

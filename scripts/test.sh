@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # Install everything the tests need into .venv, then run the whole suite.
-# Extra arguments go to pytest (e.g. -k flags, -x).
+#   bash scripts/test.sh            the whole suite (what CI runs)
+#   bash scripts/test.sh --fast     the fast loop: no vLLM engine, no browser, no kill/restart rounds (`-m "not slow"`)
+# Other arguments go to pytest (e.g. -k flags, -x, a test file).
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh" test
 cd "$root"
 export REPLAY_REQUIRE_ALL=1  # a test that would skip for a missing package or browser fails instead
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  exec python -m pytest -q -p no:cacheprovider -m "not slow" "$@"
+fi
 exec python -m pytest -q -p no:cacheprovider "$@"

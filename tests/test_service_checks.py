@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from replay_service import checks
+from replay_service.ingest import kernels as checks
 
 LAYERS, TOP_K, ROWS = 6, 8, 4000
 
@@ -27,7 +27,8 @@ def _planted_rows(num_experts: int, seed: int) -> np.ndarray:
         ids[r, layer, j] = ids[r, layer, i]
     if num_experts < 256:
         for r in range(3, ROWS, 11):  # the first id out of range, and others up to 255
-            ids[r, rng.integers(LAYERS), rng.integers(TOP_K)] = rng.choice([num_experts, rng.integers(num_experts, 256)])
+            slot = (r, rng.integers(LAYERS), rng.integers(TOP_K))
+            ids[slot] = rng.choice([num_experts, rng.integers(num_experts, 256)])
         for r in range(5, ROWS, 13):  # the last id in range
             ids[r, rng.integers(LAYERS), rng.integers(TOP_K)] = num_experts - 1
     ids[::97] = 0
@@ -58,6 +59,6 @@ def test_top8_fast_path_equals_general_kernel(num_experts):
 def test_uint8_rows_check_as_their_uint16_widening():
     # check_rows picks the fast path for uint8 top-8 and the general kernel for uint16.
     ids = _planted_rows(128, seed=1)
-    results = [checks.check_rows(rows, LAYERS, TOP_K, 128, np.zeros(ROWS, np.bool_), load)
-               for rows, load in ((ids, np.zeros((LAYERS, 128), np.int64)), (ids.astype(np.uint16), np.zeros((LAYERS, 128), np.int64)))]
+    results = [checks.check_rows(rows, LAYERS, TOP_K, 128, np.zeros(ROWS, np.bool_), np.zeros((LAYERS, 128), np.int64))
+               for rows in (ids, ids.astype(np.uint16))]
     np.testing.assert_array_equal(results[0][0], results[1][0])

@@ -94,7 +94,7 @@ def test_kill9_mid_stream_keeps_every_acknowledged_row(tmp_path):
         assert stored >= {expected[k][0] for k in acknowledged}
         # The writers resume from their first unacknowledged seq; retries are idempotent.
         for writer in batches:
-            for seq, body in enumerate(batches[writer]):
+            for body in batches[writer]:
                 client.ingest(body)
         summary = client.run("crash")
         assert summary["requests"] == 80 and summary["rows"] == 80 * rows_per_batch
@@ -104,7 +104,8 @@ def test_kill9_mid_stream_keeps_every_acknowledged_row(tmp_path):
 def test_partial_files_never_break_startup(tmp_path):
     data = tmp_path / "data"
     with ServiceProcess(data) as proc:
-        ReplayClient(proc.url).ingest(batch_bytes("p", "w", 0, ["a"] * 8, np.arange(8), routes(np.random.default_rng(1), 8)))
+        ReplayClient(proc.url).ingest(
+            batch_bytes("p", "w", 0, ["a"] * 8, np.arange(8), routes(np.random.default_rng(1), 8)))
     run_dir = data / "runs" / "p"
     (run_dir / "deadbeef.arrow.tmp").write_bytes(b"ARROW1\0\0 torn")  # crash inside a write
     (run_dir / "cafe.arrow").write_bytes(b"ARROW1\0\0 renamed, never indexed")  # crash before the index commit

@@ -10,7 +10,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from replay_format import RunShape
+from replay_format import NO_TOKEN, RunShape
+from replay_service.api.models import RouteJson
 from replay_service.client import ReplayClient
 from tests.support.data import QWEN3_SHAPE, batch_bytes, routes
 
@@ -146,3 +147,41 @@ def test_arrow_stream_body_is_the_documented_schema(stored, shared_service):
     assert table.schema.field("flags").type == pa.uint16()
     assert table.schema.metadata[b"run_id"] == b"rt"
     assert QWEN3_SHAPE.row_width == 384
+
+
+def test_batch_read_keeps_moe_layers(shared_service):
+    """POST .../routes/batch names the run's MoE layers as GET .../routes does (it left them out)."""
+    rng = np.random.default_rng(4)
+    shape = RunShape(num_moe_layers=3, top_k=2, num_experts=16, moe_layers=(3, 4, 5))
+    client = ReplayClient(shared_service.url)
+    client.ingest(batch_bytes("moe-345", "w", 0, ["m0"] * 9, np.arange(9), routes(rng, 9, shape), shape=shape))
+    assert client.get_route("moe-345", "m0").moe_layers == (3, 4, 5)
+    assert [r.moe_layers for r in client.get_routes("moe-345", ["m0", "m0"])] == [(3, 4, 5), (3, 4, 5)]
+
+
+def test_unknown_token_ids_are_null_on_the_wire_and_no_token_in_memory(shared_service):
+    """One spelling each: Arrow null (and JSON null) on the wire, NO_TOKEN (-1) in an int32 array in memory."""
+    rng = np.random.default_rng(5)
+    shape = RunShape(num_moe_layers=2, top_k=2, num_experts=8)
+    client = ReplayClient(shared_service.url)
+    tokens = np.array([5, NO_TOKEN, 7, NO_TOKEN, 9])
+    client.ingest(batch_bytes("tok", "w", 0, ["t0"] * 5 + ["t1"] * 3, np.r_[np.arange(5), np.arange(3)],
+                              routes(rng, 8, shape), shape=shape, token_ids=np.r_[tokens, [NO_TOKEN] * 3]))
+    for route in (client.get_route("tok", "t0"), client.get_routes("tok", ["t0"])[0]):
+        assert route.token_ids.dtype == np.int32 and route.token_ids.tolist() == tokens.tolist()
+    assert client.get_route("tok", "t1").token_ids.tolist() == [NO_TOKEN] * 3
+    doc = httpx.get(f"{shared_service.url}/v1/runs/tok/requests/t0/routes", params={"format": "json"}).json()
+    RouteJson.model_validate(doc)
+    assert [r["token_id"] for r in doc["rows"]] == [5, None, 7, None, 9]
+    body = httpx.get(f"{shared_service.url}/v1/runs/tok/requests/t0/routes").content
+    assert pa.ipc.open_stream(io.BytesIO(body)).read_all().column("token_id").to_pylist() == [5, None, 7, None, 9]
+
+
+def test_the_client_needs_only_numpy_pyarrow_and_httpx():
+    """replay_client runs in the trainer: importing it pulls in neither the service nor torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, replay_client; bad = [m for m in ('replay_service', 'fastapi', 'torch', 'sqlite3')"
+            " if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)

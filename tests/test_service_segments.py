@@ -10,10 +10,9 @@ import pyarrow as pa
 import pytest
 
 from replay_format import RunShape
-
 from replay_format.rows import RowsMeta, build_rows
 from replay_service.buffers import BufferPool
-from replay_service.store import files
+from replay_service.ingest import segment as files
 
 SHAPE = RunShape(num_moe_layers=48, top_k=8, num_experts=128)
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from replay_client.trainer import compare_body
 from replay_format import RunShape
-from replay_service.client import ReplayClient, ReplayError
-from replay_service.trainer import compare_body
-from tests.support.data import QWEN3_SHAPE
-from tests.support.data import store_requests
+from replay_service.client import ReplayClient
+from tests.support.data import QWEN3_SHAPE, store_requests
 
 L, K, E = QWEN3_SHAPE.num_moe_layers, QWEN3_SHAPE.top_k, QWEN3_SHAPE.num_experts
 LENGTHS = {"c-a": 401, "c-b": 201}  # 400 and 200 rows
@@ -55,7 +54,7 @@ def test_one_layer_of_every_tenth_token_gives_the_exact_figures(stored):
     per_layer = {p["layer"]: p for p in result["per_layer"]}
     assert len(per_layer) == L and per_layer[0]["model_layer"] == 0
     counts = np.zeros(L)
-    for t, layer in layer_of.items():
+    for layer in layer_of.values():
         counts[layer] += 1
     counts[9] += 1
     for layer in range(L):
@@ -71,7 +70,7 @@ def test_one_layer_of_every_tenth_token_gives_the_exact_figures(stored):
     assert listed[0]["compare_id"] == result["compare_id"] and listed[1]["label"] == "self"
     assert client.compare_result("cmp", result["compare_id"]) == result
     detail = client.compare_request("cmp", result["compare_id"], "c-a", start=118, end=122)
-    assert detail["positions"] == [118, 119, 120, 121] and detail["num_layers"] == L
+    assert detail["positions"] == [118, 119, 120, 121] and detail["num_moe_layers"] == L
     row = [0] * L
     row[12] = row[9] = 1
     assert detail["mismatch"] == [[0] * L, [0] * L, row, [0] * L]

@@ -1,6 +1,6 @@
 """Megatron-core RouterReplay fed by the client: the real megatron-core 0.16.1 router code on CPU.
 
-The reference token order is built here independently of replay_service.layouts:
+The reference token order is built here independently of replay_service.trainer.layouts:
 Megatron's hidden states are [s, b, h] and TopKRouter flattens them with
 `view(-1, num_experts)`, so in BSHD the router's token i is (s, b) = divmod(i, B);
 THD packs sequences back to back.
@@ -11,15 +11,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from replay_client import ReplayClient, ReplayError
+from replay_format import RunShape
+from tests.support.data import QWEN3_SHAPE, store_requests
+
 torch = pytest.importorskip("torch")
 router_replay = pytest.importorskip("megatron.core.transformer.moe.router_replay")
 moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
 RouterReplay = router_replay.RouterReplay
 RouterReplayAction = router_replay.RouterReplayAction
-
-from replay_service.client import ReplayClient  # noqa: E402
-from tests.support.data import QWEN3_SHAPE  # noqa: E402
-from tests.support.data import store_requests  # noqa: E402
 
 L, K, E = QWEN3_SHAPE.num_moe_layers, QWEN3_SHAPE.top_k, QWEN3_SHAPE.num_experts
 LENGTHS = {"m-a": 37, "m-b": 64, "m-c": 9, "m-d": 50}
@@ -68,7 +68,7 @@ def test_thd_replays_recorded_ids_for_every_real_token(stored, routers):
     # reference: packed order, every sequence's T tokens, the last without a row
     expected = np.concatenate([np.concatenate([full[r], np.zeros((1, L, K), np.uint8)]) for r in order])
     has_row = np.concatenate([np.r_[np.ones(LENGTHS[r] - 1, bool), False] for r in order])
-    assert batch.num_tokens == sum(LENGTHS.values()) and batch.layout["cu_seqlens"] == [0, 37, 101, 110, 160]
+    assert batch.num_tokens == sum(LENGTHS.values()) and batch.layout.cu_seqlens == [0, 37, 101, 110, 160]
     assert np.array_equal(batch.valid.astype(bool), has_row)
     data = batch.replay_data()
     assert len(data) == L and all(t.dtype == torch.int64 and t.shape == (batch.num_tokens, K) for t in data)
@@ -86,7 +86,8 @@ def test_thd_replays_recorded_ids_for_every_real_token(stored, routers):
         assert (probs[routing_map] > 0).all()
     # rows without a recording: router-valid (distinct, in range, never all zero) and masked
     filler = batch.experts[~has_row]
-    assert filler.size and (filler.max() < E) and (np.sort(filler, axis=-1)[..., 1:] != np.sort(filler, axis=-1)[..., :-1]).all()
+    ordered = np.sort(filler, axis=-1)
+    assert filler.size and (filler.max() < E) and (ordered[..., 1:] != ordered[..., :-1]).all()
     assert filler.reshape(len(filler), -1).any(axis=1).all()
     assert not batch.valid_tensor()[torch.from_numpy(~has_row)].any()
 
@@ -95,7 +96,7 @@ def test_bshd_is_sequence_first_and_a_batch_first_swap_is_caught(stored, routers
     client, full = stored
     order = ["m-a", "m-c", "m-d"]
     batch = client.megatron_batch([("mg", r) for r in order], packing="bshd")
-    b, s = len(order), batch.layout["seq_length"]
+    b, s = len(order), batch.layout.seq_length
     assert s == max(LENGTHS[r] for r in order) and batch.num_tokens == b * s
     dense = np.zeros((b, s, L, K), np.int64)
     real = np.zeros((b, s), bool)
@@ -120,11 +121,32 @@ def test_bshd_is_sequence_first_and_a_batch_first_swap_is_caught(stored, routers
 
 def test_pipeline_stage_gets_its_layers_only(stored):
     client, full = stored
-    batch = client.megatron_batch([("mg", "m-c")], layers=list(range(24, 48)))
-    assert batch.experts.shape == (9, 24, K) and batch.layers == list(range(24, 48))
+    batch = client.megatron_batch([("mg", "m-c")], moe_ordinals=list(range(24, 48)))
+    assert batch.experts.shape == (9, 24, K) and batch.moe_ordinals == list(range(24, 48))
     assert np.array_equal(batch.experts[:8], full["m-c"][:, 24:])
-    stage = client.megatron_batch([("mg", "m-c")], model_layers=(0, 12))
+    stage = client.megatron_batch([("mg", "m-c")], model_layer_range=(0, 12))
     assert len(stage.replay_data()) == 12 and np.array_equal(stage.experts[:8], full["m-c"][:, :12])
+
+
+def test_a_stage_slice_names_its_moe_ordinals_and_model_layers(shared_service):
+    """A run whose MoE layers are not 0..L-1: ordinals index `moe_layers`, the range selects model layers."""
+    client = ReplayClient(shared_service.url)
+    shape = RunShape(num_moe_layers=4, top_k=2, num_experts=8, moe_layers=(3, 5, 7, 9))
+    full = store_requests(client, "mg-stage", {"st-a": 6}, shape=shape)
+    by_range = client.megatron_batch([("mg-stage", "st-a")], model_layer_range=(5, 9))
+    assert by_range.moe_ordinals == [1, 2] and by_range.moe_layers == [5, 7] and by_range.meta.num_moe_layers == 2
+    assert np.array_equal(by_range.experts[:5], full["st-a"][:, 1:3])
+    by_ordinal = client.megatron_batch([("mg-stage", "st-a")], moe_ordinals=[2, 3])
+    assert by_ordinal.moe_layers == [7, 9] and np.array_equal(by_ordinal.experts[:5], full["st-a"][:, 2:])
+
+
+def test_pre_rename_stage_fields_are_refused_not_ignored(stored):
+    """`layers` / `model_layers` were renamed; ignoring them would silently serve every MoE layer."""
+    client, _ = stored
+    for old in ({"layers": [0]}, {"model_layers": [0, 12]}):
+        doc = {"sequences": [{"run": "mg", "request": "m-c"}], **old}
+        response = client.http.post("/v1/trainer/megatron", json=doc)
+        assert response.status_code == 422 and next(iter(old)) in response.json()["detail"], response.text
 
 
 def test_start_serves_rows_from_a_position_on(stored):
@@ -140,8 +162,6 @@ def test_flagged_rows_become_masked_filler_or_a_strict_refusal(shared_service):
     batch = client.megatron_batch([("mg-flag", "f-a")])
     assert batch.valid[7] == 0 and batch.experts[7].any() and int(batch.valid.sum()) == 28
     assert np.array_equal(batch.experts[8:29], full["f-a"][8:])
-    from replay_service.client import ReplayError
-
     with pytest.raises(ReplayError) as err:
         client.megatron_batch([("mg-flag", "f-a")], strict=True)
     assert err.value.status == 409 and "position 7" in err.value.detail
@@ -149,15 +169,14 @@ def test_flagged_rows_become_masked_filler_or_a_strict_refusal(shared_service):
 
 def test_bad_layout_requests_are_named(stored):
     client, _ = stored
-    from replay_service.client import ReplayError
-
     cases = [
         ({"sequences": [{"run": "mg", "request": "nope"}]}, 404, "nope"),
         ({"sequences": [{"run": "mg", "request": "m-a"}], "cp_size": 2, "cp_rank": 2}, 422, "cp_rank"),
         ({"sequences": [{"run": "mg", "request": "m-a", "num_tokens": 20}]}, 422, "as long as the input or one short"),
         ({"sequences": [{"run": "mg", "request": "m-a"}], "packing": "bshd", "seq_length": 10}, 422, "seq_length"),
-        ({"sequences": [{"run": "mg", "request": "m-a"}], "layers": [48]}, 422, "MoE ordinals"),
-        ({"sequences": [{"run": "mg", "request": "m-a"}], "packing": "thd", "pad_multiple": 3, "tp_size": 2}, 422, "split"),
+        ({"sequences": [{"run": "mg", "request": "m-a"}], "moe_ordinals": [48]}, 422, "MoE ordinals"),
+        ({"sequences": [{"run": "mg", "request": "m-a"}], "packing": "thd", "pad_multiple": 3, "tp_size": 2}, 422,
+         "split"),
     ]
     for doc, status, words in cases:
         response = client.http.post("/v1/trainer/megatron", json=doc)

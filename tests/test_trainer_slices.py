@@ -12,13 +12,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from replay_client import ReplayClient
+from replay_format.trainer_slice import read_slice
+from tests.support.data import QWEN3_SHAPE, store_requests
+
 torch = pytest.importorskip("torch")
 mutils = pytest.importorskip("megatron.core.utils")
 mappings = pytest.importorskip("megatron.core.tensor_parallel.mappings")
-
-from replay_service.client import ReplayClient  # noqa: E402
-from tests.support.data import QWEN3_SHAPE  # noqa: E402
-from tests.support.data import store_requests  # noqa: E402
 
 L, K = QWEN3_SHAPE.num_moe_layers, QWEN3_SHAPE.top_k
 LENGTHS = {"s-a": 301, "s-b": 180, "s-c": 257, "s-d": 96}
@@ -46,9 +46,7 @@ def _fetch(client, **kw):
     doc = {"sequences": [{"run": "sl", "request": r} for r in ORDER], **kw}
     response = client.http.post("/v1/trainer/megatron", json=doc)
     assert response.status_code == 200, response.text
-    from replay_service.trainer import decode_layout
-
-    return decode_layout(bytearray(response.content)), len(response.content)
+    return read_slice(bytearray(response.content)), len(response.content)
 
 
 def _token_ids(batch) -> np.ndarray:
@@ -67,12 +65,12 @@ def test_thd_slices_reassemble_the_whole_batch(stored, cp, tp):
     client, full = stored
     # the whole micro-batch, padded as the ranks pad it by default (verl: tp*cp*2 with CP, else tp)
     whole, whole_bytes = _fetch(client, packing="thd", pad_multiple=2 * cp * tp if cp > 1 else tp)
-    cu_padded = whole.layout["cu_seqlens_padded"]
+    cu_padded = whole.layout.cu_seqlens_padded
     parts, sizes = {}, []
     for c in range(cp):
         for t in range(tp):
             part, size = _fetch(client, packing="thd", cp_size=cp, cp_rank=c, tp_size=tp, tp_rank=t)
-            assert part.layout["cu_seqlens_padded"] == cu_padded
+            assert part.layout.cu_seqlens_padded == cu_padded
             parts[c, t] = part
             sizes.append(size)
             _check_rows(part, full)
@@ -99,7 +97,7 @@ def test_thd_slices_reassemble_the_whole_batch(stored, cp, tp):
 def test_bshd_slices_match_megatron_cp_and_sp_splits(stored, cp, tp, monkeypatch):
     client, full = stored
     whole, whole_bytes = _fetch(client, packing="bshd", seq_length=304)
-    s = whole.layout["seq_length"]
+    s = whole.layout.seq_length
     b = len(ORDER)
     ids_sb = torch.from_numpy(_token_ids(whole).reshape(s, b))  # router order is [s, b]
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)

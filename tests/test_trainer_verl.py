@@ -5,11 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+from replay_client import ReplayClient, ReplayError
+from tests.support.data import QWEN3_SHAPE, store_requests
 
-from replay_service.client import ReplayClient, ReplayError  # noqa: E402
-from tests.support.data import QWEN3_SHAPE  # noqa: E402
-from tests.support.data import store_requests  # noqa: E402
+torch = pytest.importorskip("torch")
 
 L, K, E = QWEN3_SHAPE.num_moe_layers, QWEN3_SHAPE.top_k, QWEN3_SHAPE.num_experts
 # request: (prompt tokens, response tokens)

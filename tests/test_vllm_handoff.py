@@ -4,33 +4,50 @@ What the plugin's hooks do per step, without the engine: `StepHandoff.step` with
 scheduler's internal ids, then `finish`. Shown: routes land under the user's ids, equal;
 spec-decode steps drop rejected rows; a stopped sink (SIGSTOP) never makes `step` wait
 and loses nothing; closing the pipe without a close frame (a worker killed) still
-delivers; a dead sink is counted, not hung on.
+delivers; a dead sink is counted, not hung on; the sink stays quiet in the engine's log
+(no line per HTTP request, one summary at close); the frame format (step_frame.md)
+round-trips every frame kind and the sink refuses a newer major version, saying so.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from capture.vllm import frames
-from capture.vllm.handoff import StepHandoff
-from replay_format import RunShape
+from capture.sender import SenderConfig
+from capture.vllm.worker.handoff import StepHandoff
+from replay_format import FormatError, RunShape
+from replay_format.step_frame import (
+    LENGTH,
+    NO_SAMPLE,
+    CloseFrame,
+    ConfigFrame,
+    Ended,
+    FinishFrame,
+    FinishStatus,
+    FrameReader,
+    StepFrame,
+    pack,
+)
 from replay_service.client import ReplayClient
 
 SHAPE = RunShape(num_moe_layers=4, top_k=8, num_experts=64)
 ROWS_PER_REQUEST = 6
 
 
+def _config(service, tmp_path, run_id: str) -> SenderConfig:
+    return SenderConfig(url=service.url, run_id=run_id, shape=SHAPE, writer_id="w0", spill_dir=tmp_path / "spill",
+                        flush_interval_s=0.05)
+
+
 def _handoff(service, tmp_path, run_id: str, **kw) -> StepHandoff:
-    return StepHandoff({
-        "url": service.url, "run_id": run_id, "writer_id": "w0", "source": "vllm-plugin",
-        "spill_dir": str(tmp_path / "spill"), "flush_interval_s": 0.05,
-        "shape": {"num_moe_layers": SHAPE.num_moe_layers, "top_k": SHAPE.top_k, "num_experts": SHAPE.num_experts,
-                  "moe_layers": tuple(SHAPE.moe_layers)},
-    }, token=None, **kw)
+    return StepHandoff(_config(service, tmp_path, run_id), **kw)
 
 
 def _steps(num_steps: int, requests: int, seed: int = 0):
@@ -39,23 +56,25 @@ def _steps(num_steps: int, requests: int, seed: int = 0):
     for step in range(num_steps):
         n = requests * ROWS_PER_REQUEST
         experts = np.stack([np.stack([rng.choice(64, 8, replace=False) for _ in range(4)]) for _ in range(n)])
-        yield {
-            "req_ids": [f"user-{r}-0123abcd" for r in range(requests)],  # vLLM's internal ids
-            "query_start_loc": np.arange(requests + 1, dtype=np.int32) * ROWS_PER_REQUEST,
-            "positions": np.tile(np.arange(step * ROWS_PER_REQUEST, (step + 1) * ROWS_PER_REQUEST, dtype=np.int32), requests),
-            "token_ids": rng.integers(0, 1000, n),
-            "experts": experts.astype(np.uint8),
-            "flags": np.zeros(n, np.uint16),
-        }
+        yield StepFrame(
+            req_ids=[f"user-{r}-0123abcd" for r in range(requests)],  # vLLM's internal ids
+            query_start_loc=np.arange(requests + 1, dtype=np.int32) * ROWS_PER_REQUEST,
+            positions=np.tile(np.arange(step * ROWS_PER_REQUEST, (step + 1) * ROWS_PER_REQUEST, dtype=np.int32),
+                              requests),
+            token_ids=rng.integers(0, 1000, n).astype(np.int32),
+            experts=experts.astype(np.uint8),
+            flags=np.zeros(n, np.uint16),
+        )
 
 
 def _expected(steps, requests):
-    return {f"user-{r}": np.concatenate([s["experts"][r * ROWS_PER_REQUEST:(r + 1) * ROWS_PER_REQUEST] for s in steps])
+    return {f"user-{r}": np.concatenate([s.experts[r * ROWS_PER_REQUEST:(r + 1) * ROWS_PER_REQUEST] for s in steps])
             for r in range(requests)}
 
 
 def _finish_all(handoff, requests, num_steps):
-    handoff.finish([(f"user-{r}-0123abcd", num_steps * ROWS_PER_REQUEST + 1, "finished") for r in range(requests)])
+    handoff.finish([Ended(f"user-{r}-0123abcd", num_steps * ROWS_PER_REQUEST + 1, FinishStatus.FINISHED)
+                    for r in range(requests)])
 
 
 def _assert_routes(url, run_id, expected):
@@ -71,7 +90,7 @@ def test_steps_land_under_the_users_ids(service, tmp_path):
     steps = list(_steps(20, requests=3))
     handoff = _handoff(service, tmp_path, "h1")
     for step in steps:
-        handoff.step(**step)
+        handoff.step(step)
     _finish_all(handoff, 3, 20)
     assert handoff.close(30.0) and handoff.proc.returncode == 0
     _assert_routes(service.url, "h1", _expected(steps, 3))
@@ -81,13 +100,15 @@ def test_spec_decode_rejected_rows_dropped(service, tmp_path):
     step = next(_steps(1, requests=2))
     handoff = _handoff(service, tmp_path, "h2")
     # Request 0 verified 5 drafts, 2 accepted (+ the bonus token: 3 sampled): rows 3..5 are dropped.
-    handoff.step(**step, spec={"user-0-0123abcd": [1, 2, 3, 4, 5]}, sampled={"user-0-0123abcd": 3, "user-1-0123abcd": 1})
-    handoff.finish([("user-0-0123abcd", 4, "finished"), ("user-1-0123abcd", 7, "finished")])
+    step.drafts, step.sampled = np.array([5, 0], np.uint32), np.array([3, 1], np.int32)
+    handoff.step(step)
+    handoff.finish([Ended("user-0-0123abcd", 4, FinishStatus.FINISHED),
+                    Ended("user-1-0123abcd", 7, FinishStatus.FINISHED)])
     assert handoff.close(30.0)
     client = ReplayClient(service.url)
     assert client.request("h2", "user-0")["rows"] == 3
-    assert client.get_route("h2", "user-0").experts.tobytes() == step["experts"][:3].tobytes()
-    assert client.get_route("h2", "user-1").experts.tobytes() == step["experts"][6:].tobytes()
+    assert client.get_route("h2", "user-0").experts.tobytes() == step.experts[:3].tobytes()
+    assert client.get_route("h2", "user-1").experts.tobytes() == step.experts[6:].tobytes()
 
 
 def test_stopped_sink_never_blocks_a_step_and_loses_nothing(service, tmp_path):
@@ -96,7 +117,7 @@ def test_stopped_sink_never_blocks_a_step_and_loses_nothing(service, tmp_path):
     os.kill(handoff.pid, signal.SIGSTOP)
     try:
         for step in steps:  # would hang here if a full pipe made `step` wait
-            handoff.step(**step)
+            handoff.step(step)
         assert handoff._backlog_bytes > 0  # the pipe filled; the rest waits in memory
     finally:
         os.kill(handoff.pid, signal.SIGCONT)
@@ -109,7 +130,7 @@ def test_worker_gone_without_close_still_delivers(service, tmp_path):
     steps = list(_steps(10, requests=2, seed=2))
     handoff = _handoff(service, tmp_path, "h4")
     for step in steps:
-        handoff.step(**step)
+        handoff.step(step)
     _finish_all(handoff, 2, 10)
     os.close(handoff._fd)  # what the kernel does when the worker dies (kill -9)
     handoff._fd = -1
@@ -122,21 +143,93 @@ def test_dead_sink_is_counted_not_waited_for(service, tmp_path, caplog):
     handoff.proc.kill()
     handoff.proc.wait()
     for step in _steps(3, requests=1):
-        handoff.step(**step)
+        handoff.step(step)
     assert handoff.lost_frames >= 3
     assert "sink process" in caplog.text and "lost" in caplog.text
 
 
+def test_sink_is_quiet_and_summarises_once_at_close(service, tmp_path):
+    steps = list(_steps(5, requests=2, seed=4))
+    with open(tmp_path / "sink.log", "w+") as out:
+        handoff = _handoff(service, tmp_path, "h6", output=out)
+        for step in steps:
+            handoff.step(step)
+        _finish_all(handoff, 2, 5)
+        assert handoff.close(30.0) and handoff.proc.returncode == 0
+        out.seek(0)
+        lines = out.read().splitlines()
+    _assert_routes(service.url, "h6", _expected(steps, 2))
+    assert not [line for line in lines if "HTTP Request" in line], lines  # httpx's line per request is off
+    summaries = [line for line in lines if "routing-replay sender w0:" in line]
+    assert len(summaries) == 1 and "(closed)" in summaries[0], lines
+    assert "and 2 finishes" in summaries[0], summaries
+
+
+def _round_trip(frame, reader: FrameReader):
+    data = pack(frame)
+    (size,) = LENGTH.unpack_from(data)
+    assert size == len(data) - LENGTH.size
+    return reader.read(data[LENGTH.size:])
+
+
+def _reader() -> FrameReader:
+    reader = FrameReader()
+    config = _round_trip(ConfigFrame(SHAPE, {"run_id": "r"}), reader)
+    assert config.shape == SHAPE and config.sender == {"run_id": "r"} and reader.config is config
+    return reader
+
+
 @pytest.mark.parametrize("with_tokens", [True, False])
-def test_packed_step_frame_round_trip(with_tokens):
+@pytest.mark.parametrize("with_spec", [True, False])
+def test_packed_step_frame_round_trip(with_tokens, with_spec):
     step = next(_steps(1, requests=3, seed=3))
-    step["req_ids"] = ["plain-0123abcd", "ünïcode-0123abcd", "with\nnewline"]
-    step["flags"][4] = 2
+    step.req_ids = ["plain-0123abcd", "ünïcode-0123abcd", "with\nnewline"]
+    step.flags[4] = 2
     if not with_tokens:
-        step["token_ids"] = None
-    frame = frames.pack_step(**step)
-    kind, got = frames.unpack(frame[frames.LENGTH.size:], np.uint8, (4, 8))
-    assert kind == "step" and got.req_ids == step["req_ids"]
-    for name in ("query_start_loc", "positions", "experts", "flags"):
-        np.testing.assert_array_equal(getattr(got, name), step[name])
-    assert (got.token_ids is None) if not with_tokens else np.array_equal(got.token_ids, step["token_ids"])
+        step.token_ids[:] = -1  # NO_TOKEN: the one spelling of "unknown"
+    if with_spec:
+        step.drafts, step.sampled = np.array([0, 3, 2], np.uint32), np.array([1, 2, NO_SAMPLE], np.int32)
+    got = _round_trip(step, _reader())
+    assert isinstance(got, StepFrame) and got.req_ids == step.req_ids
+    for name in ("query_start_loc", "positions", "token_ids", "experts", "flags"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(step, name))
+    if with_spec:
+        np.testing.assert_array_equal(got.drafts, step.drafts)
+        np.testing.assert_array_equal(got.sampled, step.sampled)
+    else:
+        assert got.drafts is None and got.sampled is None
+
+
+def test_control_frames_round_trip_and_bad_frames_are_refused():
+    reader = _reader()
+    ended = [Ended("a-0123abcd", 7, FinishStatus.ABORTED), Ended("b", None, None)]
+    assert _round_trip(FinishFrame(ended), reader) == FinishFrame(ended)
+    assert _round_trip(CloseFrame(12.5), reader) == CloseFrame(12.5)
+    step = pack(next(_steps(1, requests=2)))[LENGTH.size:]
+    with pytest.raises(FormatError, match="step frame"):
+        reader.read(step[:-3])  # cut short
+    with pytest.raises(FormatError, match="unknown frame kind"):
+        reader.read(b"P" + step[1:])  # the pickled frames of before: gone
+    with pytest.raises(FormatError, match="before the configuration"):
+        FrameReader().read(step)
+
+
+def _newer_config_frame(major: int) -> bytes:
+    md = ConfigFrame(SHAPE, {}).to_metadata()
+    md["format_version"] = f"{major}.0"
+    body = b"C" + json.dumps(md).encode()
+    return LENGTH.pack(len(body)) + body
+
+
+def test_newer_major_version_is_refused_with_a_clear_error():
+    with pytest.raises(FormatError, match="format_version 2.0 is newer than this reader knows"):
+        FrameReader().read(_newer_config_frame(2)[LENGTH.size:])
+    read_fd, write_fd = os.pipe()  # the real sink process, handed such a stream
+    proc = subprocess.Popen([sys.executable, "-m", "capture.vllm.sink", str(read_fd)], pass_fds=(read_fd,),
+                            stderr=subprocess.PIPE, text=True)
+    os.close(read_fd)
+    os.write(write_fd, _newer_config_frame(2))
+    os.close(write_fd)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert "cannot read the worker's frames" in err and "newer than this reader knows" in err, err

@@ -7,7 +7,18 @@ import pytest
 import torch
 
 from capture.vllm.config import PluginConfig, PluginConfigError
-from capture.vllm.step import StepBook, StepRowsMeta, external_id
+from capture.vllm.sink.book import StepBook, external_id
+from replay_format import NO_TOKEN
+from replay_format.step_frame import NO_SAMPLE, StepFrame
+
+
+def _frame(req_ids, query_start_loc, positions, drafts=None, sampled=None) -> StepFrame:
+    """A step's frame with what the book reads (no experts: it never looks at them)."""
+    n = len(positions)
+    return StepFrame(req_ids, np.array(query_start_loc, np.int32), np.array(positions, np.int32),
+                     np.full(n, NO_TOKEN, np.int32), np.zeros((n, 1, 1), np.uint8), np.zeros(n, np.uint16),
+                     None if drafts is None else np.array(drafts, np.uint32),
+                     None if sampled is None else np.array(sampled, np.int32))
 
 
 def test_config_off_without_url_and_needs_run_id(tmp_path):
@@ -20,7 +31,7 @@ def test_config_off_without_url_and_needs_run_id(tmp_path):
 
 
 def test_unsupported_version_is_refused_naming_what_is_missing():
-    vllm = pytest.importorskip("vllm")  # noqa: F841
+    pytest.importorskip("vllm")
     from capture.vllm.version import UnsupportedVLLM, check_supported
 
     with pytest.raises(UnsupportedVLLM, match="0.31.0 is not supported"):
@@ -40,28 +51,46 @@ def test_external_ids():
 
 def test_spec_decode_rejected_rows_dropped_and_finish_length():
     book = StepBook()
-    meta = StepRowsMeta(["a-0000abcd", "b-0000abcd"], np.array([0, 4, 5]), np.array([9, 10, 11, 12, 3]), None)
-    keep = book.keep_mask(meta, {"a-0000abcd": 2, "b-0000abcd": 1}, {"a-0000abcd": [1, 2, 3]})
+    # a verified 3 drafts and sampled 2; b had no drafts
+    frame = _frame(["a-0000abcd", "b-0000abcd"], [0, 4, 5], [9, 10, 11, 12, 3], drafts=[3, 0], sampled=[2, 1])
+    keep = book.keep_mask(frame)
     assert keep.tolist() == [True, True, False, False, True]
-    names, index, keep = book.row_ids(meta, keep)
+    names, index, keep = book.row_ids(frame, keep)
     assert [names[i] for i in index] == ["a", "a", "b"]
     assert book.finish("a-0000abcd") == ("a", 12, "finished")  # positions 9,10 kept -> T = 12
     assert book.finish("b-0000abcd", 7, "aborted") == ("b", 7, "aborted")
     assert book.finish("never-seen") is None
 
 
+def test_spec_counts_from_the_engine_and_a_missing_sampler_count():
+    from types import SimpleNamespace
+
+    from capture.vllm.worker.worker_capture import spec_counts
+
+    sched = SimpleNamespace(scheduled_spec_decode_tokens={"a-0000abcd": [7, 8, 9]})
+    output = SimpleNamespace(req_ids=["b-0000abcd", "a-0000abcd"], sampled_token_ids=[[1], [4, 5]])
+    drafts, sampled = spec_counts(["a-0000abcd", "b-0000abcd"], sched, output)
+    assert drafts.tolist() == [3, 0] and sampled.tolist() == [2, 1]
+    assert spec_counts(["a-0000abcd"], SimpleNamespace(scheduled_spec_decode_tokens={}), output) == (None, None)
+    drafts, sampled = spec_counts(["a-0000abcd", "b-0000abcd"], sched, None)  # no sampler output (aborted)
+    assert sampled.tolist() == [NO_SAMPLE, NO_SAMPLE]
+    keep = StepBook().keep_mask(_frame(["a-0000abcd", "b-0000abcd"], [0, 4, 5], [9, 10, 11, 12, 3], drafts, sampled))
+    assert keep.tolist() == [True, False, False, False, True]  # only the verified row of a
+
+
 def test_bad_request_id_rows_dropped_not_sent():
     book = StepBook()
-    meta = StepRowsMeta(["bad id/x-0000abcd", "ok-0000abcd"], np.array([0, 2, 3]), np.array([0, 1, 0]), None)
-    names, index, keep = book.row_ids(meta, np.ones(3, bool))
+    frame = _frame(["bad id/x-0000abcd", "ok-0000abcd"], [0, 2, 3], [0, 1, 0])
+    names, index, keep = book.row_ids(frame, np.ones(3, bool))
     assert [names[i] for i in index] == ["ok"] and keep.tolist() == [False, False, True]
     assert book.finish("bad id/x-0000abcd") is None
 
 
 def test_binder_chains_existing_and_later_callbacks_and_refuses_monolithic():
     pytest.importorskip("vllm")
-    from capture.vllm.binder import BindError, ChainedCapture, bind_model, install_set_hook
     from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+    from capture.vllm.worker.binder import BindError, ChainedCapture, bind_model, install_set_hook
 
     class Router(BaseRouter):
         def __init__(self):
@@ -111,14 +140,15 @@ def test_config_refusals_name_the_fix():
     from vllm.config import CUDAGraphMode
 
     from capture.vllm.config import PluginConfig
-    from capture.vllm.worker import StartupError, WorkerCapture
+    from capture.vllm.worker.worker_capture import StartupError, WorkerCapture
 
     wc = WorkerCapture(PluginConfig("http://x", "r", None, None))
     eager = SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.NONE),
                             cache_config=SimpleNamespace(enable_prefix_caching=False),
                             parallel_config=SimpleNamespace(pipeline_parallel_size=1))
     wc.check_config(eager)  # what the tests' engines run with: accepted
-    graphs = SimpleNamespace(**{**vars(eager), "compilation_config": SimpleNamespace(cudagraph_mode=CUDAGraphMode.PIECEWISE)})
+    piecewise = SimpleNamespace(cudagraph_mode=CUDAGraphMode.PIECEWISE)
+    graphs = SimpleNamespace(**{**vars(eager), "compilation_config": piecewise})
     with pytest.raises(StartupError, match="CUDA graphs are on.*--enforce-eager"):
         wc.check_config(graphs)
     cached = SimpleNamespace(**{**vars(eager), "cache_config": SimpleNamespace(enable_prefix_caching=True)})

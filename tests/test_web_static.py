@@ -5,6 +5,7 @@ No browser needed; tests/test_web_view.py drives the pages in Chromium.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -57,3 +58,30 @@ def test_web_served_at_root(shared_service):
         assert r.status_code == 200, rel
         if p.suffix == ".js":
             assert "javascript" in r.headers["content-type"], (rel, r.headers["content-type"])
+
+
+def _js_const(path: str, name: str) -> str:
+    """The text of `export const NAME = ...;` in a web/js module."""
+    match = re.search(rf"^export const {name} = (.+?);$", (WEB / "js" / path).read_text(), flags=re.M | re.S)
+    assert match, f"web/js/{path} has no `export const {name}`"
+    return match.group(1)
+
+
+def test_web_flag_table_is_replay_format_flag():
+    from replay_format import Flag
+
+    bits = json.loads(re.sub(r"(\w+):", r'"\1":', _js_const("dom.js", "FLAG_BITS")))
+    assert bits == {f.name: int(f) for f in Flag}
+    assert list(bits) == [f.name for f in sorted(Flag, key=int)]  # FLAGS (its keys) are in bit order
+    assert _js_const("dom.js", "FLAGS") == "Object.keys(FLAG_BITS)"
+    for table in ("FLAG_SHORT", "FLAG_COLORS", "FLAG_HELP"):
+        keys = re.findall(r"(?:^|[{,])\s*([A-Z_]+): \"", _js_const("dom.js", table), flags=re.M)
+        assert set(keys) == set(bits), table
+
+
+def test_web_reads_the_route_format_the_service_writes():
+    from replay_format import NO_TOKEN, route
+
+    assert int(_js_const("routedata.js", "NO_TOKEN")) == NO_TOKEN
+    assert json.loads(_js_const("routedata.js", "ROUTE_FORMAT")) == route.FORMAT
+    assert int(_js_const("routedata.js", "ROUTE_MAJOR")) == route.VERSION.major

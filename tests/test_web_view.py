@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from replay_service.client import ReplayClient
-from tests.support.service import ServiceProcess
 from tests.support.browser import browser, goto_hash, new_page, require_browser, set_hash
+from tests.support.service import ServiceProcess
 
 BIG_RUN, BIG_REQ = "big", "long-32k"
 BIG_ROWS, BIG_L, BIG_K, BIG_E = 32768, 48, 8, 128
@@ -74,7 +74,8 @@ def test_runs_list_shows_health(web, page):
         if count:
             assert f"{name}\n{count}" in text or f"{name} {count}" in text.replace("\n", " "), (name, text)
     assert f"{runs['demo']['rows']:,}" in text and "48L × top-8 of 128" in text
-    page.wait_for_function("() => !document.querySelector(\"tr[data-run='demo'] td.compares\").textContent.includes('…')")
+    page.wait_for_function(
+        "() => !document.querySelector(\"tr[data-run='demo'] td.compares\").textContent.includes('…')")
     shot(page, web, "01-runs")
 
 
@@ -124,7 +125,8 @@ def test_request_flags_match_api_and_next_flagged(web, page, req):
     expected = {p: ",".join(r["flags"]) for p, r in rows.items() if r["flags"]}
     goto_hash(page, web["url"], f"/runs/demo/requests/{req}")
     page.wait_for_function("() => document.querySelector('#flagged-list').dataset.complete === '1'")
-    shown = page.eval_on_selector_all("#flagged-list .flagrow", "rs => rs.map(r => [Number(r.dataset.pos), r.dataset.flags])")
+    shown = page.eval_on_selector_all("#flagged-list .flagrow",
+                                      "rs => rs.map(r => [Number(r.dataset.pos), r.dataset.flags])")
     assert dict(shown) == expected
     # the header's counts are the summary's
     head = page.inner_text("#request-flags")
@@ -142,8 +144,9 @@ def test_request_flags_match_api_and_next_flagged(web, page, req):
     for name in first["flags"]:
         assert name in detail
     if "GAP" not in first["flags"]:
-        cells = page.eval_on_selector_all("#row-detail table.ids-table tbody tr",
-                                          "rs => rs.map(r => Array.from(r.querySelectorAll('.id')).map(s => Number(s.textContent)))")
+        cells = page.eval_on_selector_all(
+            "#row-detail table.ids-table tbody tr",
+            "rs => rs.map(r => Array.from(r.querySelectorAll('.id')).map(s => Number(s.textContent)))")
         assert cells == first["experts"]
         assert str(first["token_id"]) in detail
     shot(page, web, f"03-request-{req}")
@@ -162,7 +165,8 @@ def test_expert_load_heatmap(web, page):
     layer, expert = 5, 17
     page.mouse.move(box["x"] + 56 + expert * _cell_w(page) + 2, box["y"] + 18 + layer * 12 + 5)
     tip = page.locator(".tooltip:not([hidden])").inner_text()
-    assert f"layer {layer} " in tip and f"expert {expert}:" in tip and f"{load['counts'][layer][expert]:,} tokens" in tip
+    assert f"layer {layer} " in tip and f"expert {expert}:" in tip
+    assert f"{load['counts'][layer][expert]:,} tokens" in tip
     shot(page, web, "04-expert-load", full=True)
 
 
@@ -200,7 +204,8 @@ def _mock_compares(page, label="ref vs replay", request_id="flagged-stale"):
     """The comparison endpoints' contract, answered in the browser (for when the service has none)."""
     compare = {"compare_id": "c1", "label": label, "created_at": 1.7e9, "requests": 2, "tokens": 1024,
                "router_mismatch": 0.104, "token_mismatch": 0.94, "jaccard": 0.87, "missing_rows": 0,
-               "per_layer": [{"layer": l, "model_layer": l, "router_mismatch": 0.02 + 0.004 * l, "jaccard": 0.9 - 0.002 * l} for l in range(48)],
+               "per_layer": [{"layer": i, "model_layer": i, "router_mismatch": 0.02 + 0.004 * i,
+                              "jaccard": 0.9 - 0.002 * i} for i in range(48)],
                "worst_layers": [47, 46, 45],
                "worst_tokens": [{"request_id": request_id, "position": 50, "layers_differing": 31, "jaccard": 0.41}]}
 
@@ -211,7 +216,8 @@ def _mock_compares(page, label="ref vs replay", request_id="flagged-stale"):
             q = parse_qs(urlparse(url).query)
             start, end = int(q["start"][0]), int(q["end"][0])
             positions = list(range(start, end))
-            body = {"positions": positions, "mismatch": [[int((p * 7 + l) % 10 == 0) for l in range(48)] for p in positions]}
+            body = {"positions": positions,
+                    "mismatch": [[int((p * 7 + i) % 10 == 0) for i in range(48)] for p in positions]}
         elif url.rstrip("/").endswith("/compares"):
             body = {"compares": [compare]}
         else:
@@ -237,8 +243,9 @@ def test_compare_views_against_the_contract(web, page):
     assert page.input_value("#color-mode") == "agree:c1"
     page.wait_for_function("() => document.querySelector('#row-detail').dataset.pos === '50'")
     page.wait_for_selector("#row-detail tr.differs")
-    differs = page.eval_on_selector_all("#row-detail table.ids-table tbody tr", "rs => rs.map(r => r.classList.contains('differs'))")
-    assert differs == [(50 * 7 + l) % 10 == 0 for l in range(48)]
+    differs = page.eval_on_selector_all("#row-detail table.ids-table tbody tr",
+                                        "rs => rs.map(r => r.classList.contains('differs'))")
+    assert differs == [(50 * 7 + i) % 10 == 0 for i in range(48)]
     shot(page, web, "05-request-agreement-mocked")
     assert c["label"] in page.inner_text("#color-mode")
 
@@ -252,7 +259,8 @@ def test_xss_strings_render_as_text(web, page):
     assert page.locator(".error").count() == 1
     # 2. A stored comparison labelled with markup: runs list, run's comparisons, compare page, colour menu.
     if web["xss_compare"]:
-        for frag in ("/", f"/runs/{BIG_RUN}?tab=compares", f"/runs/{BIG_RUN}/compares/{quote(web['xss_compare'], safe='')}"):
+        compare_page = f"/runs/{BIG_RUN}/compares/{quote(web['xss_compare'], safe='')}"
+        for frag in ("/", f"/runs/{BIG_RUN}?tab=compares", compare_page):
             set_hash(page, frag)
             page.wait_for_function("x => document.querySelector('main').innerText.includes(x)", arg=XSS)
         set_hash(page, f"/runs/{BIG_RUN}/requests/{BIG_REQ}")
@@ -279,8 +287,11 @@ def test_xss_strings_render_as_text(web, page):
         status=200, content_type="application/json",
         body=json.dumps({"compares": [{"compare_id": "c1", "label": XSS, "created_at": 0, "requests": 1, "tokens": 2,
                                        "router_mismatch": 0.1, "token_mismatch": 0.5, "jaccard": 0.9, "missing_rows": 0,
-                                       "per_layer": [{"layer": 0, "model_layer": 0, "router_mismatch": 0.1, "jaccard": 0.9}],
-                                       "worst_layers": [0], "worst_tokens": [{"request_id": XSS, "position": 1, "layers_differing": 1, "jaccard": 0.9}]}]})))
+                                       "per_layer": [{"layer": 0, "model_layer": 0, "router_mismatch": 0.1,
+                                                      "jaccard": 0.9}],
+                                       "worst_layers": [0],
+                                       "worst_tokens": [{"request_id": XSS, "position": 1, "layers_differing": 1,
+                                                         "jaccard": 0.9}]}]})))
     set_hash(page, "/runs/demo?tab=compares")
     assert XSS in page.inner_text("main")
     assert page.evaluate("() => document.querySelectorAll('main img, main script, #crumbs img').length") == 0

@@ -5,36 +5,40 @@ routing_replay = "capture.vllm:register"`. vLLM calls `register()` in every proc
 (front end, engine core, each worker). It does nothing unless `ROUTING_REPLAY_URL` is
 set (see `capture.vllm.config` for the variables). When active it checks the vLLM
 version and every symbol it hooks (`capture.vllm.version`), patches the scheduler
-(finish/abort events) and the V1 model runner (`capture.vllm.worker`), and each worker
-logs one line once its routers are bound. Errors are raised, not logged: vLLM does not
-catch exceptions from a plugin's function, so a misconfigured or unsupported setup
-stops at startup instead of recording garbage.
+(`capture.vllm.engine_core`: finish/abort events) and the V1 model runner
+(`capture.vllm.worker`), and each worker logs one line once its routers are bound.
+Errors are raised, not logged: vLLM does not catch exceptions from a plugin's function,
+so a misconfigured or unsupported setup stops at startup instead of recording garbage.
+
+By process: `config.py` and `version.py` run in every vLLM process; `engine_core/` in
+the engine core; `worker/` in each worker; `sink/` in the sink process each sending
+worker starts (no torch, no vLLM).
 """
 
 from __future__ import annotations
 
-_STATE = {"registered": False, "config": None}
+_registered = False  # per process: vLLM may call register() more than once
 
 
 def register() -> None:
     """`vllm.general_plugins` entry point; idempotent."""
-    if _STATE["registered"]:
+    global _registered
+    if _registered:
         return
     from capture.vllm.config import PluginConfig
 
     config = PluginConfig.from_env()
-    _STATE["registered"] = True
+    _registered = True
     if config is None:
         return
     from capture.vllm.version import check_supported
 
     check_supported()
-    from capture.vllm.scheduler import patch_scheduler
-    from capture.vllm.worker import patch_v1_runner
+    from capture.vllm.engine_core.scheduler import patch_scheduler
+    from capture.vllm.worker.runner import patch_v1_runner
 
     patch_scheduler()
     patch_v1_runner(config)
-    _STATE["config"] = config
 
 
 __all__ = ["register"]

@@ -1,4 +1,4 @@
-"""Plugin settings, read from the environment of every vLLM process.
+"""Plugin settings, read from the environment of every vLLM process (and the sink's token variable).
 
 | variable | meaning |
 |---|---|
@@ -6,7 +6,8 @@
 | `ROUTING_REPLAY_RUN_ID` | run id routes are stored under (required when the URL is set) |
 | `ROUTING_REPLAY_TOKEN` | optional bearer token for the service |
 | `ROUTING_REPLAY_SPILL_DIR` | where unsent batches are spilled (default `./replay-spill/<run_id>`) |
-| `ROUTING_REPLAY_ALLOW_PREFIX_CACHE` | `1`: run with prefix caching on; cached prompt rows are never computed, so they read back as `GAP` (default: refuse at startup) |
+| `ROUTING_REPLAY_ALLOW_PREFIX_CACHE` | `1`: run with prefix caching on; cached prompt rows are never computed, |
+| | so they read back as `GAP` (default: refuse at startup) |
 | `ROUTING_REPLAY_VERBOSE` | `1`: log one line per captured step |
 """
 
@@ -22,10 +23,12 @@ ENV_TOKEN = "ROUTING_REPLAY_TOKEN"
 ENV_SPILL = "ROUTING_REPLAY_SPILL_DIR"
 ENV_ALLOW_PREFIX = "ROUTING_REPLAY_ALLOW_PREFIX_CACHE"
 ENV_VERBOSE = "ROUTING_REPLAY_VERBOSE"
+# Set by the worker for its sink process only: the token stays off the command line, where `ps` shows it.
+ENV_SINK_TOKEN = "ROUTING_REPLAY_SINK_TOKEN"
 
 
 class PluginConfigError(RuntimeError):
-    pass
+    """The URL is set but the rest of the settings are wrong."""
 
 
 def _truthy(value: str | None) -> bool:
@@ -34,6 +37,8 @@ def _truthy(value: str | None) -> bool:
 
 @dataclass(frozen=True)
 class PluginConfig:
+    """The plugin's settings (the table above)."""
+
     url: str
     run_id: str
     token: str | None
@@ -42,7 +47,7 @@ class PluginConfig:
     verbose: bool = False
 
     @classmethod
-    def from_env(cls, env=None) -> "PluginConfig | None":
+    def from_env(cls, env=None) -> PluginConfig | None:
         """None when the plugin is off (no URL); PluginConfigError when the URL is set but the rest is wrong."""
         env = os.environ if env is None else env
         url = (env.get(ENV_URL) or "").strip()
@@ -50,7 +55,8 @@ class PluginConfig:
             return None
         run_id = (env.get(ENV_RUN) or "").strip()
         if not run_id:
-            raise PluginConfigError(f"routing-replay: {ENV_URL} is set but {ENV_RUN} is not; set the run id routes go to")
+            raise PluginConfigError(
+                f"routing-replay: {ENV_URL} is set but {ENV_RUN} is not; set the run id routes go to")
         from replay_format import ID_RULE, valid_id
 
         if not valid_id(run_id):

@@ -9,6 +9,7 @@ names rather than capturing garbage.
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 SUPPORTED_PREFIXES = ("0.32.", "0.33.")
 
@@ -54,9 +55,10 @@ def vllm_version() -> str | None:
 def missing_symbols(required=REQUIRED) -> list[str]:
     missing = []
     for module, path in required:
+        obj: Any
         try:
             obj = importlib.import_module(module)
-        except Exception as exc:  # noqa: BLE001 - any import failure is "not found"
+        except Exception as exc:  # any error: any import failure is "not found"
             missing.append(f"{module} ({type(exc).__name__}: {exc})")
             continue
         for part in path.split("."):

@@ -1,24 +1,31 @@
-"""Trainer layouts: Megatron-core RouterReplay per rank, verl dense batches (see replay_service/layouts.py)."""
+"""Trainer slices over HTTP: Megatron-core RouterReplay per rank, verl dense batches (replay_service/trainer/)."""
 
 from __future__ import annotations
 
-from typing import Literal
-
-from fastapi import APIRouter, Response
+from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from replay_format import ARROW_STREAM_MEDIA_TYPE, ID_RULE, valid_id
-from replay_service import layouts
-from replay_service.errors import InvalidInput
+from replay_format import ARROW_STREAM_MEDIA_TYPE
+from replay_format.trainer_slice import Packing
 from replay_service.api.deps import Settings, Store
-from replay_service.layout_reads import SequenceRef, common_shape, encode, gather, layer_selection, sequence_specs
+from replay_service.api.models import CONFLICT, ERRORS, binary_answer
+from replay_service.settings import ServiceSettings
+from replay_service.trainer import layouts
+from replay_service.trainer.reads import SequenceRef, SliceAnswer, SliceLimits, SliceQuery, read_rank_slice
 
-router = APIRouter(prefix="/v1/trainer", tags=["trainer"])
+router = APIRouter(prefix="/v1/trainer", tags=["trainer"], responses=ERRORS)
+
+SLICE_ANSWER = {200: binary_answer(ARROW_STREAM_MEDIA_TYPE, description="a trainer slice: one row per router token "
+                                   "of this rank (replay_format/trainer_slice.md)"), **CONFLICT}
 
 
 class Sequence(BaseModel):
+    """One sequence of the micro-batch."""
+
+    model_config = ConfigDict(extra="forbid")
+
     run: str = Field(description="run id")
     request: str = Field(description="request id")
     start: int = Field(0, ge=0, description="first position fed (multi-turn: only rows from here on)")
@@ -28,16 +35,29 @@ class Sequence(BaseModel):
 
 
 class _Common(BaseModel):
+    # an unknown field is refused, never ignored: a misspelt (or pre-rename) stage field would serve every layer
+    model_config = ConfigDict(extra="forbid")
+
     sequences: list[Sequence] = Field(min_length=1, description="the micro-batch, in order")
-    layers: list[int] | None = Field(None, description="MoE ordinals of this pipeline stage (default: all)")
-    model_layers: tuple[int, int] | None = Field(None, description="this stage's model layers [lo, hi)")
+    moe_ordinals: list[int] | None = Field(None, description="MoE ordinals of this pipeline stage (default: all)")
+    model_layer_range: tuple[int, int] | None = Field(
+        None, description="or: this stage's model layers [lo, hi); the MoE layers among them")
     strict: bool = Field(False, description="409 instead of filler when a token's recorded row is flagged or missing")
+
+    def query(self) -> SliceQuery:
+        """The domain query of this body."""
+        refs = [SequenceRef(s.run, s.request, s.start, s.num_tokens) for s in self.sequences]
+        return SliceQuery(refs, self.moe_ordinals, self.model_layer_range, self.strict)
 
 
 class MegatronQuery(_Common):
-    packing: Literal["thd", "bshd"] = "thd"
-    pad_multiple: int | None = Field(None, ge=1, description="THD: pad each sequence to this multiple (default tp*cp*2 with CP, else tp)")
-    seq_length: int | None = Field(None, ge=1, description="BSHD: padded sequence length (default: longest, rounded up)")
+    """One rank of a Megatron micro-batch."""
+
+    packing: Packing = Packing.THD
+    pad_multiple: int | None = Field(None, ge=1, description="THD: pad each sequence to this multiple "
+                                     "(default tp*cp*2 with CP, else tp)")
+    seq_length: int | None = Field(None, ge=1, description="BSHD: padded sequence length (default: longest, "
+                                   "rounded up)")
     cp_size: int = Field(1, ge=1)
     cp_rank: int = Field(0, ge=0)
     tp_size: int = Field(1, ge=1, description="sequence-parallel size (TP size with SP on; 1 with SP off)")
@@ -45,78 +65,47 @@ class MegatronQuery(_Common):
 
 
 class VerlQuery(_Common):
+    """A verl micro-batch, dense."""
+
     prompt_lengths: list[int] = Field(description="prompt tokens of each sequence (before left padding)")
     prompt_width: int = Field(ge=1, description="padded prompt length (left-padded)")
     response_width: int = Field(ge=0, description="padded response length (right-padded)")
 
 
-def _refs(body: _Common, settings) -> list[SequenceRef]:
-    if len(body.sequences) > settings.max_batch_requests:
-        raise InvalidInput(f"{len(body.sequences)} sequences exceeds max_batch_requests={settings.max_batch_requests}")
-    for s in body.sequences:
-        for kind, value in (("run id", s.run), ("request id", s.request)):
-            if not valid_id(value):
-                raise InvalidInput(f"{kind} {value!r} is not a valid id: {ID_RULE}")
-    return [SequenceRef(s.run, s.request, s.start, s.num_tokens) for s in body.sequences]
+def _limits(settings: ServiceSettings) -> SliceLimits:
+    return SliceLimits(settings.max_batch_requests, settings.max_read_rows, settings.strict_report_rows)
 
 
-def _answer(store, settings, body: _Common, refs, make_plan, layout: dict) -> Response:
-    shape = common_shape(store, refs)
-    sel = layer_selection(shape, body.layers, body.model_layers)
-    specs = sequence_specs(store, refs)
-    try:
-        plan = make_plan(specs)
-    except layouts.LayoutError as exc:
-        raise InvalidInput(str(exc)) from None
-    if plan.num_tokens > settings.max_read_rows:
-        raise InvalidInput(
-            f"this rank's slice is {plan.num_tokens} tokens, more than one read returns "
-            f"(REPLAY_MAX_READ_ROWS={settings.max_read_rows}); use smaller micro-batches")
-    experts, valid = gather(store, refs, specs, plan, shape, sel, body.strict, settings.strict_report_rows)
-    layout = {**layout, "tokens": plan.num_tokens, "total_tokens": plan.total_tokens,
-              "seq_length": plan.seq_length, "cu_seqlens": plan.cu_seqlens,
-              "cu_seqlens_padded": plan.cu_seqlens_padded, "sequences": len(refs)}
-    parts = encode(plan, specs, experts, valid, shape, sel, layout)
-    headers = {"X-Layout-Tokens": str(plan.num_tokens), "X-Layout-Valid": str(int(valid.sum())),
-               "Content-Length": str(sum(len(p) for p in parts))}
+def _streamed(answer: SliceAnswer) -> StreamingResponse:
+    headers = {"X-Layout-Tokens": str(answer.tokens), "X-Layout-Valid": str(answer.valid),
+               "Content-Length": str(answer.size)}
     # the parts reference the gathered arrays: no copy of the ids between the gather and the socket
-    return StreamingResponse(iter([memoryview(p) for p in parts]), media_type=ARROW_STREAM_MEDIA_TYPE,
-                             headers=headers)
+    return StreamingResponse(iter(answer.parts), media_type=ARROW_STREAM_MEDIA_TYPE, headers=headers)
 
 
 @router.post(
     "/megatron",
     summary="One rank's RouterReplay data: router tokens in Megatron order (THD/BSHD, CP and SP slices)",
-    responses={200: {"content": {ARROW_STREAM_MEDIA_TYPE: {}}}},
+    response_class=StreamingResponse,
+    responses=SLICE_ANSWER,
 )
-async def megatron(body: MegatronQuery, store: Store, settings: Settings) -> Response:
-    refs = _refs(body, settings)
+async def megatron(body: MegatronQuery, store: Store, settings: Settings) -> StreamingResponse:
+    def make_plan(specs: list[layouts.SequenceSpec]) -> layouts.TokenPlan:
+        return layouts.megatron_plan([s.num_tokens for s in specs], body.packing, body.pad_multiple, body.seq_length,
+                                     body.cp_size, body.cp_rank, body.tp_size, body.tp_rank)
 
-    def make_plan(specs):
-        return layouts.megatron_plan(
-            [s.num_tokens for s in specs], body.packing, body.pad_multiple, body.seq_length,
-            body.cp_size, body.cp_rank, body.tp_size, body.tp_rank,
-        )
-
-    layout = {"kind": "megatron", "packing": body.packing, "cp_size": body.cp_size, "cp_rank": body.cp_rank,
-              "tp_size": body.tp_size, "tp_rank": body.tp_rank}
-    return await run_in_threadpool(_answer, store, settings, body, refs, make_plan, layout)
+    return _streamed(await run_in_threadpool(read_rank_slice, store, body.query(), make_plan, _limits(settings)))
 
 
 @router.post(
     "/verl",
     summary="verl's dense [batch, prompt_width + response_width, L, K]: left-padded prompts, right-padded responses",
-    responses={200: {"content": {ARROW_STREAM_MEDIA_TYPE: {}}}},
+    response_class=StreamingResponse,
+    responses=SLICE_ANSWER,
 )
-async def verl(body: VerlQuery, store: Store, settings: Settings) -> Response:
-    refs = _refs(body, settings)
-    if len(body.prompt_lengths) != len(refs):
-        raise InvalidInput(f"prompt_lengths has {len(body.prompt_lengths)} entries for {len(refs)} sequences")
-
-    def make_plan(specs):
+async def verl(body: VerlQuery, store: Store, settings: Settings) -> StreamingResponse:
+    def make_plan(specs: list[layouts.SequenceSpec]) -> layouts.TokenPlan:
         return layouts.verl_plan(body.prompt_lengths, [s.num_tokens for s in specs], body.prompt_width,
                                  body.response_width)
 
-    layout = {"kind": "verl", "batch": len(refs), "prompt_width": body.prompt_width,
-              "response_width": body.response_width, "prompt_lengths": body.prompt_lengths}
-    return await run_in_threadpool(_answer, store, settings, body, refs, make_plan, layout)
+    return _streamed(await run_in_threadpool(read_rank_slice, store, body.query(), make_plan, _limits(settings)))

@@ -1,20 +1,19 @@
 """Stored comparison results: the JSON answer in the index, per-token mismatch bits in a file.
 
-`<data>/compares/<run_id>/<compare_id>.npz` holds, per compared request, its
-positions and an `(n, L)` bit-packed mismatch matrix; it is written to `.tmp`,
-fsynced and renamed before the index row commits (as segments are). Kept
-outside `runs/` so the segment sweep never sees it.
+`<data>/compares/<run_id>/<compare_id>.npz` (replay_format/compare.md, "Stored comparison
+file") holds, per compared request, its positions and an `(n, L)` bit-packed mismatch
+matrix; it is written to `.tmp`, fsynced and renamed before the index row commits (as
+segments are). Kept outside `runs/` so the segment sweep never sees it.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-
+from replay_format.compare import CompareFileMeta, RequestMismatch, encode_compare_file, read_compare_file
 from replay_service.errors import NotFound
 from replay_service.store.files import fsync_dir
 from replay_service.store.index import Index
@@ -30,6 +29,9 @@ CREATE TABLE IF NOT EXISTS compares (
 );
 CREATE INDEX IF NOT EXISTS compares_by_run ON compares (run_id, created_at);
 """
+INSERT = "INSERT INTO compares (compare_id, run_id, created_at, path, requests, doc) VALUES (?, ?, ?, ?, ?, ?)"
+LIST_BY_RUN = "SELECT doc FROM compares WHERE run_id = ? ORDER BY created_at DESC, rowid DESC"
+ONE = "SELECT * FROM compares WHERE run_id = ? AND compare_id = ?"
 
 
 class CompareNotFound(NotFound):
@@ -37,6 +39,8 @@ class CompareNotFound(NotFound):
 
 
 class CompareStore:
+    """Comparisons of one data directory: files under `root`, answers in the index's `compares` table."""
+
     def __init__(self, root: Path, index: Index, fsync: bool = True) -> None:
         self.root = Path(root)
         self.index = index
@@ -44,22 +48,17 @@ class CompareStore:
         with index.lock:
             index.conn.executescript(SCHEMA)
 
-    def save(self, doc: dict, per_request: list) -> None:
-        """`per_request`: objects with request_id, positions (n,), mismatch (n, L) bool."""
+    def save(self, doc: dict, per_request: Sequence[RequestMismatch]) -> None:
+        """Store one comparison: its file first (durably), then the index row naming it."""
         rel = f"{doc['run_id']}/{doc['compare_id']}.npz"
         path = self.root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        arrays = {}
-        names = []
-        for i, item in enumerate(per_request):
-            names.append(item.request_id)
-            arrays[f"p{i}"] = item.positions
-            arrays[f"m{i}"] = np.packbits(item.mismatch, axis=1)
-        buf = io.BytesIO()
-        np.savez(buf, **arrays)
+        names = [item.request_id for item in per_request]
+        meta = CompareFileMeta(doc["run_id"], doc["compare_id"], len(doc["per_layer"]), tuple(names))
+        data = encode_compare_file(meta, per_request)
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as fh:
-            fh.write(buf.getbuffer())
+            fh.write(data)
             if self.fsync:
                 fh.flush()
                 os.fsync(fh.fileno())
@@ -67,35 +66,29 @@ class CompareStore:
         if self.fsync:
             fsync_dir(path.parent)
         with self.index.transaction() as tx:
-            tx.execute(
-                "INSERT INTO compares (compare_id, run_id, created_at, path, requests, doc) VALUES (?, ?, ?, ?, ?, ?)",
-                (doc["compare_id"], doc["run_id"], doc["created_at"], rel, json.dumps(names), json.dumps(doc)),
-            )
+            tx.execute(INSERT, (doc["compare_id"], doc["run_id"], doc["created_at"], rel, json.dumps(names),
+                                json.dumps(doc)))
 
     def list(self, run_id: str) -> list[dict]:
-        rows = self.index.query(
-            "SELECT doc FROM compares WHERE run_id = ? ORDER BY created_at DESC, rowid DESC", (run_id,)
-        )
-        return [json.loads(r["doc"]) for r in rows]
+        """The stored answers of a run's comparisons, newest first."""
+        return [json.loads(r["doc"]) for r in self.index.query(LIST_BY_RUN, (run_id,))]
 
     def _row(self, run_id: str, compare_id: str):
-        row = self.index.one("SELECT * FROM compares WHERE run_id = ? AND compare_id = ?", (run_id, compare_id))
+        row = self.index.one(ONE, (run_id, compare_id))
         if row is None:
             raise CompareNotFound(f"comparison {compare_id!r} not found in run {run_id!r}")
         return row
 
     def get(self, run_id: str, compare_id: str) -> dict:
+        """One stored answer; CompareNotFound when there is none."""
         return json.loads(self._row(run_id, compare_id)["doc"])
 
-    def request_mismatch(self, run_id: str, compare_id: str, request_id: str) -> tuple[np.ndarray, np.ndarray, int]:
-        """(positions (n,), mismatch (n, L) uint8, L) for one request of a stored comparison."""
+    def request_mismatch(self, run_id: str, compare_id: str, request_id: str) -> RequestMismatch:
+        """One request's positions and `(n, num_moe_layers)` mismatch bits in a stored comparison."""
         row = self._row(run_id, compare_id)
-        names = json.loads(row["requests"])
+        names = tuple(json.loads(row["requests"]))
         if request_id not in names:
             raise CompareNotFound(f"comparison {compare_id!r} holds no rows of request {request_id!r}")
-        i = names.index(request_id)
-        num_layers = len(json.loads(row["doc"])["per_layer"])
-        with np.load(self.root / row["path"]) as data:
-            positions = data[f"p{i}"]
-            bits = np.unpackbits(data[f"m{i}"], axis=1, count=num_layers)
-        return positions, bits, num_layers
+        # What the index knows: all a file written before the format had a version can be read with.
+        known = CompareFileMeta(run_id, compare_id, len(json.loads(row["doc"])["per_layer"]), names)
+        return read_compare_file(self.root / row["path"], request_id, known)

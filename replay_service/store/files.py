@@ -1,28 +1,27 @@
-"""Durable segment files: one Arrow IPC file per acknowledged ingest batch.
+"""The store's files on disk: where segments live, the start-up sweep, and memory-mapped reads.
 
-A segment is written to `<name>.tmp` (O_DIRECT where the filesystem allows),
-fsynced, renamed into place and the directory fsynced, in that order, before the index row that names it commits.
-So a crash leaves at worst a `.tmp` file or a renamed file no index row names;
+Segments are written by the ingest pipeline (`replay_service.ingest.segment`): to `<name>.tmp`,
+fsynced, renamed into place and the directory fsynced, before the index row that names them
+commits. So a crash leaves at worst a `.tmp` file or a renamed file no index row names;
 start-up deletes both (neither was acknowledged, the writer retries).
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import threading
+import uuid
 from collections import OrderedDict
 from pathlib import Path
 
 import pyarrow as pa
-
-from replay_service.buffers import PAGE, BufferPool
 
 TMP_SUFFIX = ".tmp"
 SEGMENT_SUFFIX = ".arrow"
 
 
 def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename into it) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -30,71 +29,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_segment(path: Path, batch: pa.RecordBatch, staging: BufferPool, fsync: bool = True,
-                  direct: bool = True) -> int:
-    """Write `batch` as an Arrow IPC file at `path` atomically; returns its size in bytes.
-
-    The file image is built in a reused staging buffer and, with `direct`, written
-    with O_DIRECT: the bytes go to disk without first being copied into freshly
-    allocated page cache (measured: most of the write's CPU on the bench VM, see
-    buffers.py). Reads later fault the pages in from disk. A filesystem without
-    O_DIRECT (tmpfs) gets an ordinary buffered write.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + TMP_SUFFIX)
-    counter = pa.MockOutputStream()
-    _write_ipc_file(counter, batch)
-    size = counter.size()
-    padded = -(-size // PAGE) * PAGE  # O_DIRECT writes whole aligned blocks; truncated back below
-    with staging.borrowed(padded) as image:
-        _write_ipc_file(pa.FixedSizeBufferWriter(pa.py_buffer(image)), batch)
-        fd, direct = _open_new(tmp, direct)
-        try:
-            try:
-                _write_all(fd, image if direct else image[:size])
-            except OSError as exc:
-                if not direct or exc.errno != errno.EINVAL:
-                    raise
-                os.close(fd)  # the filesystem took O_DIRECT at open but not on write
-                fd, direct = _open_new(tmp, direct=False)
-                _write_all(fd, image[:size])
-            if direct:
-                os.ftruncate(fd, size)
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-    os.replace(tmp, path)
-    if fsync:
-        fsync_dir(path.parent)
-    return size
-
-
-def _open_new(path: Path, direct: bool) -> tuple[int, bool]:
-    """A new file for writing, and whether it is open with O_DIRECT."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    if direct and hasattr(os, "O_DIRECT"):
-        try:
-            return os.open(path, flags | os.O_DIRECT, 0o644), True
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-    return os.open(path, flags, 0o644), False
-
-
-def _write_all(fd: int, data: memoryview) -> None:
-    while data:  # a regular file takes it in one call; a short write is still no reason to lose bytes
-        data = data[os.write(fd, data):]
-
-
-def _write_ipc_file(sink, batch: pa.RecordBatch) -> None:
-    with pa.ipc.new_file(sink, batch.schema) as writer:
-        writer.write_batch(batch)
+def new_segment_path(run_id: str) -> str:
+    """A fresh segment's path relative to the segment root: `<run_id>/<uuid>.arrow`."""
+    return f"{run_id}/{uuid.uuid4().hex}{SEGMENT_SUFFIX}"
 
 
 def sweep_unindexed(root: Path, indexed: set[str]) -> list[Path]:
     """Delete `.tmp` files and segments no index row names (never acknowledged)."""
-    removed = []
+    removed: list[Path] = []
     if not root.exists():
         return removed
     for path in root.rglob("*"):
@@ -117,6 +59,7 @@ class SegmentCache:
         self._lock = threading.Lock()
 
     def get(self, rel_path: str) -> pa.RecordBatch:
+        """The segment at `rel_path` (its one record batch), mapped on first use."""
         with self._lock:
             batch = self._open.get(rel_path)
             if batch is not None:

@@ -1,27 +1,48 @@
-"""The store's index: SQLite (WAL, synchronous=FULL) beside the segment files.
+"""The store's index: SQLite (WAL, synchronous=FULL) beside the segment files. All of the store's SQL is here.
 
-It answers "which rows of which segment hold request R" without scanning any
-file, keeps per-request and per-run counters for summaries and listings, and
-records the idempotency key `(run_id, writer_id, seq)` of every stored batch.
+It answers "which rows of which segment hold request R" without scanning any file, keeps
+per-request and per-run counters for summaries and listings, and records the idempotency key
+`(run_id, writer_id, seq)` of every stored batch. Every statement is a module constant; callers
+use the typed methods of `Index` (reads) and `IndexTransaction` (writes), never SQL text.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import sqlite3
 import threading
 from pathlib import Path
+from typing import Any
 
-from replay_format import Flag
+import numpy as np
+
+from replay_format import Flag, RunShape
+
+
+class RequestStatus(enum.StrEnum):
+    """A request's state in the `requests` table (and the finish body's `status`)."""
+
+    OPEN = "open"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
 
 # Counted per request; GAP is derived on read, PADDING counts rows dropped at ingest.
 COUNTED_FLAGS = (Flag.ZERO, Flag.DUPLICATE, Flag.OUT_OF_RANGE, Flag.STALE, Flag.CONFLICT, Flag.PADDING)
-COUNT_COLUMNS = tuple(f"n_{f.name.lower()}" for f in COUNTED_FLAGS)
+
+
+def count_column(flag: Flag) -> str:
+    """The `requests` column counting rows with `flag`."""
+    return f"n_{str(flag.name).lower()}"
+
+
+COUNT_COLUMNS = tuple(count_column(f) for f in COUNTED_FLAGS)
 
 SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY,
-    num_layers INTEGER NOT NULL,
+    num_moe_layers INTEGER NOT NULL,
     top_k INTEGER NOT NULL,
     num_experts INTEGER NOT NULL,
     moe_layers TEXT NOT NULL,
@@ -36,7 +57,7 @@ CREATE TABLE IF NOT EXISTS requests (
     rows INTEGER NOT NULL DEFAULT 0,
     pos_max INTEGER NOT NULL DEFAULT -1,
     final_tokens INTEGER,
-    status TEXT NOT NULL DEFAULT 'open',
+    status TEXT NOT NULL DEFAULT '{RequestStatus.OPEN}',
     flag_bits INTEGER NOT NULL DEFAULT 0,
     first_flagged INTEGER,
     {", ".join(f"{c} INTEGER NOT NULL DEFAULT 0" for c in COUNT_COLUMNS)},
@@ -71,53 +92,246 @@ CREATE TABLE IF NOT EXISTS row_flags (
     PRIMARY KEY (run_id, request_id, position)
 );
 """
+# Index files written before the runs table said num_moe_layers (user_version 0) are renamed on open.
+SCHEMA_VERSION = 1
+RUNS_COLUMNS = "PRAGMA table_info(runs)"
+RENAME_NUM_LAYERS = "ALTER TABLE runs RENAME COLUMN num_layers TO num_moe_layers"
+GET_SCHEMA_VERSION = "PRAGMA user_version"
+SET_SCHEMA_VERSION = f"PRAGMA user_version = {SCHEMA_VERSION}"
+
+# Rows a request should have: T-1 once finished with T tokens, else up to the last position seen.
+EXPECTED_ROWS = "COALESCE(final_tokens - 1, pos_max + 1)"
+
+# ---- runs
+INSERT_RUN = (
+    "INSERT INTO runs (run_id, num_moe_layers, top_k, num_experts, moe_layers, source, created_at)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+SELECT_RUN = "SELECT * FROM runs WHERE run_id = ?"
+SELECT_RUNS = "SELECT * FROM runs ORDER BY run_id"
+COUNT_RUNS = "SELECT COUNT(*) AS n FROM runs"
+ADD_RUN_TOTALS = "UPDATE runs SET bytes = bytes + ?, load = ? WHERE run_id = ?"
+RUN_AGGREGATE = (
+    "SELECT COUNT(*) AS requests, COALESCE(SUM(rows), 0) AS rows,"
+    f" COALESCE(SUM(status != '{RequestStatus.OPEN}'), 0) AS ended,"
+    f" COALESCE(SUM(MAX({EXPECTED_ROWS} - rows, 0)), 0) AS gap, "
+    + ", ".join(f"COALESCE(SUM({c}), 0) AS {c}" for c in COUNT_COLUMNS)
+    + " FROM requests WHERE run_id = ?"
+)
+
+# ---- segments and spans
+SELECT_DIGEST = "SELECT digest FROM segments WHERE run_id = ? AND writer_id = ? AND seq = ?"
+INSERT_SEGMENT = (
+    "INSERT INTO segments (run_id, writer_id, seq, path, rows, bytes, digest) VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+SELECT_PATHS = "SELECT path FROM segments"
+INSERT_SPAN = (
+    "INSERT INTO spans (run_id, request_id, segment_id, row_start, row_count, pos_min, pos_max)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+# Oldest segment first: among rows at one position, the first stored is the one served.
+SPANS_OVERLAPPING = (
+    "SELECT s.row_start, s.row_count, g.path FROM spans s JOIN segments g USING (segment_id)"
+    " WHERE s.run_id = ? AND s.request_id = ? AND s.pos_max >= ? AND s.pos_min <= ? ORDER BY s.segment_id"
+)
+
+# ---- requests
+SELECT_REQUEST = "SELECT * FROM requests WHERE run_id = ? AND request_id = ?"
+ENSURE_REQUEST = "INSERT INTO requests (run_id, request_id) VALUES (?, ?) ON CONFLICT DO NOTHING"
+ADD_TO_REQUEST = (
+    "UPDATE requests SET rows = rows + :rows, pos_max = MAX(pos_max, :pos_max), flag_bits = flag_bits | :flag_bits,"
+    " first_flagged = CASE WHEN :first_flagged IS NULL THEN first_flagged"
+    " ELSE MIN(COALESCE(first_flagged, :first_flagged), :first_flagged) END, "
+    + ", ".join(f"{c} = {c} + :{c}" for c in COUNT_COLUMNS)
+    + " WHERE run_id = :run_id AND request_id = :request_id"
+)
+SET_FINAL = "UPDATE requests SET final_tokens = ?, status = ? WHERE run_id = ? AND request_id = ?"
+_LIST_BASE = "SELECT * FROM requests WHERE run_id = ? AND request_id > ?"
+_LIST_ORDER = " ORDER BY request_id LIMIT ?"
+# One statement per filter (every request, or those with a flag); the cursor "" starts at the first id.
+LIST_REQUESTS: dict[Flag | None, str] = {
+    None: _LIST_BASE + _LIST_ORDER,
+    Flag.GAP: _LIST_BASE + f" AND {EXPECTED_ROWS} - rows > 0" + _LIST_ORDER,
+    **{f: _LIST_BASE + f" AND {count_column(f)} > 0" + _LIST_ORDER for f in COUNTED_FLAGS},
+}
+
+# ---- per-position verdicts that arrive after the row was stored (CONFLICT with a later batch)
+SELECT_ROW_FLAGS = "SELECT flags FROM row_flags WHERE run_id = ? AND request_id = ? AND position = ?"
+ROW_FLAGS_IN_RANGE = (
+    "SELECT position, flags FROM row_flags WHERE run_id = ? AND request_id = ? AND position >= ? AND position < ?"
+)
+OR_ROW_FLAGS = (
+    "INSERT INTO row_flags (run_id, request_id, position, flags) VALUES (?, ?, ?, ?)"
+    " ON CONFLICT DO UPDATE SET flags = flags | excluded.flags"
+)
+COUNT_CONFLICT = (
+    f"UPDATE requests SET {count_column(Flag.CONFLICT)} = {count_column(Flag.CONFLICT)} + 1,"
+    f" flag_bits = flag_bits | {int(Flag.CONFLICT)}, first_flagged = MIN(COALESCE(first_flagged, ?), ?)"
+    " WHERE run_id = ? AND request_id = ?"
+)
 
 
 class Index:
-    """Thin, thread-safe wrapper: one connection, one lock, short transactions."""
+    """One SQLite connection behind one lock; reads are methods, writes go through `transaction()`."""
 
     def __init__(self, path: Path, fsync: bool = True) -> None:
         self.conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self.conn.row_factory = sqlite3.Row
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute(f"PRAGMA synchronous={'FULL' if fsync else 'OFF'}")
+        self._migrate()
         self.conn.executescript(SCHEMA)
         self.lock = threading.RLock()
 
-    def query(self, sql: str, params: tuple | list = ()) -> list[sqlite3.Row]:
+    def _migrate(self) -> None:
+        if self.conn.execute(GET_SCHEMA_VERSION).fetchone()[0] >= SCHEMA_VERSION:
+            return
+        columns = {row["name"] for row in self.conn.execute(RUNS_COLUMNS)}
+        if "num_layers" in columns:
+            self.conn.execute(RENAME_NUM_LAYERS)
+        self.conn.execute(SET_SCHEMA_VERSION)
+
+    # ---- generic access (the comparison store keeps its own statements beside its table)
+
+    def query(self, sql: str, params: tuple | list | dict = ()) -> list[sqlite3.Row]:
+        """Every row of one statement."""
         with self.lock:
             return self.conn.execute(sql, params).fetchall()
 
-    def one(self, sql: str, params: tuple | list = ()) -> sqlite3.Row | None:
+    def one(self, sql: str, params: tuple | list | dict = ()) -> sqlite3.Row | None:
+        """The first row of one statement, or None."""
         rows = self.query(sql, params)
         return rows[0] if rows else None
 
-    def transaction(self) -> "_Transaction":
+    def transaction(self) -> _Transaction:
+        """`with index.transaction() as tx:` one IMMEDIATE transaction, committed on a clean exit."""
         return _Transaction(self)
 
-    def indexed_paths(self) -> set[str]:
-        return {row["path"] for row in self.query("SELECT path FROM segments")}
-
     def close(self) -> None:
+        """Close the connection."""
         with self.lock:
             self.conn.close()
+
+    # ---- reads
+
+    def run(self, run_id: str) -> sqlite3.Row | None:
+        """The `runs` row of a run."""
+        return self.one(SELECT_RUN, (run_id,))
+
+    def runs(self) -> list[sqlite3.Row]:
+        """Every `runs` row, by run id."""
+        return self.query(SELECT_RUNS)
+
+    def count_runs(self) -> int:
+        """How many runs exist (cheap: no per-run aggregation)."""
+        row = self.one(COUNT_RUNS)
+        return int(row["n"]) if row else 0
+
+    def run_aggregate(self, run_id: str) -> sqlite3.Row:
+        """Sums over a run's requests: requests, rows, ended, gap and one column per counted flag."""
+        row = self.one(RUN_AGGREGATE, (run_id,))
+        assert row is not None  # an aggregate always answers one row
+        return row
+
+    def stored_digest(self, run_id: str, writer_id: str, seq: int) -> str | None:
+        """The digest of the batch stored under this idempotency key, if any."""
+        row = self.one(SELECT_DIGEST, (run_id, writer_id, seq))
+        return row["digest"] if row else None
+
+    def indexed_paths(self) -> set[str]:
+        """Every segment path the index names (relative to the segment root)."""
+        return {row["path"] for row in self.query(SELECT_PATHS)}
+
+    def spans(self, run_id: str, request_id: str, pos_lo: int, pos_hi: int) -> list[sqlite3.Row]:
+        """(row_start, row_count, path) of a request's spans touching positions `[pos_lo, pos_hi]`, oldest first."""
+        return self.query(SPANS_OVERLAPPING, (run_id, request_id, pos_lo, pos_hi))
+
+    def request(self, run_id: str, request_id: str) -> sqlite3.Row | None:
+        """The `requests` row of a request."""
+        return self.one(SELECT_REQUEST, (run_id, request_id))
+
+    def requests_page(self, run_id: str, flag: Flag | None, cursor: str | None, limit: int) -> list[sqlite3.Row]:
+        """Up to `limit` requests after `cursor` by id, those with `flag` only when given."""
+        return self.query(LIST_REQUESTS[flag], (run_id, cursor or "", limit))
+
+    def late_flags(self, run_id: str, request_id: str, start: int, end: int) -> dict[int, int]:
+        """Flags recorded for positions `[start, end)` after their rows were stored (position -> bits)."""
+        return {r["position"]: r["flags"] for r in self.query(ROW_FLAGS_IN_RANGE, (run_id, request_id, start, end))}
+
+    # ---- writes outside an ingest
+
+    def register_run(self, run_id: str, shape: RunShape, source: str, created_at: float) -> None:
+        """Insert a new run's row."""
+        with self.transaction() as tx:
+            tx.execute(INSERT_RUN, (run_id, shape.num_moe_layers, shape.top_k, shape.num_experts,
+                                    json.dumps(list(shape.moe_layers)), source, created_at))
+
+
+class IndexTransaction:
+    """The writes of one transaction (typed: the statements are this module's constants)."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def execute(self, sql: str, params: tuple | list | dict = ()) -> sqlite3.Cursor:
+        """One statement in this transaction (for tables kept elsewhere: the comparison store's)."""
+        return self.conn.execute(sql, params)
+
+    def request(self, run_id: str, request_id: str) -> sqlite3.Row | None:
+        """The `requests` row of a request, read inside this transaction."""
+        return self.conn.execute(SELECT_REQUEST, (run_id, request_id)).fetchone()
+
+    def set_final(self, run_id: str, request_id: str, num_tokens: int, status: RequestStatus) -> None:
+        """Record a request's end (creating its row when no rows arrived yet)."""
+        self.conn.execute(ENSURE_REQUEST, (run_id, request_id))
+        self.conn.execute(SET_FINAL, (num_tokens, str(status), run_id, request_id))
+
+    def insert_segment(self, run_id: str, writer_id: str, seq: int, path: str, rows: int, size: int,
+                       digest: str) -> int:
+        """A segment's row; returns its segment id (a later segment has a larger id)."""
+        cur = self.conn.execute(INSERT_SEGMENT, (run_id, writer_id, seq, path, rows, size, digest))
+        assert cur.lastrowid is not None
+        return cur.lastrowid
+
+    def insert_span(self, run_id: str, request_id: str, segment_id: int, row_start: int, row_count: int,
+                    pos_min: int, pos_max: int) -> None:
+        """Rows `[row_start, row_start + row_count)` of a segment hold a request's positions pos_min..pos_max."""
+        self.conn.execute(INSERT_SPAN, (run_id, request_id, segment_id, row_start, row_count, pos_min, pos_max))
+
+    def add_to_request(self, run_id: str, request_id: str, rows: int, pos_max: int, flag_bits: int,
+                       first_flagged: int | None, counts: dict[Flag, int]) -> None:
+        """Add a batch's served rows (and flag counts) to a request's counters, creating its row."""
+        self.conn.execute(ENSURE_REQUEST, (run_id, request_id))
+        params: dict[str, Any] = {"run_id": run_id, "request_id": request_id, "rows": rows, "pos_max": pos_max,
+                                  "flag_bits": flag_bits, "first_flagged": first_flagged}
+        params.update({count_column(f): int(counts.get(f, 0)) for f in COUNTED_FLAGS})
+        self.conn.execute(ADD_TO_REQUEST, params)
+
+    def mark_conflict(self, run_id: str, request_id: str, position: int) -> bool:
+        """CONFLICT on an already stored row (a later batch disagreed), counted once; False when already marked."""
+        known = self.conn.execute(SELECT_ROW_FLAGS, (run_id, request_id, position)).fetchone()
+        if known is not None and known["flags"] & Flag.CONFLICT:
+            return False
+        self.conn.execute(OR_ROW_FLAGS, (run_id, request_id, position, int(Flag.CONFLICT)))
+        self.conn.execute(COUNT_CONFLICT, (position, position, run_id, request_id))
+        return True
+
+    def add_run_totals(self, run_id: str, size: int, load: np.ndarray) -> None:
+        """Add a segment's bytes to its run and store the run's new expert load."""
+        self.conn.execute(ADD_RUN_TOTALS, (size, load.astype(np.int64).tobytes(), run_id))
 
 
 class _Transaction:
     def __init__(self, index: Index) -> None:
         self.index = index
 
-    def __enter__(self) -> sqlite3.Connection:
+    def __enter__(self) -> IndexTransaction:
         self.index.lock.acquire()
         self.index.conn.execute("BEGIN IMMEDIATE")
-        return self.index.conn
+        return IndexTransaction(self.index.conn)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             self.index.conn.execute("COMMIT" if exc_type is None else "ROLLBACK")
         finally:
             self.index.lock.release()
-
-
-def moe_layers_json(layers: tuple[int, ...]) -> str:
-    return json.dumps(list(layers))

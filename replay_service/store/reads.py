@@ -1,10 +1,13 @@
-"""Assemble one request's route from segment slices.
+"""Reading stored rows back: one request's route, and the row served at a position.
 
-The common case (one span covering the range, nothing to fix up) stays a
-zero-copy view of the memory-mapped segment. Otherwise rows are merged by
-position: a resent identical row is dropped, differing rows at one position
-are CONFLICT (the first stored is served), and a position nobody sent is a GAP
-row (ids zero, flagged, never clean data).
+The served row at a position is the first one stored there (oldest segment, then row order);
+later rows at that position are kept on disk and never served. Whether they disagreed
+(CONFLICT) was decided at ingest (`replay_service.ingest.check`) and recorded then: in the
+served row's flags, or in the index's late flags when the disagreeing row came later. A read
+only picks rows; it decides no flag except GAP (a position nobody sent: ids zero, never clean).
+
+The common case (one span covering the range, nothing to add) stays a zero-copy view of the
+memory-mapped segment.
 """
 
 from __future__ import annotations
@@ -14,100 +17,136 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from replay_format import Flag, RunShape
-from replay_format.rows import rows_schema
+from replay_format import NO_TOKEN, Flag, RunShape
+from replay_service.store.files import SegmentCache
+from replay_service.store.index import Index
 
 
 @dataclass
 class RouteRows:
+    """Rows `[start, end)` of one request, dense by position."""
+
     request_id: str
     shape: RunShape
     positions: np.ndarray  # int32 (n,)
-    token_ids: pa.Array  # int32, null where unknown
+    token_ids: np.ndarray  # int32 (n,), NO_TOKEN where unknown
     experts: np.ndarray  # (n, L*K) run dtype, possibly a read-only view of a segment
     flags: np.ndarray  # uint16 (n,)
 
     @property
     def num_rows(self) -> int:
+        """Rows in the range."""
         return len(self.positions)
 
     def experts_3d(self) -> np.ndarray:
+        """The ids as `(n, num_moe_layers, top_k)`."""
         return self.experts.reshape(self.num_rows, self.shape.num_moe_layers, self.shape.top_k)
 
     def bad_rows(self) -> np.ndarray:
+        """Row numbers of flagged (or missing) rows."""
         return np.flatnonzero(self.flags)
 
-    def to_batch(self, metadata: dict[str, str] | None = None) -> pa.RecordBatch:
-        n = self.num_rows
-        arrays = [
-            pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array([self.request_id], pa.utf8())),
-            pa.array(self.positions),
-            self.token_ids,
-            pa.FixedSizeListArray.from_arrays(pa.array(self.experts.reshape(-1)), self.shape.row_width),
-            pa.array(self.flags),
-        ]
-        return pa.RecordBatch.from_arrays(arrays, schema=rows_schema(self.shape, metadata))
+
+@dataclass
+class _Pieces:
+    """Stored rows of one request, concatenated in stored order (not yet one per position)."""
+
+    positions: np.ndarray
+    token_ids: np.ndarray
+    experts: np.ndarray
+    flags: np.ndarray
+
+    def take(self, index: np.ndarray | slice) -> _Pieces:
+        """These rows at `index` (a mask, row numbers or a slice: a slice keeps views)."""
+        return _Pieces(self.positions[index], self.token_ids[index], self.experts[index], self.flags[index])
+
+    def first_per_position(self) -> _Pieces:
+        """Sorted by position (stably: stored order within one), the first row of each position only."""
+        rows, p = self, self.positions
+        if len(p) > 1 and np.any(p[1:] < p[:-1]):  # one span is sorted already: no sort on the common path
+            rows = self.take(np.argsort(p, kind="stable"))
+            p = rows.positions
+        if len(p) > 1:
+            first = np.concatenate(([True], p[1:] != p[:-1]))
+            if not first.all():
+                return rows.take(first)
+        return rows
 
 
-def _piece_arrays(piece: pa.RecordBatch, width: int):
-    positions = piece.column("position").to_numpy()
-    experts = piece.column("experts").flatten().to_numpy(zero_copy_only=True).reshape(len(positions), width)
-    return positions, piece.column("token_id"), experts, piece.column("flags").to_numpy()
+def _piece(batch: pa.RecordBatch, width: int) -> _Pieces:
+    positions = batch.column("position").to_numpy()
+    tokens = batch.column("token_id")
+    if tokens.null_count:
+        tokens = tokens.fill_null(NO_TOKEN)
+    experts = batch.column("experts").flatten().to_numpy(zero_copy_only=True).reshape(len(positions), width)
+    return _Pieces(positions, tokens.to_numpy(zero_copy_only=False), experts, batch.column("flags").to_numpy())
 
 
-def assemble_route(
-    request_id: str, shape: RunShape, pieces: list[pa.RecordBatch], start: int, end: int, extra_flags: dict[int, int]
-) -> RouteRows:
-    width = shape.row_width
+def _concat(pieces: list[_Pieces], shape: RunShape) -> _Pieces:
     if len(pieces) == 1:
-        positions, tokens, experts, flags = _piece_arrays(pieces[0], width)
-        lo, hi = np.searchsorted(positions, [start, end])
-        positions, experts, flags, tokens = positions[lo:hi], experts[lo:hi], flags[lo:hi], tokens.slice(lo, hi - lo)
-        dense = len(positions) == end - start and (len(positions) == 0 or positions[-1] - positions[0] == end - start - 1)
-        if dense and not extra_flags:
-            return RouteRows(request_id, shape, positions, tokens, experts, flags)
-    elif pieces:
-        parts = [_piece_arrays(p, width) for p in pieces]
-        positions = np.concatenate([p[0] for p in parts])
-        tokens = pa.concat_arrays([p[1] for p in parts])
-        experts = np.concatenate([p[2] for p in parts])
-        flags = np.concatenate([p[3] for p in parts])
-        keep = (positions >= start) & (positions < end)
-        order = np.flatnonzero(keep)[np.argsort(positions[keep], kind="stable")]
-        positions, experts, flags = positions[order], experts[order], flags[order]
-        tokens = tokens.take(pa.array(order))
-    else:
-        positions = np.zeros(0, np.int32)
-        experts = np.zeros((0, width), shape.dtype)
-        flags = np.zeros(0, np.uint16)
-        tokens = pa.array([], pa.int32())
+        return pieces[0]
+    if not pieces:
+        return _Pieces(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros((0, shape.row_width), shape.dtype),
+                       np.zeros(0, np.uint16))
+    return _Pieces(*(np.concatenate([getattr(p, name) for p in pieces])
+                     for name in ("positions", "token_ids", "experts", "flags")))
 
-    # Merge repeated positions: the first stored row is served.
-    if len(positions) > 1:
-        first = np.concatenate(([True], positions[1:] != positions[:-1]))
-        if not first.all():
-            group = np.cumsum(first) - 1
-            heads = np.flatnonzero(first)
-            for i in np.flatnonzero(~first):
-                if not np.array_equal(experts[i], experts[heads[group[i]]]):
-                    flags[heads[group[i]]] |= Flag.CONFLICT
-            positions, experts, flags = positions[first], experts[first], flags[first]
-            tokens = tokens.filter(pa.array(first))
+
+class RowReader:
+    """Stored rows by (run, request, positions), through the index's spans and the segment cache."""
+
+    def __init__(self, index: Index, cache: SegmentCache) -> None:
+        self.index = index
+        self.cache = cache
+
+    def _spans(self, run_id: str, request_id: str, lo: int, hi: int) -> list[pa.RecordBatch]:
+        """The request's stored rows in spans touching positions `[lo, hi]`, oldest segment first."""
+        return [self.cache.get(s["path"]).slice(s["row_start"], s["row_count"])
+                for s in self.index.spans(run_id, request_id, lo, hi)]
+
+    def served_rows(self, run_id: str, request_id: str, shape: RunShape,
+                    positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Of sorted `positions`, those already served, and the ids served there: `(positions, experts)`."""
+        found = []
+        for span in self._spans(run_id, request_id, int(positions[0]), int(positions[-1])):
+            piece = _piece(span, shape.row_width)
+            hit = np.isin(piece.positions, positions)
+            if hit.any():
+                found.append(piece.take(hit))
+        served = _concat(found, shape).first_per_position()
+        return served.positions, served.experts
+
+    def route(self, run_id: str, request_id: str, shape: RunShape, start: int, end: int,
+              late_flags: dict[int, int]) -> RouteRows:
+        """Rows `[start, end)` of a request: the served row per position, GAP rows where none is stored."""
+        spans = self._spans(run_id, request_id, start, end - 1) if end > start else []
+        return assemble_route(request_id, shape, spans, start, end, late_flags)
+
+
+def assemble_route(request_id: str, shape: RunShape, spans: list[pa.RecordBatch], start: int, end: int,
+                   late_flags: dict[int, int]) -> RouteRows:
+    """One request's stored spans (oldest first) as a dense route over `[start, end)`, with `late_flags` added."""
+    rows = _concat([_piece(span, shape.row_width) for span in spans], shape)
+    if len(spans) == 1:
+        lo, hi = np.searchsorted(rows.positions, [start, end])  # a span's rows are sorted by position
+        rows = rows.take(slice(lo, hi))
+    else:
+        rows = rows.take((rows.positions >= start) & (rows.positions < end))
+    rows = rows.first_per_position()
+    n = end - start
+    dense = len(rows.positions) == n
+    if dense and not late_flags:
+        return RouteRows(request_id, shape, rows.positions, rows.token_ids, rows.experts, rows.flags)
 
     out_positions = np.arange(start, end, dtype=np.int32)
-    out_experts = np.zeros((end - start, width), shape.dtype)
-    out_flags = np.full(end - start, int(Flag.GAP), np.uint16)
-    out_tokens = np.zeros(end - start, np.int32)
-    token_mask = np.ones(end - start, np.bool_)
-    slots = positions - start
-    out_experts[slots] = experts
-    out_flags[slots] = flags
-    valid_tokens = tokens.is_valid().to_numpy(zero_copy_only=False)
-    out_tokens[slots] = tokens.fill_null(0).to_numpy(zero_copy_only=False)
-    token_mask[slots] = ~valid_tokens
-    for position, bits in extra_flags.items():
+    out_experts = np.zeros((n, shape.row_width), shape.dtype)
+    out_flags = np.full(n, int(Flag.GAP), np.uint16)
+    out_tokens = np.full(n, NO_TOKEN, np.int32)
+    slots = rows.positions - start
+    out_experts[slots] = rows.experts
+    out_flags[slots] = rows.flags
+    out_tokens[slots] = rows.token_ids
+    for position, bits in late_flags.items():
         if start <= position < end:
             out_flags[position - start] |= bits
-    return RouteRows(
-        request_id, shape, out_positions, pa.array(out_tokens, mask=token_mask), out_experts, out_flags
-    )
+    return RouteRows(request_id, shape, out_positions, out_tokens, out_experts, out_flags)

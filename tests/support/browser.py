@@ -79,7 +79,7 @@ class PageWatch:
         page.on("dialog", on_dialog)
 
     def foreign_urls(self) -> list[str]:
-        return [u for u in self.urls if not (u.startswith(self.base_url) or u.startswith("data:") or u.startswith("blob:"))]
+        return [u for u in self.urls if not u.startswith((self.base_url, "data:", "blob:"))]
 
 
 def new_page(b, base_url: str, width: int = 1440, height: int = 900):

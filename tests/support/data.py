@@ -21,7 +21,9 @@ def routes(rng: np.random.Generator, n: int, shape: RunShape = QWEN3_SHAPE) -> n
     return np.argpartition(keys, shape.top_k, axis=-1)[..., : shape.top_k].astype(shape.dtype)
 
 
-def batch_bytes(run_id, writer_id, seq, request_ids, positions, experts, shape=QWEN3_SHAPE, token_ids=None, flags=None) -> bytes:
+def batch_bytes(run_id, writer_id, seq, request_ids, positions, experts, shape=QWEN3_SHAPE, token_ids=None,
+                flags=None) -> bytes:
+    """One row batch as an Arrow IPC stream body."""
     meta = RowsMeta(run_id, writer_id, seq, shape)
     return encode_stream(build_rows(meta, request_ids, positions, experts, token_ids=token_ids, flags=flags))
 

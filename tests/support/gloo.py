@@ -46,7 +46,7 @@ def _worker(rank: int, world: int, init_file: str, tasks, results) -> None:
         fn, args, kwargs = task
         try:
             results.put((rank, True, fn(*args, **kwargs)))
-        except BaseException:  # noqa: BLE001 - reported to the parent
+        except BaseException:  # any error: reported to the parent
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
 
@@ -61,7 +61,8 @@ class GlooPool:
         self.tasks = [self.ctx.Queue() for _ in range(world_size)]
         self.results = self.ctx.Queue()
         self.procs = [
-            self.ctx.Process(target=_worker, args=(r, world_size, self.init_file, self.tasks[r], self.results), daemon=True)
+            self.ctx.Process(target=_worker, args=(r, world_size, self.init_file, self.tasks[r], self.results),
+                             daemon=True)
             for r in range(world_size)
         ]
         for p in self.procs:
@@ -194,7 +195,7 @@ class CollectiveCounter:
         self.calls: list[str] = []
         self._orig: dict[str, object] = {}
 
-    def __enter__(self) -> "CollectiveCounter":
+    def __enter__(self) -> CollectiveCounter:
         for name in self.NAMES:
             orig = getattr(dist, name, None)
             if orig is None:

@@ -35,7 +35,7 @@ class ServiceProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 60.0) -> "ServiceProcess":
+    def start(self, timeout: float = 60.0) -> ServiceProcess:
         cmd = [sys.executable, "-m", "replay_service.cli", "serve", "--data", str(self.data_dir),
                "--port", str(self.port), "--log-level", "warning"]
         if self.demo:
@@ -46,7 +46,8 @@ class ServiceProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"service exited with {self.proc.returncode}; log: {self.log_path.read_text()[-3000:]}")
+                log = self.log_path.read_text()[-3000:]
+                raise RuntimeError(f"service exited with {self.proc.returncode}; log: {log}")
             try:
                 if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
                     return self
@@ -76,7 +77,7 @@ class ServiceProcess:
         if getattr(self, "_log", None):
             self._log.close()
 
-    def __enter__(self) -> "ServiceProcess":
+    def __enter__(self) -> ServiceProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:

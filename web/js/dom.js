@@ -33,8 +33,10 @@ export function clear(el) {
   return el;
 }
 
-export const FLAGS = ["ZERO", "DUPLICATE", "OUT_OF_RANGE", "STALE", "CONFLICT", "GAP", "PADDING"];
+// The flag bits of replay_format.Flag (replay_format/rows.md, "Flags"), in bit order; FLAGS lists
+// their names. tests/test_web_static.py fails when this table and Flag drift apart.
 export const FLAG_BITS = { ZERO: 1, DUPLICATE: 2, OUT_OF_RANGE: 4, STALE: 8, CONFLICT: 16, GAP: 32, PADDING: 64 };
+export const FLAGS = Object.keys(FLAG_BITS);
 export const FLAG_SHORT = { ZERO: "zero", DUPLICATE: "dup", OUT_OF_RANGE: "oor", STALE: "stale", CONFLICT: "conflict", GAP: "gap", PADDING: "pad" };
 export const FLAG_COLORS = {
   ZERO: "#f2c94c", DUPLICATE: "#f2994a", OUT_OF_RANGE: "#ff5c5c", STALE: "#c17cf0",

@@ -1,9 +1,28 @@
-// A request's route, fetched in chunks of rows as Arrow IPC (one fetch carries ids, flags and
-// token ids), kept zero-copy, with an LRU bound on ids in memory. Flags and token ids of every
-// chunk seen are kept (2 + 4 bytes per row) so "next flagged row" and the overview need no refetch.
+// A request's route, fetched in chunks of rows as route answers (replay_format/route.md: Arrow IPC,
+// one fetch carries ids, flags and token ids), kept zero-copy, with an LRU bound on ids in memory.
+// Flags and token ids of every chunk seen are kept (2 + 4 bytes per row) so "next flagged row" and
+// the overview need no refetch.
 import { getArrow, getJSON, paths } from "./api.js";
 
-export const TOKEN_NULL = -2147483648;
+// An unknown token id: null on the wire, NO_TOKEN in memory (replay_format.NO_TOKEN), as in Python.
+export const NO_TOKEN = -1;
+// What this page reads (replay_format/route.py FORMAT and VERSION.major; a test ties them).
+export const ROUTE_FORMAT = "routing-replay.route";
+export const ROUTE_MAJOR = 1;
+
+// The route answer's metadata checked as replay_format.route.RouteMeta.from_metadata does:
+// another format, or a newer major version, is an error that says so.
+export function checkRouteAnswer(metadata) {
+  const md = metadata || {};
+  if (md.format !== undefined && md.format !== ROUTE_FORMAT) {
+    throw new Error(`route answer: format ${md.format}, expected ${ROUTE_FORMAT}`);
+  }
+  if (md.format_version !== undefined && !(Number(md.format_version.split(".")[0]) <= ROUTE_MAJOR)) {
+    throw new Error(`route answer: format_version ${md.format_version} is newer than this page reads ` +
+      `(${ROUTE_MAJOR}.x); reload the page`);
+  }
+  return md;
+}
 const CHUNK_BYTES = 1.5 * 2 ** 20;
 const CACHE_BYTES = 256 * 2 ** 20;
 
@@ -22,7 +41,7 @@ export class RouteData {
     this.chunkRows = cr;
     this.nChunks = Math.ceil(rows / cr);
     this.flags = new Uint16Array(rows);
-    this.tokens = new Int32Array(rows).fill(TOKEN_NULL);
+    this.tokens = new Int32Array(rows).fill(NO_TOKEN);
     this.known = new Uint8Array(this.nChunks); // flags/tokens of chunk i are here
     this.ids = new Map(); // chunk -> Uint8Array|Uint16Array (rows*L*K), LRU by insertion order
     this.maxCached = Math.max(8, Math.floor(CACHE_BYTES / (cr * this.width * bpe)));
@@ -62,6 +81,7 @@ export class RouteData {
     let table;
     try {
       table = await getArrow(paths.routes(this.run, this.request, start, end));
+      checkRouteAnswer(table.schema.metadata);
     } catch (err) {
       this.errors.push(err);
       this.emit({ error: err });
@@ -75,7 +95,7 @@ export class RouteData {
       const base = position.values[0];
       if (n && base !== at) throw new Error(`route rows start at ${base}, expected ${at}`);
       this.flags.set(flags.values.subarray(0, n), at);
-      for (let i = 0; i < n; i++) this.tokens[at + i] = tok.validity === null || tok.get(i) !== null ? tok.values[i] : TOKEN_NULL;
+      for (let i = 0; i < n; i++) this.tokens[at + i] = tok.get(i) ?? NO_TOKEN;
       const values = experts.values.subarray(0, n * this.width);
       if (table.batches.length === 1) ids = values;
       else {

@@ -2,7 +2,7 @@
 import { h, append, clear, fmtInt, flagChips, flagChip, flagNames, FLAG_COLORS, FLAG_HELP, expertPalette, rgbCss, fmtPct } from "../dom.js";
 import { getJSON, paths, hashes, listCompares } from "../api.js";
 import { breadcrumbs, kv } from "./common.js";
-import { RouteData, TOKEN_NULL } from "../routedata.js";
+import { RouteData, NO_TOKEN } from "../routedata.js";
 import { RouteView, ROW_HEIGHTS } from "../routeview.js";
 
 const LIST_MAX = 500;
@@ -15,7 +15,7 @@ export async function renderRequest(ctx, runId, reqId) {
     getJSON(paths.run(runId)), getJSON(paths.request(runId, reqId)), listCompares(runId).catch(() => []),
   ]);
   if (!ctx.alive()) return;
-  const data = new RouteData({ run: runId, request: reqId, rows: summary.expected_rows, layers: run.num_layers, topK: run.top_k, numExperts: run.num_experts });
+  const data = new RouteData({ run: runId, request: reqId, rows: summary.expected_rows, layers: run.num_moe_layers, topK: run.top_k, numExperts: run.num_experts });
   const palette = expertPalette(run.num_experts);
   const q = ctx.query;
   const setHashQuiet = (patch) => { // keep position/compare in the URL without re-rendering
@@ -30,7 +30,7 @@ export async function renderRequest(ctx, runId, reqId) {
       ["status", h("span", { class: `status ${summary.status}` }, summary.status)],
       ["rows", `${fmtInt(summary.rows)} stored / ${fmtInt(summary.expected_rows)} expected`],
       ["tokens", summary.num_tokens === null ? "open" : fmtInt(summary.num_tokens)],
-      ["shape", `${run.num_layers} layers × top-${run.top_k} of ${run.num_experts}`],
+      ["shape", `${run.num_moe_layers} MoE layers × top-${run.top_k} of ${run.num_experts}`],
       ["first flagged", summary.first_flagged_position === null ? "–" : String(summary.first_flagged_position)],
     ]),
     h("div", { class: "flagline", id: "request-flags" }, h("span", { class: "label" }, "flagged rows"), flagChips(summary.flagged))));
@@ -77,7 +77,7 @@ export async function renderRequest(ctx, runId, reqId) {
       if (!hit) { tip.hidden = true; return; }
       const f = flagNames(data.flags[hit.row]);
       const tok = data.tokens[hit.row];
-      let text = `pos ${hit.row} · token ${tok === TOKEN_NULL ? "–" : tok}`;
+      let text = `pos ${hit.row} · token ${tok === NO_TOKEN ? "–" : tok}`;
       if (hit.layer >= 0) {
         const ids = data.row(hit.row);
         text += ` · layer ${hit.layer} (model ${run.moe_layers[hit.layer] ?? hit.layer})`;
@@ -153,7 +153,7 @@ export async function renderRequest(ctx, runId, reqId) {
     detail.dataset.pos = String(row);
     detail.append(kv([
       ["position", String(row)],
-      ["token id", tok === TOKEN_NULL ? "– (none)" : String(tok)],
+      ["token id", tok === NO_TOKEN ? "– (none)" : String(tok)],
       ["flags", flags.length ? h("span", { class: "chips" }, flags.map((f) => flagChip(f))) : h("span", { class: "ok" }, "none")],
     ]));
     for (const f of flags) detail.append(h("p", { class: "reason" }, h("b", { style: { color: FLAG_COLORS[f] } }, f), ": ", FLAG_HELP[f]));

@@ -19,7 +19,7 @@ export async function renderRun(ctx, runId) {
   ctx.main.append(h("div", { class: "head" },
     h("h1", null, runId),
     kv([
-      ["shape", `${run.num_layers} MoE layers × top-${run.top_k} of ${run.num_experts} experts (${run.dtype})`],
+      ["shape", `${run.num_moe_layers} MoE layers × top-${run.top_k} of ${run.num_experts} experts (${run.dtype})`],
       ["source", run.source],
       ["created", fmtTime(run.created_at)],
       ["requests", `${fmtInt(run.requests)} (${fmtInt(run.requests - run.requests_ended)} open)`],
@@ -116,7 +116,7 @@ async function renderLoad(ctx, runId, body) {
   const worst = order.slice(0, 5);
   const mean = L ? load.imbalance.reduce((s, x) => s + x, 0) / L : 0;
   body.append(h("div", { class: "toolbar" },
-    h("span", null, `${fmtInt(load.rows)} clean rows counted · ${L} layers × ${E} experts · imbalance = max/mean tokens per expert`),
+    h("span", null, `${fmtInt(load.rows)} clean rows counted · ${L} MoE layers × ${E} experts · imbalance = max/mean tokens per expert`),
     h("span", { class: "muted" }, `mean imbalance ${fmtNum(mean, 2)} · worst: `,
       worst.map((l, i) => [i ? ", " : "", `L${l} ${fmtNum(load.imbalance[l], 2)}`]))));
   const tip = h("div", { class: "tooltip", hidden: true });

@@ -25,7 +25,7 @@ export async function renderRuns(ctx) {
       const flagged = { ...run.flagged };
       return h("tr", { dataset: { run: run.run_id } },
         h("td", null, h("a", { href: hashes.run(run.run_id), class: "strong" }, run.run_id)),
-        h("td", { class: "mono" }, `${run.num_layers}L × top-${run.top_k} of ${run.num_experts} (${run.dtype})`),
+        h("td", { class: "mono" }, `${run.num_moe_layers}L × top-${run.top_k} of ${run.num_experts} (${run.dtype})`),
         h("td", null, run.source),
         h("td", { class: "mono" }, fmtTime(run.created_at)),
         h("td", { class: "num" }, fmtInt(run.requests), h("span", { class: "muted" }, ` (${fmtInt(run.requests - run.requests_ended)} open)`)),

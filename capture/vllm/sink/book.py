@@ -1,0 +1,137 @@
+"""Runs in the sink process: which request each row of a `StepFrame` is, which rows to keep, finish lengths.
+
+Pure Python/numpy (no vLLM import), so it is tested directly.
+
+- Request ids: workers see vLLM's internal ids `"{external}-{8 hex}"`
+  (`InputProcessor.assign_request_id`); routes are stored under the id the user gave
+  vLLM (the suffix stripped). `n > 1` children are `"{i}_{parent internal}"` and are
+  stored as `"{i}_{external}"`. Ids the service cannot store (its id rule) are dropped
+  with one error per request, so one bad id never takes other requests' rows with it.
+- Spec decode: a request's rows are `[last sampled, d1..dk]`; only the first
+  `sampled` are real (accepted drafts + the bonus token's input); the rejected
+  suffix is dropped (it is recomputed next step). Without a sampler count
+  (`NO_SAMPLE`, e.g. aborted mid-step) only the verified row is kept.
+- Preemption/recompute: a resumed request runs its positions again; the rows are sent
+  again and the service stores identical re-writes once and flags a differing one
+  `CONFLICT` (never silently overwritten).
+- Finish: the total token count is what the scheduler reports when available, else the
+  highest position seen + 2 (the last sampled token never ran through the model).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from replay_format import valid_id
+from replay_format.step_frame import NO_SAMPLE, FinishStatus, StepFrame
+
+log = logging.getLogger("routing_replay.vllm")
+
+_SUFFIX = re.compile(r"^(?P<ext>.+)-[0-9a-f]{8}$")
+_CHILD = re.compile(r"^(?P<idx>\d+)_(?P<parent>.+)$")
+
+
+def external_id(internal: str) -> str:
+    """The id the user gave vLLM for an internal (suffixed) request id."""
+    m = _SUFFIX.match(internal)
+    if m:
+        return m.group("ext")
+    m = _CHILD.match(internal)  # n>1 child of a suffixed parent
+    if m:
+        inner = _SUFFIX.match(m.group("parent"))
+        if inner:
+            return f"{m.group('idx')}_{inner.group('ext')}"
+    return internal  # VLLM_DISABLE_REQUEST_ID_RANDOMIZATION, or ids vLLM passes through
+
+
+@dataclass
+class RequestState:
+    """What the book knows of one request (by its internal id)."""
+
+    external: str
+    max_position: int = -1
+    rows_sent: int = 0
+    storable: bool = True  # the service's id rule, checked once per request
+
+
+@dataclass
+class StepBook:
+    """Tracks requests across steps (see module docstring)."""
+
+    requests: dict[str, RequestState] = field(default_factory=dict)
+    _bad_ids: set[str] = field(default_factory=set)
+    dropped_rejected: int = 0
+    dropped_bad_id: int = 0
+
+    def _state(self, internal: str) -> RequestState:
+        st = self.requests.get(internal)
+        if st is None:
+            ext = external_id(internal)
+            st = self.requests[internal] = RequestState(ext, storable=valid_id(ext))
+        return st
+
+    def keep_mask(self, frame: StepFrame) -> np.ndarray:
+        """Rows to keep: drops each spec-decoded request's rejected suffix."""
+        keep = np.ones(frame.num_tokens, dtype=bool)
+        if frame.drafts is None or frame.sampled is None or not frame.drafts.any():
+            return keep
+        qsl = frame.query_start_loc
+        for i in np.flatnonzero(frame.drafts).tolist():
+            start, end = int(qsl[i]), int(qsl[i + 1])
+            valid = int(frame.sampled[i])
+            if valid == NO_SAMPLE:  # no sampler output for it (e.g. aborted mid-step): keep the verified row only
+                valid = 1
+            valid = max(0, min(valid, end - start))
+            keep[start + valid : end] = False
+            self.dropped_rejected += end - start - valid
+        return keep
+
+    def row_ids(self, frame: StepFrame, keep: np.ndarray) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """(external id per request of the step, index into it per kept row, keep mask).
+
+        Rows of ids the service cannot store are removed from the mask. Vectorised: it
+        runs every step, so nothing here loops over rows.
+        """
+        qsl = frame.query_start_loc
+        states = [self._state(rid) for rid in frame.req_ids]
+        if keep.all() and all(st.storable for st in states):  # the usual step: every row is kept
+            counts = np.diff(qsl)
+            for st, top, count in zip(states, frame.positions[qsl[1:] - 1].tolist(), counts.tolist()):
+                if count:
+                    st.max_position = max(st.max_position, top)
+                    st.rows_sent += count
+            return [st.external for st in states], np.repeat(np.arange(len(states), dtype=np.int32), counts), keep
+        keep = keep.copy()
+        for i, st in enumerate(states):
+            if not st.storable:
+                if st.external not in self._bad_ids:
+                    self._bad_ids.add(st.external)
+                    log.error("routing-replay: request id %r cannot be stored (service id rule); its rows are dropped",
+                              st.external)
+                self.dropped_bad_id += int(keep[qsl[i] : qsl[i + 1]].sum())
+                keep[qsl[i] : qsl[i + 1]] = False
+        kept_before = np.concatenate(([0], np.cumsum(keep)))
+        kept = kept_before[qsl[1:]] - kept_before[qsl[:-1]]
+        index = np.repeat(np.arange(len(states), dtype=np.int32), kept)
+        if index.size:
+            # Highest kept position per request (positions rise within a request's rows).
+            last_kept = np.maximum.reduceat(np.where(keep, frame.positions, -1), qsl[:-1][kept > 0])
+            for i, top in zip(np.flatnonzero(kept > 0).tolist(), last_kept.tolist()):
+                st = states[i]
+                st.max_position = max(st.max_position, int(top))
+                st.rows_sent += int(kept[i])
+        return [st.external for st in states], index, keep
+
+    def finish(self, internal: str, num_tokens: int | None = None,
+               status: FinishStatus | None = None) -> tuple[str, int, FinishStatus] | None:
+        """(external id, num_tokens, status) for a finished/aborted request, or None if it never ran."""
+        st = self.requests.pop(internal, None)
+        if st is None or st.external in self._bad_ids:
+            return None
+        if num_tokens is None:
+            num_tokens = st.max_position + 2
+        return st.external, int(num_tokens), FinishStatus(status or FinishStatus.FINISHED)

@@ -1,0 +1,180 @@
+"""The sink process: turns a worker's captured steps into rows for the service.
+
+One per sending worker, started by `capture.vllm.worker.handoff.StepHandoff` as
+`python -m capture.vllm.sink FD` on the CPUs its worker is not bound to. It reads
+frames (`replay_format.step_frame`, spec beside it) from the pipe FD, in order: the
+configuration (the stream's version, the run shape, the `SenderConfig` settings; the
+token comes in the environment), then steps and finish events, then close (or end of
+input), and does what used to run on the worker's forward thread: map rows to the
+user's request ids (`StepBook`), drop rejected spec-decode rows, and hand rows and
+finish events to a `RouteSender` (batching, Arrow encoding, HTTP, spill). Being another
+process, none of it takes the worker's GIL or its cores. End of input (the worker
+exited, even by kill -9) closes the sender like a close frame: what is queued is sent,
+or spilled for the next start.
+
+Its output joins vLLM's log, so it stays quiet: httpx's per-request lines are off, and
+the sender logs its counters in one summary line now and then and once at close.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+from capture.sender import RouteSender, SenderConfig
+from capture.vllm.config import ENV_SINK_TOKEN
+from capture.vllm.sink.book import StepBook
+from replay_format import FormatError
+from replay_format.step_frame import LENGTH, CloseFrame, ConfigFrame, Ended, FinishFrame, FrameReader, StepFrame
+
+log = logging.getLogger("routing_replay.vllm")
+
+_READ_SIZE = 1 << 20
+# Below the engine's processes: the sink needs a few percent of a core on average and has
+# seconds of slack (the pipe, then the worker's backlog); vLLM's engine core is on every
+# step's critical path. At the same priority, its bursts delayed the engine's steps.
+_NICE = 10
+# One line per HTTP request (httpx logs each at INFO) would flood the engine's log.
+_QUIET_LOGGERS = ("httpx", "httpcore")
+
+
+def read_frames(fd: int, pause_s: float = 0.02) -> Iterator[bytes | None]:
+    """Frame bodies from the pipe, in order, until end of input; None after each read's frames.
+
+    Read in bursts: after draining the pipe the sink sleeps `pause_s` before reading
+    again, so it wakes ~50 times a second rather than once per step. Woken per step,
+    it preempted vLLM's engine-core process on the shared core each time, and the
+    engine's steps waited on that (bench/vllm_overhead.py: on/off 0.87 vs 0.98 without
+    sending). A frame cut short by the writer's death is dropped.
+    """
+    pending = bytearray()
+    while chunk := os.read(fd, _READ_SIZE):
+        pending += chunk
+        at = 0
+        while len(pending) - at >= LENGTH.size:
+            (size,) = LENGTH.unpack_from(pending, at)
+            end = at + LENGTH.size + size
+            if end > len(pending):
+                break
+            yield bytes(pending[at + LENGTH.size : end])
+            at = end
+        del pending[:at]
+        yield None  # end of what this read brought
+        if len(chunk) < _READ_SIZE:  # drained: let the next frames gather
+            time.sleep(pause_s)
+
+
+class Sink:
+    """Steps and finish events to rows and finish calls, in order.
+
+    Plain steps (no spec decode) that arrive together are merged and handed to the sender
+    as one: the bookkeeping and the copies then run once per read rather than once per step.
+    """
+
+    def __init__(self, sender: RouteSender) -> None:
+        self.sender = sender
+        self.book = StepBook()
+        self._plain: list[StepFrame] = []
+
+    def step(self, frame: StepFrame) -> None:
+        """One step, in order with the others."""
+        if frame.drafts is None:
+            self._plain.append(frame)
+            return
+        self.flush()
+        self._rows(frame)
+
+    def finish(self, ended: list[Ended]) -> None:
+        """Requests that ended: their finish calls go after their rows."""
+        self.flush()
+        for request_id, num_tokens, status in ended:
+            done = self.book.finish(request_id, num_tokens, status)
+            if done is not None:
+                self.sender.finish(*done)
+
+    def flush(self) -> None:
+        """Hand the plain steps held so far to the sender."""
+        group, self._plain = self._plain, []
+        if len(group) > 1:
+            group = [_merged(group)]
+        for frame in group:
+            self._rows(frame)
+
+    def _rows(self, frame: StepFrame) -> None:
+        keep = self.book.keep_mask(frame)
+        names, index, keep = self.book.row_ids(frame, keep)
+        if not index.size:
+            return
+        sel = np.flatnonzero(keep)
+        self.sender.submit((names, index), frame.positions[sel], frame.experts[sel], token_ids=frame.token_ids[sel],
+                           flags=frame.flags[sel])
+
+
+def _merged(group: list[StepFrame]) -> StepFrame:
+    """Consecutive plain steps as one (a request appears once per step it ran in)."""
+    offsets = np.cumsum([0] + [f.num_tokens for f in group])
+    query_start_loc = np.concatenate([f.query_start_loc[:-1] + off for f, off in zip(group, offsets)] + [offsets[-1:]])
+    return StepFrame(
+        req_ids=[rid for f in group for rid in f.req_ids],
+        query_start_loc=query_start_loc.astype(np.int32),
+        positions=np.concatenate([f.positions for f in group]),
+        token_ids=np.concatenate([f.token_ids for f in group]),
+        experts=np.concatenate([f.experts for f in group]),
+        flags=np.concatenate([f.flags for f in group]),
+    )
+
+
+def _configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def main(fd: int) -> int:
+    """Run the sink on pipe `fd` until close or end of input; 2 when the stream cannot be read at all."""
+    _configure_logging()
+    os.nice(_NICE)
+    for stop in (signal.SIGINT, signal.SIGTERM):  # the worker's end of the pipe decides when to stop
+        signal.signal(stop, signal.SIG_IGN)
+    bodies = read_frames(fd)
+    reader = FrameReader()
+    first = next((body for body in bodies if body is not None), None)
+    try:
+        config = reader.read(first) if first is not None else None
+        if not isinstance(config, ConfigFrame):
+            raise FormatError("the stream does not start with a configuration frame")
+        sender_config = SenderConfig.from_dict(config.sender, config.shape, os.environ.get(ENV_SINK_TOKEN) or None)
+    except FormatError as exc:
+        log.error("routing-replay sink: cannot read the worker's frames (%s); exiting, nothing is captured", exc)
+        return 2
+    sender = RouteSender(sender_config)
+    sink = Sink(sender)
+    close_timeout = 30.0
+    for body in bodies:
+        what = "frame"
+        try:
+            if body is None:
+                sink.flush()
+                continue
+            frame = reader.read(body)
+            what = type(frame).__name__
+            if isinstance(frame, StepFrame):
+                sink.step(frame)
+            elif isinstance(frame, FinishFrame):
+                sink.finish(frame.ended)
+            elif isinstance(frame, CloseFrame):
+                close_timeout = frame.timeout_s
+                break
+        except Exception:  # any error: one bad step must not stop the others
+            log.exception("routing-replay sink: failed to handle a %s", what)
+    try:
+        sink.flush()
+    except Exception:  # any error: the sender still closes (it spills what it cannot send)
+        log.exception("routing-replay sink: failed to hand over the last steps")
+    sender.close(close_timeout)
+    return 0

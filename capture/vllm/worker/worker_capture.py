@@ -1,0 +1,312 @@
+"""Runs in each vLLM worker process: `WorkerCapture`, the capture state of one worker (one model runner).
+
+What each model-runner hook (`runner.py`) does with it:
+- `load_model` -> `startup`: checks (prefix caching, CUDA graphs, pipeline parallel),
+  `bind_model` on every MoE router, the recorder, the PCP router mask, the sink process
+  (only on the TP/PCP rank 0 of each DP rank) and one log line per worker.
+- `execute_model` -> `on_execute`: notes the `SchedulerOutput`; finished/aborted requests
+  go to the sink as finish events.
+- `_model_forward` -> `open_step` / `close_forward`: the step's request ids,
+  query_start_loc, positions and input ids (an `OpenStep`); captures outside a step
+  (dummy/profile runs call the model directly) are ignored and counted.
+- router `capture_fn` -> `on_topk`: restores this DP rank's rows (`sharding.restore`) and
+  records them in the `StepRecorder` (a layer that did not write a row this step leaves it
+  `STALE`); when the layer routes this DP rank's whole batch on CPU it only keeps the
+  tensor (`StepRecorder.keep`).
+- `sample_tokens` -> `on_sampled`: closes the step in the recorder, builds its one
+  `StepFrame` (with what spec decode verified and accepted) and hands it to the sink
+  (`handoff.StepHandoff.step`: one packed frame and one non-blocking pipe write). The sink
+  maps rows to the user's request ids, drops rejected drafts and streams to the service
+  (`capture.vllm.sink`); none of that runs on the forward thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from capture.vllm.config import PluginConfig
+from capture.vllm.engine_core.scheduler import ATTR as FINISH_ATTR
+from capture.vllm.worker.binder import bind_model, install_set_hook
+from capture.vllm.worker.sharding import Parallel, pcp_mask_fixed_upstream, restore, routes_local_batch
+from capture.worker.pcp_mask import PcpPaddingMask
+from capture.worker.recorder import StepRecorder
+from replay_format import NO_TOKEN, RunShape, Source
+from replay_format.step_frame import NO_SAMPLE, Ended, FinishStatus, StepFrame
+
+if TYPE_CHECKING:  # imported when a sending rank starts its sink
+    from capture.vllm.worker.handoff import StepHandoff
+
+log = logging.getLogger("routing_replay.vllm")
+
+
+class StartupError(RuntimeError):
+    """The engine's configuration would make the capture record garbage; refused at load_model."""
+
+
+class OpenStep:
+    """What the worker knows of a step between `_model_forward` and `sample_tokens` (its frame's first half)."""
+
+    __slots__ = ("req_ids", "query_start_loc", "positions", "token_ids", "num_tokens")
+
+    def __init__(self, req_ids: list[str], query_start_loc: np.ndarray, positions: np.ndarray,
+                 token_ids: np.ndarray) -> None:
+        self.req_ids = req_ids
+        self.query_start_loc = query_start_loc  # int32 [num_reqs + 1]
+        self.positions = positions  # int32 [n]
+        self.token_ids = token_ids  # int32 [n], NO_TOKEN where unknown
+        self.num_tokens = len(positions)  # a plain attribute: read once per layer
+
+
+def info(msg: str, *args) -> None:
+    """Log one line at INFO; vLLM's logging config may not propagate our logger, so stderr gets it too then."""
+    text = msg % args if args else msg
+    log.info(text)
+    if not log.isEnabledFor(logging.INFO) or not logging.getLogger().handlers:
+        print(text, file=sys.stderr, flush=True)
+
+
+class WorkerCapture:
+    """The capture state of one worker process (one model runner)."""
+
+    def __init__(self, config: PluginConfig) -> None:
+        self.config = config
+        self.handoff: StepHandoff | None = None  # on the rank that sends
+        self._paused_handoff: StepHandoff | None = None  # set_sending(False) keeps it here
+        self.recorder: StepRecorder | None = None  # from startup() on
+        self.par = Parallel()
+        self.layers: dict[int, int] = {}  # model layer -> MoE ordinal (its place in moe_layers)
+        self.model_id: int | None = None
+        self.sched = None
+        self.open: OpenStep | None = None  # the step the model is running
+        self.capturing = False
+        self.pending: OpenStep | None = None  # the step waiting for sample_tokens
+        self.ignored_captures = 0
+        self.steps = 0
+        self.pcp_masks: PcpPaddingMask | None = None
+        self.local_padding: torch.Tensor | None = None
+        self.capture_s = 0.0  # time in the router callbacks
+        self.hook_s = 0.0  # time in every hook (callbacks, step open, hand-off to the sink)
+        self.enabled = True  # `set_enabled(False)` pauses capture (e.g. to measure its cost)
+        self.local_layers: dict[int, bool] = {}  # MoE ordinal -> routes this DP rank's whole batch (static)
+
+    # ---- startup -----------------------------------------------------------
+
+    def startup(self, runner) -> None:
+        """At load_model: check the config, bind every router, start the recorder (and the sink on a sending rank)."""
+        model = getattr(runner, "model", None)
+        if model is None or self.model_id == id(model):
+            return
+        vcfg = getattr(runner, "vllm_config", None)
+        self.check_config(vcfg)
+        install_set_hook()
+        bound = bind_model(model, self.on_topk)
+        self.layers = {b.layer_id: i for i, b in enumerate(sorted(bound, key=lambda b: b.layer_id))}
+        self.model_id = id(model)
+        self.par = Parallel.from_vllm()
+        first = bound[0].router
+        shape = RunShape(len(bound), int(first.top_k), int(first.global_num_experts),
+                         tuple(sorted(b.layer_id for b in bound)))
+        max_tokens = int(getattr(getattr(vcfg, "scheduler_config", None), "max_num_batched_tokens", 0) or 8192)
+        self.recorder = StepRecorder(shape, max_tokens=max_tokens + 64)
+        self.install_pcp_mask()
+        if self.par.sends:
+            self.handoff = self.make_handoff(shape)
+        info(
+            "routing-replay: capturing %d MoE layers (top-%d of %d experts) -> %s run %r; worker tp=%d/%d pcp=%d/%d "
+            "dp=%d/%d; %s (pid %d)",
+            shape.num_moe_layers, shape.top_k, shape.num_experts, self.config.url, self.config.run_id,
+            self.par.tp_rank, self.par.tp_size, self.par.pcp_rank, self.par.pcp_size, self.par.dp_rank,
+            self.par.dp_size,
+            f"sending through sink pid {self.handoff.pid}" if self.handoff
+            else "not sending (rank 0 of its TP/PCP group sends)",
+            os.getpid(),
+        )
+
+    def check_config(self, vcfg) -> None:
+        """StartupError naming the fix for each setting the capture cannot work with."""
+        if vcfg is None:
+            return
+        problems = []
+        cache = getattr(vcfg, "cache_config", None)
+        if getattr(cache, "enable_prefix_caching", False) and not self.config.allow_prefix_cache:
+            problems.append(
+                "prefix caching is on: cached prompt tokens never run through the model, so their routes would be "
+                "missing; start vLLM with enable_prefix_caching=False (--no-enable-prefix-caching), or set "
+                "ROUTING_REPLAY_ALLOW_PREFIX_CACHE=1 to accept them as GAP rows"
+            )
+        graphs = getattr(getattr(vcfg, "compilation_config", None), "cudagraph_mode", None)
+        if graphs is not None and getattr(graphs, "name", str(graphs)) != "NONE":
+            problems.append(
+                f"CUDA graphs are on ({graphs}): a replayed graph runs the MoE kernels without calling the router's "
+                "capture callback, so every row would arrive STALE; start vLLM with enforce_eager=True "
+                "(--enforce-eager)"
+            )
+        par = getattr(vcfg, "parallel_config", None)
+        if int(getattr(par, "pipeline_parallel_size", 1) or 1) > 1:
+            problems.append("pipeline parallelism is not supported (each stage holds only its layers)")
+        if problems:
+            raise StartupError("routing-replay: refusing to start: " + "; ".join(problems))
+
+    def make_handoff(self, shape: RunShape):
+        """Start this worker's sink process; it sends as one writer, spilling under its own directory."""
+        from capture.sender_config import SenderConfig
+        from capture.vllm.worker.handoff import StepHandoff
+
+        cfg = self.config
+        writer = f"vllm-dp{self.par.dp_rank}-{os.getpid()}-{os.urandom(3).hex()}"
+        handoff = StepHandoff(SenderConfig(
+            url=cfg.url, run_id=cfg.run_id, shape=shape, writer_id=writer, source=Source.VLLM_PLUGIN, token=cfg.token,
+            spill_dir=cfg.spill_dir / writer,
+        ))
+        atexit.register(handoff.close, 30.0)
+        return handoff
+
+    def install_pcp_mask(self) -> None:
+        """Under PCP, give the router a padding mask aligned with the gathered rows (seed 000).
+
+        The runner then wraps the router's call in it (`runner.patch_apply_quant_method`)."""
+        if self.par.pcp_size <= 1:
+            return
+        if pcp_mask_fixed_upstream():
+            info("routing-replay: this vLLM gathers the PCP padding mask itself; not installing ours")
+            return
+        needed = None  # without vLLM's switch: always gather
+        try:
+            import vllm.envs as envs
+
+            def needed() -> bool:
+                return bool(envs.VLLM_MOE_SKIP_PADDING)
+        except Exception:  # any error: keep gathering (the switch only saves a collective)
+            pass
+        self.pcp_masks = PcpPaddingMask(self.par.pcp_group, self.par.pcp_size, needed=needed)
+
+    # ---- step ----------------------------------------------------------------
+
+    def set_enabled(self, enabled: bool) -> None:
+        """Pause (False) or resume capture."""
+        self.enabled = bool(enabled)
+
+    def set_sending(self, send: bool) -> None:
+        """Stop (False) or resume handing steps to the sink; capture goes on (to measure the two apart)."""
+        if not send and self.handoff is not None:
+            self.handoff, self._paused_handoff = None, self.handoff
+        elif send and self._paused_handoff is not None:
+            self.handoff, self._paused_handoff = self._paused_handoff, None
+
+    def cost(self) -> dict:
+        """Capture cost so far, for `collective_rpc` (bench/vllm_overhead.py)."""
+        return {"steps": self.steps, "hook_s": self.hook_s, "capture_s": self.capture_s,
+                "ignored_captures": self.ignored_captures, "sending": self.handoff is not None,
+                "lost_frames": self.handoff.lost_frames if self.handoff is not None else 0,
+                "backlogged_frames": self.handoff.backlogged_frames if self.handoff is not None else 0}
+
+    def on_execute(self, scheduler_output) -> None:
+        """execute_model: note the step's scheduler output; hand its ended requests to the sink."""
+        self.sched = scheduler_output
+        finished = getattr(scheduler_output, "finished_req_ids", None)
+        if finished and self.handoff is not None:
+            notes = getattr(scheduler_output, FINISH_ATTR, None) or {}
+            ended = []
+            for rid in finished:
+                status, num_tokens = notes.get(rid, (None, None))
+                ended.append(Ended(rid, num_tokens, None if status is None else FinishStatus(status)))
+            self.handoff.finish(ended)
+
+    def open_step(self, runner, input_ids, positions) -> None:
+        """_model_forward: the step's requests, positions and input tokens; captures count from here."""
+        batch = runner.input_batch
+        num_reqs = batch.num_reqs
+        qsl = runner.query_start_loc.np[: num_reqs + 1].astype(np.int32)
+        n = int(qsl[-1])
+        ids = input_ids if input_ids is not None else runner.input_ids.gpu
+        pos = positions
+        if pos is not None and pos.ndim > 1:  # M-RoPE: [3, n]; the text position is row 0
+            pos = pos[0]
+        assert self.recorder is not None  # the hooks call this only after startup()
+        self.open = OpenStep(
+            batch.req_ids[:num_reqs], qsl, _host_copy(pos, n, np.int32),
+            np.full(n, NO_TOKEN, np.int32) if ids is None else _host_copy(ids, n, np.int32),
+        )
+        self.recorder.begin_step()
+        self.capturing = True
+
+    def close_forward(self) -> None:
+        """The model returned: later captures are not this step's."""
+        self.capturing = False
+        self.pending, self.open = self.open, None
+
+    def on_topk(self, runner, topk_ids: torch.Tensor) -> None:
+        """BaseRouter.capture_fn (logical ids, before EPLB). Never raises into the model."""
+        if not self.capturing or self.open is None or self.recorder is None:
+            self.ignored_captures += 1
+            return
+        t0 = time.perf_counter()
+        try:
+            layer = self.layers[int(runner.layer_id)]
+            local = self.local_layers.get(layer)
+            if local is None:
+                local = self.local_layers[layer] = routes_local_batch(runner)
+            if local and topk_ids.is_cpu:
+                # This rank routed this DP rank's whole batch: nothing to restore. The rows are
+                # kept by reference and copied once per step for all layers (recorder.keep):
+                # inside the engine each call per layer costs microseconds.
+                self.recorder.keep(layer, topk_ids)
+                rows = None
+            elif local:
+                rows = topk_ids[: self.open.num_tokens]
+            else:
+                from vllm.forward_context import get_forward_context, is_forward_context_available
+
+                ctx = get_forward_context() if is_forward_context_available() else None
+                rows = restore(topk_ids, runner, ctx, self.par, self.open.num_tokens, local_padding=self.local_padding)
+            if rows is not None:
+                self.recorder.record(layer, rows)
+        except Exception:  # any error: the layer's rows stay unstamped: the step is flagged STALE
+            log.exception("routing-replay: capture failed in layer %s; its rows are sent flagged STALE",
+                          getattr(runner, "layer_name", "?"))
+        spent = time.perf_counter() - t0
+        self.capture_s += spent
+        self.hook_s += spent
+
+    def on_sampled(self, output) -> None:
+        """sample_tokens: close the step and hand its frame to the sink."""
+        step, self.pending = self.pending, None
+        if step is None or self.recorder is None:
+            return
+        self.steps += 1
+        recorded = self.recorder.end_step(None, step.positions, step.token_ids)
+        if self.handoff is None:
+            return
+        drafts, sampled = spec_counts(step.req_ids, self.sched, output)
+        self.handoff.step(StepFrame(step.req_ids, step.query_start_loc, step.positions, step.token_ids,
+                                    recorded.experts, recorded.flags, drafts, sampled))
+        if self.config.verbose:
+            info("routing-replay: step %d: %d rows (%d stale) of %d requests", self.steps, step.num_tokens,
+                  recorded.stale_rows, len(step.req_ids))
+
+
+def spec_counts(req_ids: list[str], sched, output) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(drafts verified, tokens sampled) per request of a spec-decode step; (None, None) for any other step."""
+    spec = getattr(sched, "scheduled_spec_decode_tokens", None) if sched is not None else None
+    if not spec:
+        return None, None
+    drafts = np.array([len(spec.get(rid) or ()) for rid in req_ids], np.uint32)
+    counts = {}
+    if output is not None and getattr(output, "sampled_token_ids", None) is not None:
+        counts = {rid: len(t) for rid, t in zip(output.req_ids, output.sampled_token_ids)}
+    return drafts, np.array([counts.get(rid, NO_SAMPLE) for rid in req_ids], np.int32)
+
+
+def _host_copy(tensor: torch.Tensor, n: int, dtype) -> np.ndarray:
+    """The first n values as a new host array (numpy directly for CPU tensors: fewer calls)."""
+    if tensor.is_cpu:
+        return tensor.numpy()[:n].astype(dtype)
+    return tensor[:n].cpu().numpy().astype(dtype)

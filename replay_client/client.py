@@ -1,0 +1,262 @@
+"""`ReplayClient`: the trainer's and writers' side of the replay service's HTTP API.
+
+Routes arrive as route answers (replay_format/route.md); the arrays handed out are views
+into the received body (no copy), writable so `torch.from_numpy` can wrap them without a
+copy either. Every non-2xx answer raises `ReplayError` carrying the server's detail.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+import pyarrow as pa
+
+from replay_client.trainer import TrainerBatch, compare_body, megatron_query, verl_query
+from replay_client.transport import NotFoundError, ReplayError, StrictReadError, Transport
+from replay_format import ARROW_STREAM_MEDIA_TYPE, NPY_MEDIA_TYPE, Flag, RunShape, flag_names
+from replay_format.route import read_routes
+
+__all__ = ["NotFoundError", "ReplayClient", "ReplayError", "Route", "StrictReadError", "routes_from_stream"]
+
+
+@dataclass
+class Route:
+    """One request's rows `[start, start + n)`, dense by position (a missing one is a GAP row)."""
+
+    run_id: str
+    request_id: str
+    positions: np.ndarray  # int32 (n,)
+    experts: np.ndarray  # (n, L, K) uint8/uint16
+    flags: np.ndarray  # uint16 (n,)
+    token_ids: np.ndarray  # int32 (n,), replay_format.NO_TOKEN (-1) where unknown
+    num_experts: int
+    moe_layers: tuple[int, ...]  # model-layer index of each of the L MoE layers
+
+    @property
+    def clean(self) -> bool:
+        """True when no row carries a flag."""
+        return not self.flags.any()
+
+    def flagged_rows(self) -> list[tuple[int, list[str]]]:
+        """(position, flag names) of every flagged row."""
+        return [(int(self.positions[i]), flag_names(int(self.flags[i]))) for i in np.flatnonzero(self.flags)]
+
+    def torch(self):
+        """The ids as a torch tensor sharing this route's memory (uint8/uint16)."""
+        import torch
+
+        return torch.from_numpy(self.experts)
+
+
+def routes_from_stream(backing: bytearray) -> list[Route]:
+    """A route answer (route.md) as `Route`s whose arrays view `backing`."""
+    meta, routes = read_routes(backing)
+    return [Route(meta.run_id, r.request_id, r.positions, r.experts, r.flags, r.token_ids, meta.shape.num_experts,
+                  meta.shape.moe_layers) for r in routes]
+
+
+class ReplayClient:
+    """Write rows, read routes and trainer slices, post comparisons. Thread-safe for reads."""
+
+    def __init__(self, base_url: str, timeout: float = 120.0, http: httpx.Client | None = None) -> None:
+        self._transport = Transport(base_url, timeout, http)
+        self.http = self._transport.http
+
+    def close(self) -> None:
+        """Close the connections."""
+        self._transport.close()
+
+    def __enter__(self) -> ReplayClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _json(self, method: str, url: str, **kw) -> Any:
+        return self._transport.json(method, url, **kw)
+
+    def _fetch_bulk(self, method: str, url: str, doc: dict) -> bytearray:
+        return self._transport.fetch_bulk(method, url, doc)
+
+    def _fetch_stream(self, method: str, url: str, **kw) -> bytearray:
+        return self._transport.fetch_stream(method, url, **kw)
+
+    # ---- writers ----------------------------------------------------------
+
+    def ingest(self, batch: pa.RecordBatch | bytes) -> dict:
+        """Post one row batch (replay_format/rows.md; metadata with run_id, writer_id, seq)."""
+        if isinstance(batch, pa.RecordBatch):
+            from replay_format.rows import encode_stream
+
+            batch = encode_stream(batch)
+        return self._json("POST", "/v1/ingest", content=batch, headers={"content-type": ARROW_STREAM_MEDIA_TYPE})
+
+    def finish(self, run_id: str, request_id: str, num_tokens: int, status: str = "finished") -> dict:
+        """Say a request ended with `num_tokens` tokens (`status`: finished or aborted); its summary comes back."""
+        return self._json(
+            "POST", f"/v1/runs/{run_id}/requests/{request_id}/finish", json={"num_tokens": num_tokens, "status": status}
+        )
+
+    def upload_route(
+        self,
+        run_id: str,
+        request_id: str,
+        route: np.ndarray,
+        num_experts: int | None = None,
+        moe_layers: Sequence[int] | None = None,
+        finish: bool = True,
+    ) -> dict:
+        """A whole route `(T-1, model layers or MoE layers, K)` (e.g. vLLM's `routed_experts`), sent as .npy."""
+        buf = io.BytesIO()
+        np.save(buf, np.ascontiguousarray(route), allow_pickle=False)
+        params: dict[str, Any] = {"finish": str(finish).lower()}
+        if num_experts is not None:
+            params["num_experts"] = num_experts
+        if moe_layers is not None:
+            params["moe_layers"] = ",".join(str(int(x)) for x in moe_layers)
+        return self._json(
+            "POST",
+            f"/v1/runs/{run_id}/requests/{request_id}/routes",
+            content=buf.getvalue(),
+            params=params,
+            headers={"content-type": NPY_MEDIA_TYPE},
+        )
+
+    upload_vllm_output = upload_route
+
+    def upload_sglang_output(
+        self,
+        run_id: str,
+        request_id: str,
+        routed_experts: str | np.ndarray,
+        num_layers: int,
+        top_k: int,
+        num_experts: int | None = None,
+        token_ids: Sequence[int] | None = None,
+        moe_layers: Sequence[int] | None = None,
+    ) -> dict:
+        """SGLang's `meta_info["routed_experts"]` (base64 of int32 ids; `num_layers` as SGLang counts them)."""
+        if not isinstance(routed_experts, str):
+            routed_experts = base64.b64encode(np.ascontiguousarray(routed_experts, np.int32).tobytes()).decode()
+        doc: dict[str, Any] = {"routed_experts": routed_experts, "num_layers": num_layers, "top_k": top_k}
+        if num_experts is not None:
+            doc["num_experts"] = num_experts
+        if token_ids is not None:
+            doc["token_ids"] = [int(t) for t in token_ids]
+        if moe_layers is not None:
+            doc["moe_layers"] = [int(x) for x in moe_layers]
+        return self._json("POST", f"/v1/runs/{run_id}/requests/{request_id}/routes", json=doc)
+
+    # ---- readers ----------------------------------------------------------
+
+    def runs(self) -> list[dict]:
+        """Every run's summary."""
+        return self._json("GET", "/v1/runs")["runs"]
+
+    def run(self, run_id: str) -> dict:
+        """One run's summary: shape (`num_moe_layers`, `top_k`, `num_experts`, `moe_layers`), counts, flags."""
+        return self._json("GET", f"/v1/runs/{run_id}")
+
+    def request(self, run_id: str, request_id: str) -> dict:
+        """One request's summary."""
+        return self._json("GET", f"/v1/runs/{run_id}/requests/{request_id}")
+
+    def requests(self, run_id: str, flag: str | Flag | None = None, page_size: int = 500) -> Iterator[dict]:
+        """Every request summary of a run (optionally only those with `flag`), following the cursor."""
+        cursor = None
+        while True:
+            params: dict[str, Any] = {"limit": page_size}
+            if flag is not None:
+                params["flag"] = flag.name if isinstance(flag, Flag) else flag
+            if cursor:
+                params["cursor"] = cursor
+            page = self._json("GET", f"/v1/runs/{run_id}/requests", params=params)
+            yield from page["items"]
+            cursor = page["next_cursor"]
+            if not cursor:
+                return
+
+    def expert_load(self, run_id: str) -> dict:
+        """Tokens per expert per MoE layer over the run's clean rows."""
+        return self._json("GET", f"/v1/runs/{run_id}/expert-load")
+
+    def get_route(
+        self, run_id: str, request_id: str, start: int = 0, end: int | None = None, strict: bool = False
+    ) -> Route:
+        """One request's rows `[start, end)` (default: all); `strict` raises StrictReadError on a flagged row."""
+        params: dict[str, Any] = {"start": start, "strict": str(strict).lower()}
+        if end is not None:
+            params["end"] = end
+        body = self._fetch_stream(
+            "GET", f"/v1/runs/{run_id}/requests/{request_id}/routes", params=params,
+            headers={"accept": ARROW_STREAM_MEDIA_TYPE},
+        )
+        return routes_from_stream(body)[0]
+
+    def get_routes(
+        self, run_id: str, request_ids: Sequence[str], start: int = 0, end: int | None = None, strict: bool = False
+    ) -> list[Route]:
+        """Many routes in one round trip, in the order asked."""
+        doc = {"requests": list(request_ids), "start": start, "end": end, "strict": strict}
+        body = self._fetch_stream("POST", f"/v1/runs/{run_id}/routes/batch", json=doc)
+        return routes_from_stream(body)
+
+    def get_route_npy(self, run_id: str, request_id: str, start: int = 0, end: int | None = None,
+                      strict: bool = False) -> np.ndarray:
+        """One request's ids `(n, L, K)` as the service's .npy answer."""
+        params: dict[str, Any] = {"start": start, "strict": str(strict).lower(), "format": "npy"}
+        if end is not None:
+            params["end"] = end
+        body = self._fetch_stream("GET", f"/v1/runs/{run_id}/requests/{request_id}/routes", params=params)
+        return np.load(io.BytesIO(bytes(body)), allow_pickle=False)
+
+    # ---- trainers -----------------------------------------------------------
+
+    def megatron_batch(self, sequences, packing: str = "thd", **options: Any) -> TrainerBatch:
+        """This rank's `RouterReplay` data for a micro-batch of (run, request) (`replay_client.trainer`).
+
+        `options` are `megatron_query`'s (cp/tp size and rank, pad_multiple or seq_length,
+        moe_ordinals or model_layer_range for this pipeline stage, strict). Only this rank's
+        slice travels.
+        """
+        doc = megatron_query(sequences, packing, **options)
+        return TrainerBatch.read(self._fetch_bulk("POST", "/v1/trainer/megatron", doc))
+
+    def verl_batch(self, sequences, prompt_lengths: Sequence[int], prompt_width: int, response_width: int,
+                   **options: Any) -> TrainerBatch:
+        """verl's dense `[batch, prompt_width + response_width, L, K]` and its mask (options: `verl_query`'s)."""
+        doc = verl_query(sequences, prompt_lengths, prompt_width, response_width, **options)
+        return TrainerBatch.read(self._fetch_bulk("POST", "/v1/trainer/verl", doc))
+
+    # ---- comparisons ------------------------------------------------------
+
+    def compare(self, run_id: str, request_ids, positions, experts, label: str | None = None) -> dict:
+        """Post the trainer's own top-k (n, L, K) per (request, position); the stored comparison comes back."""
+        info = self.run(run_id)
+        shape = RunShape(info["num_moe_layers"], info["top_k"], info["num_experts"], tuple(info["moe_layers"]))
+        body = compare_body(run_id, shape, request_ids, positions, experts)
+        params = {"label": label} if label is not None else None
+        return self._json("POST", f"/v1/runs/{run_id}/compare", content=body, params=params,
+                          headers={"content-type": ARROW_STREAM_MEDIA_TYPE})
+
+    def compares(self, run_id: str) -> list[dict]:
+        """A run's stored comparisons, newest first."""
+        return self._json("GET", f"/v1/runs/{run_id}/compares")["compares"]
+
+    def compare_result(self, run_id: str, compare_id: str) -> dict:
+        """One stored comparison."""
+        return self._json("GET", f"/v1/runs/{run_id}/compares/{compare_id}")
+
+    def compare_request(self, run_id: str, compare_id: str, request_id: str, start: int = 0,
+                        end: int | None = None) -> dict:
+        """Per position and MoE layer, 0|1 mismatch of one request in a stored comparison."""
+        params: dict[str, Any] = {"start": start}
+        if end is not None:
+            params["end"] = end
+        return self._json("GET", f"/v1/runs/{run_id}/compares/{compare_id}/requests/{request_id}", params=params)

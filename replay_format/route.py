@@ -1,0 +1,167 @@
+"""Route answers: a run's rows served back, one record batch per request (spec: route.md).
+
+The service builds them (`encode_routes`: `GET .../requests/{request}/routes` and
+`POST .../routes/batch`); the client reads them (`read_routes`), and the web view's
+`web/js/routedata.js` mirrors the reader. A batch is a row batch (rows.md columns);
+the stream's metadata (`RouteMeta`) names the run, its shape and the range served.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from replay_format import rows
+from replay_format.core import (
+    NO_TOKEN,
+    FormatError,
+    FormatVersion,
+    RunShape,
+    check_id,
+    decode_metadata,
+    flag_names,
+    ipc_stream_parts,
+    metadata_int,
+    metadata_version,
+    writable_view,
+)
+
+FORMAT = "routing-replay.route"
+VERSION = FormatVersion(1, 0)
+# An answer without format_version came from a service older than this spec: same columns,
+# `num_layers` where 1.0 says `num_moe_layers`. Read as such.
+LEGACY_VERSION = FormatVersion(0, 0)
+POSITION_MAX = rows.POSITION_MAX
+
+
+@dataclass(frozen=True)
+class RouteMeta:
+    """Schema metadata of a route answer (route.md, "Metadata")."""
+
+    run_id: str
+    shape: RunShape
+    requests: int = 1  # record batches in the stream, one per request asked
+    start: int = 0  # first position of every batch
+    end: int | None = None  # exclusive end asked for; None: each request up to its own last row
+    version: FormatVersion = VERSION
+
+    def to_metadata(self) -> dict[str, str]:
+        """The metadata dict written into the stream's schema (always the current version)."""
+        md = {
+            "format": FORMAT,
+            "format_version": str(VERSION),
+            "run_id": self.run_id,
+            **rows.shape_metadata(self.shape),
+            "requests": str(self.requests),
+            "start": str(self.start),
+        }
+        if self.end is not None:
+            md["end"] = str(self.end)
+        return md
+
+    @classmethod
+    def from_metadata(cls, md: dict[str, str]) -> RouteMeta:
+        """Parse and validate decoded metadata; FormatError naming the missing or bad key."""
+        what = "route answer"
+        if md.get("format", FORMAT) != FORMAT:
+            raise FormatError(f"{what}: schema metadata format={md['format']!r}, expected {FORMAT!r}")
+        version = metadata_version(md, what, VERSION, LEGACY_VERSION)
+        if "run_id" not in md:
+            raise FormatError(f"{what}: schema metadata lacks run_id")
+        shape_version = rows.LEGACY_VERSION if version == LEGACY_VERSION else rows.VERSION
+        return cls(
+            run_id=check_id("run_id", md["run_id"]),
+            shape=rows.shape_from_metadata(md, what, shape_version),
+            requests=metadata_int(md, "requests", what) if "requests" in md else 1,
+            start=metadata_int(md, "start", what, 0, POSITION_MAX + 1) if "start" in md else 0,
+            end=metadata_int(md, "end", what, 0, POSITION_MAX + 1) if "end" in md else None,
+            version=version,
+        )
+
+
+@dataclass
+class RequestRoute:
+    """One request's rows `[start, start + n)`, dense by position (a position never received is a GAP row)."""
+
+    request_id: str
+    positions: np.ndarray  # int32 (n,)
+    token_ids: np.ndarray  # int32 (n,), NO_TOKEN where unknown
+    experts: np.ndarray  # (n, num_moe_layers, top_k) in the run's dtype ((n, L*K) accepted by the builder)
+    flags: np.ndarray  # uint16 (n,)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.positions)
+
+    @property
+    def clean(self) -> bool:
+        """True when no row carries a flag."""
+        return not self.flags.any()
+
+    def flagged_rows(self) -> list[tuple[int, list[str]]]:
+        """(position, flag names) of every flagged row."""
+        return [(int(self.positions[i]), flag_names(int(self.flags[i]))) for i in np.flatnonzero(self.flags)]
+
+
+def encode_routes(meta: RouteMeta, routes: Iterable[RequestRoute]) -> Iterator[list[memoryview]]:
+    """The answer as an Arrow IPC stream, in parts: one list per request (read lazily), then the end marker.
+
+    The parts reference the routes' arrays (no copy of the ids); write them out in order.
+    """
+    md = meta.to_metadata()
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        for route in routes:
+            n = route.num_rows
+            yield rows.build_rows(meta.shape, ([route.request_id], np.zeros(n, np.int32)), route.positions,
+                                  route.experts, route.token_ids, route.flags, md)
+
+    return ipc_stream_parts(rows.rows_schema(meta.shape, md), batches())
+
+
+def read_routes(backing: bytearray) -> tuple[RouteMeta, list[RequestRoute]]:
+    """A received route answer; the arrays are writable views of `backing` (token ids: a copy when any is null).
+
+    FormatError names what does not follow route.md (an unknown major version among them).
+    """
+    try:
+        reader = pa.ipc.open_stream(pa.py_buffer(backing))
+        batches = list(reader)
+    except (pa.ArrowException, OSError) as exc:
+        raise FormatError(f"route answer is not a valid Arrow IPC stream: {exc}") from None
+    meta = RouteMeta.from_metadata(decode_metadata(reader.schema.metadata, "route answer"))
+    return meta, [_read_batch(batch, meta.shape, backing) for batch in batches]
+
+
+def _read_batch(batch: pa.RecordBatch, shape: RunShape, backing: bytearray) -> RequestRoute:
+    names = batch.schema.names
+    for required in rows.COLUMNS:
+        if required not in names:
+            raise FormatError(f"route answer: a batch lacks column {required!r}")
+    request = batch.column("request_id")
+    if not pa.types.is_dictionary(request.type) or len(request.dictionary) != 1:
+        raise FormatError("route answer: column 'request_id' must be a dictionary of exactly the batch's request")
+    for name, wanted in (("position", pa.int32()), ("token_id", pa.int32()), ("flags", pa.uint16())):
+        if batch.column(name).type != wanted:
+            raise FormatError(f"route answer: column {name!r} is {batch.column(name).type}, expected {wanted}")
+    experts = batch.column("experts")
+    if not pa.types.is_fixed_size_list(experts.type) or experts.type.list_size != shape.row_width:
+        raise FormatError(f"route answer: column 'experts' is {experts.type}, expected {shape.row_width} ids per row")
+    ids = experts.flatten()
+    if ids.type != shape.arrow_type:
+        raise FormatError(f"route answer: ids are {ids.type}, but {shape.num_experts} experts means {shape.arrow_type}")
+    tokens = batch.column("token_id")
+    if tokens.null_count:
+        token_ids = np.array(tokens.fill_null(NO_TOKEN).to_numpy(zero_copy_only=False), np.int32)
+    else:
+        token_ids = writable_view(tokens, backing)
+    return RequestRoute(
+        request_id=str(request.dictionary[0].as_py()),
+        positions=writable_view(batch.column("position"), backing),
+        token_ids=token_ids,
+        experts=writable_view(ids, backing).reshape(batch.num_rows, shape.num_moe_layers, shape.top_k),
+        flags=writable_view(batch.column("flags"), backing),
+    )

@@ -1,0 +1,329 @@
+"""Trainer slices: one rank's router tokens with their recorded ids (spec: trainer_slice.md).
+
+The service builds them (`build_slice`: the answer of `POST /v1/trainer/megatron` and
+`POST /v1/trainer/verl`); the trainer reads them (`read_slice`). One row per router token of
+the rank, in the order its router sees them; the metadata (`SliceMeta`) names the MoE layers
+held and the token layout (`SliceLayout`) the rows follow.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from replay_format.core import (
+    FormatError,
+    FormatVersion,
+    UndecodableError,
+    decode_metadata,
+    expert_dtype,
+    ipc_stream_parts,
+    metadata_int,
+    writable_view,
+)
+
+FORMAT = "routing-replay.trainer-slice"
+VERSION = FormatVersion(1, 0)
+COLUMNS = ("experts", "valid", "sequence", "position")
+WHAT = "trainer slice"
+
+
+class LayoutKind(enum.StrEnum):
+    """Which trainer's token layout the rows follow."""
+
+    MEGATRON = "megatron"  # megatron-core RouterReplay: one rank's router tokens (THD or BSHD, CP and SP slices)
+    VERL = "verl"  # verl's dense [batch, prompt_width + response_width]
+
+
+class Packing(enum.StrEnum):
+    """How Megatron lays a micro-batch's sequences out."""
+
+    THD = "thd"  # packed back to back, each padded to a multiple
+    BSHD = "bshd"  # [b, s] right-padded to one length, seen by the router sequence-first
+
+
+@dataclass(frozen=True)
+class SliceLayout:
+    """The token layout of a slice (trainer_slice.md, "Layout"); `kind` says which fields apply."""
+
+    kind: LayoutKind
+    tokens: int  # router tokens in this slice: the rows
+    total_tokens: int  # router tokens of the whole micro-batch over all ranks
+    seq_length: int  # BSHD: padded length S; THD: padded tokens in all; verl: prompt_width + response_width
+    sequences: int  # sequences in the micro-batch (verl: the batch size)
+    cu_seqlens: list[int] = field(default_factory=list)  # THD: cumulative real lengths
+    cu_seqlens_padded: list[int] = field(default_factory=list)  # THD: cumulative padded lengths
+    # megatron
+    packing: Packing | None = None
+    cp_size: int = 1
+    cp_rank: int = 0
+    tp_size: int = 1  # the sequence-parallel size
+    tp_rank: int = 0
+    # verl
+    prompt_width: int = 0
+    response_width: int = 0
+    prompt_lengths: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", LayoutKind(self.kind))
+        if self.packing is not None:
+            object.__setattr__(self, "packing", Packing(self.packing))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object of the `layout` metadata key: the common fields and those of its kind."""
+        doc = asdict(self)
+        drop = _VERL_FIELDS if self.kind is LayoutKind.MEGATRON else _MEGATRON_FIELDS
+        return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in doc.items() if k not in drop}
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> SliceLayout:
+        """Parse the `layout` object; FormatError naming a missing or bad field (unknown fields are ignored)."""
+        if not isinstance(doc, dict):
+            raise FormatError(f"{WHAT}: layout is not a JSON object")
+        try:
+            kind = LayoutKind(str(doc.get("kind")))
+        except ValueError:
+            raise FormatError(f"{WHAT}: layout kind {doc.get('kind')!r} is not one of "
+                              f"{', '.join(k.value for k in LayoutKind)}") from None
+        wanted = _COMMON_FIELDS | (_MEGATRON_FIELDS if kind is LayoutKind.MEGATRON else _VERL_FIELDS)
+        missing = sorted(wanted - doc.keys())
+        if missing:
+            raise FormatError(f"{WHAT}: a {kind.value} layout lacks {', '.join(missing)}")
+        values = {k: doc[k] for k in wanted}
+        for name, value in values.items():
+            if name in _LIST_FIELDS:
+                ok = isinstance(value, list) and all(_is_int(x) for x in value)
+            elif name == "packing":
+                ok = value in {p.value for p in Packing}
+            else:
+                ok = name == "kind" or _is_int(value)
+            if not ok:
+                raise FormatError(f"{WHAT}: layout field {name}={value!r} is not valid")
+        return cls(**values)
+
+
+_COMMON_FIELDS = frozenset({"kind", "tokens", "total_tokens", "seq_length", "sequences", "cu_seqlens",
+                            "cu_seqlens_padded"})
+_MEGATRON_FIELDS = frozenset({"packing", "cp_size", "cp_rank", "tp_size", "tp_rank"})
+_VERL_FIELDS = frozenset({"prompt_width", "response_width", "prompt_lengths"})
+_LIST_FIELDS = frozenset({"cu_seqlens", "cu_seqlens_padded", "prompt_lengths"})
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_list(md: dict[str, str], key: str) -> list[int]:
+    try:
+        value = json.loads(md[key])
+    except KeyError:
+        raise FormatError(f"{WHAT}: schema metadata lacks {key}") from None
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(_is_int(x) for x in value):
+        raise FormatError(f"{WHAT}: schema metadata {key}={md[key][:100]!r} is not a JSON list of ints")
+    return value
+
+
+@dataclass(frozen=True)
+class SliceMeta:
+    """Schema metadata of a trainer slice (trainer_slice.md, "Metadata")."""
+
+    top_k: int
+    num_experts: int
+    moe_ordinals: list[int]  # the run's MoE ordinals held, in row order (a pipeline stage's)
+    moe_layers: list[int]  # their model-layer indices
+    layout: SliceLayout
+    version: FormatVersion = VERSION
+
+    def __post_init__(self) -> None:
+        if len(self.moe_ordinals) != len(self.moe_layers) or not self.moe_ordinals:
+            raise FormatError(f"{WHAT}: {len(self.moe_ordinals)} MoE ordinals for {len(self.moe_layers)} MoE layers; "
+                              "a slice holds at least one")
+
+    @property
+    def num_moe_layers(self) -> int:
+        """MoE layers held by this slice (not the run's count)."""
+        return len(self.moe_ordinals)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The ids' dtype: uint8 up to 256 experts, else uint16."""
+        return expert_dtype(self.num_experts)
+
+    @property
+    def row_width(self) -> int:
+        """Ids per row: num_moe_layers * top_k."""
+        return self.num_moe_layers * self.top_k
+
+    def to_metadata(self) -> dict[str, str]:
+        """The metadata dict written into the schema (always the current version)."""
+        return {
+            "format": FORMAT,
+            "format_version": str(VERSION),
+            "num_moe_layers": str(self.num_moe_layers),
+            "top_k": str(self.top_k),
+            "num_experts": str(self.num_experts),
+            "moe_ordinals": json.dumps(list(self.moe_ordinals)),
+            "moe_layers": json.dumps(list(self.moe_layers)),
+            "layout": json.dumps(self.layout.to_dict()),
+        }
+
+    @classmethod
+    def from_metadata(cls, md: dict[str, str]) -> SliceMeta:
+        """Parse and validate decoded metadata; FormatError naming the missing or bad key."""
+        if md.get("format") != FORMAT:
+            raise FormatError(f"{WHAT}: schema metadata format={md.get('format')!r}, expected {FORMAT!r}")
+        if "format_version" not in md:
+            raise FormatError(f"{WHAT}: schema metadata lacks format_version")
+        version = FormatVersion.parse(md["format_version"], WHAT).check(WHAT, VERSION)
+        num_moe_layers = metadata_int(md, "num_moe_layers", WHAT, 1, 65535)
+        ordinals, layers = _int_list(md, "moe_ordinals"), _int_list(md, "moe_layers")
+        if not len(ordinals) == len(layers) == num_moe_layers:
+            raise FormatError(f"{WHAT}: num_moe_layers={num_moe_layers} but moe_ordinals lists {len(ordinals)} "
+                              f"and moe_layers {len(layers)}")
+        try:
+            layout = json.loads(md["layout"])
+        except KeyError:
+            raise FormatError(f"{WHAT}: schema metadata lacks layout") from None
+        except ValueError:
+            raise FormatError(f"{WHAT}: schema metadata layout is not JSON") from None
+        num_experts = metadata_int(md, "num_experts", WHAT, 1, 65536)
+        return cls(
+            top_k=metadata_int(md, "top_k", WHAT, 1, num_experts),
+            num_experts=num_experts,
+            moe_ordinals=ordinals,
+            moe_layers=layers,
+            layout=SliceLayout.from_dict(layout),
+            version=version,
+        )
+
+
+def slice_schema(meta: SliceMeta) -> pa.Schema:
+    """The record-batch schema of a slice."""
+    return pa.schema(
+        [
+            pa.field("experts", pa.list_(pa.from_numpy_dtype(meta.dtype), meta.row_width), nullable=False),
+            pa.field("valid", pa.uint8(), nullable=False),
+            pa.field("sequence", pa.int32(), nullable=False),
+            pa.field("position", pa.int32(), nullable=False),
+        ],
+        metadata=meta.to_metadata(),
+    )
+
+
+@dataclass
+class TrainerSlice:
+    """One rank's router tokens, in the router's order (arrays view the received body, writable)."""
+
+    meta: SliceMeta
+    experts: np.ndarray  # (m, num_moe_layers, top_k) uint8/uint16
+    valid: np.ndarray  # (m,) uint8: 1 = a clean recorded row; 0 = filler (padding, last token, flagged or missing)
+    sequence: np.ndarray  # (m,) int32: index into the micro-batch's sequences, -1 for padding
+    position: np.ndarray  # (m,) int32: position in its request, -1 for padding
+
+    @property
+    def num_tokens(self) -> int:
+        """Router tokens of this slice."""
+        return len(self.valid)
+
+    @property
+    def layout(self) -> SliceLayout:
+        """The token layout the rows follow."""
+        return self.meta.layout
+
+    @property
+    def moe_ordinals(self) -> list[int]:
+        """The run's MoE ordinals held, in the order of `experts`' second axis."""
+        return self.meta.moe_ordinals
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Their model-layer indices."""
+        return self.meta.moe_layers
+
+    @property
+    def num_experts(self) -> int:
+        """Experts of the run's routers."""
+        return self.meta.num_experts
+
+
+def build_slice(meta: SliceMeta, experts: np.ndarray, valid: np.ndarray, sequence: np.ndarray,
+                position: np.ndarray) -> list[memoryview]:
+    """The slice as one Arrow IPC stream, in parts to write out in order.
+
+    `experts` is `(m, num_moe_layers * top_k)` (or `(m, L, K)`) in the run's dtype, C-contiguous. The
+    large parts are the arrays' own buffers: nothing is copied between the gather and the socket.
+    """
+    m = meta.layout.tokens
+    if experts.dtype != meta.dtype or experts.size != m * meta.row_width or not experts.flags.c_contiguous:
+        raise FormatError(f"{WHAT}: experts {experts.dtype} {experts.shape} are not {m} contiguous rows of "
+                          f"{meta.row_width} {meta.dtype} ids")
+    columns = {"valid": (valid, np.uint8), "sequence": (sequence, np.int32), "position": (position, np.int32)}
+    for name, (array, dtype) in columns.items():
+        if array.shape != (m,) or array.dtype != dtype:
+            raise FormatError(f"{WHAT}: column {name!r} is {array.dtype} {array.shape}, expected {np.dtype(dtype)} "
+                              f"({m},)")
+    schema = slice_schema(meta)
+    batch = pa.RecordBatch.from_arrays(
+        [
+            pa.FixedSizeListArray.from_arrays(pa.array(experts.reshape(-1)), meta.row_width),
+            pa.array(valid),
+            pa.array(sequence),
+            pa.array(position),
+        ],
+        schema=schema,
+    )
+    return [part for parts in ipc_stream_parts(schema, [batch]) for part in parts]
+
+
+def read_slice(backing: bytearray) -> TrainerSlice:
+    """A received slice; its arrays are writable views of `backing` (no copy).
+
+    UndecodableError when the body is not an Arrow IPC stream; FormatError naming what does not
+    follow trainer_slice.md (an unknown major version among them).
+    """
+    try:
+        reader = pa.ipc.open_stream(pa.py_buffer(backing))
+        batches = list(reader)
+    except (pa.ArrowException, OSError) as exc:
+        raise UndecodableError(f"{WHAT} is not a valid Arrow IPC stream: {exc}") from None
+    meta = SliceMeta.from_metadata(decode_metadata(reader.schema.metadata, WHAT))
+    if len(batches) != 1:
+        raise FormatError(f"{WHAT}: the stream holds {len(batches)} record batches, expected 1")
+    batch = batches[0]
+    if batch.num_rows != meta.layout.tokens:
+        raise FormatError(f"{WHAT}: {batch.num_rows} rows but the layout says {meta.layout.tokens} tokens")
+    names = batch.schema.names
+    for name in COLUMNS:
+        if name not in names:
+            raise FormatError(f"{WHAT}: schema lacks column {name!r}; columns are {names}")
+    for name, wanted in (("valid", pa.uint8()), ("sequence", pa.int32()), ("position", pa.int32())):
+        column = batch.column(name)
+        if column.type != wanted or column.null_count:
+            raise FormatError(f"{WHAT}: column {name!r} is {column.type} with {column.null_count} nulls, "
+                              f"expected {wanted} without nulls")
+    experts = batch.column("experts")
+    if not pa.types.is_fixed_size_list(experts.type) or experts.type.list_size != meta.row_width:
+        raise FormatError(f"{WHAT}: column 'experts' is {experts.type}, expected {meta.row_width} ids per row")
+    ids = experts.flatten()
+    if ids.type != pa.from_numpy_dtype(meta.dtype) or ids.null_count:
+        raise FormatError(f"{WHAT}: ids are {ids.type} with {ids.null_count} nulls, but {meta.num_experts} "
+                          f"experts means {meta.dtype}")
+    m = batch.num_rows
+    return TrainerSlice(
+        meta=meta,
+        experts=writable_view(ids, backing).reshape(m, meta.num_moe_layers, meta.top_k),
+        valid=writable_view(batch.column("valid"), backing),
+        sequence=writable_view(batch.column("sequence"), backing),
+        position=writable_view(batch.column("position"), backing),
+    )
+
+
+__all__ = ["FORMAT", "VERSION", "LayoutKind", "Packing", "SliceLayout", "SliceMeta", "TrainerSlice", "build_slice",
+           "read_slice", "slice_schema"]

@@ -1,0 +1,225 @@
+"""Request and response bodies of the JSON endpoints, as pydantic models (they are the `/docs` schemas).
+
+Arrow and .npy answers are specified in replay_format (route.md, trainer_slice.md); the routers
+document them with `responses=` media types. Every 4xx answer is an `ErrorBody`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from replay_format import ARROW_STREAM_MEDIA_TYPE, JSON_MEDIA_TYPE, NPY_MEDIA_TYPE
+from replay_service.store.index import RequestStatus
+
+FlagCounts = dict[str, int]  # flag name -> rows carrying it
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+
+class BadRow(BaseModel):
+    """One flagged or missing row a strict read refused."""
+
+    run_id: str | None = Field(None, description="trainer reads name the run of each row")
+    request_id: str
+    position: int
+    flags: list[str]
+
+
+class ErrorBody(BaseModel):
+    """Every error answer: `detail` names the problem."""
+
+    detail: str
+    bad_rows: list[BadRow] | None = Field(None, description="strict reads (409): the first flagged or missing rows")
+    errors: list[dict] | None = Field(None, description="request validation (422): pydantic's list of problems")
+
+
+# Every JSON route declares these; a route adds its own codes (409, 413, 415) where it can answer them.
+Responses = dict[int | str, dict[str, Any]]  # FastAPI's `responses=`
+
+ERRORS: Responses = {
+    400: {"model": ErrorBody, "description": "the body is not the container it claims (not Arrow, not .npy)"},
+    404: {"model": ErrorBody, "description": "no such run, request or comparison"},
+    422: {"model": ErrorBody, "description": "a parameter or body breaks a rule; `detail` names it"},
+}
+CONFLICT: Responses = {
+    409: {"model": ErrorBody, "description": "contradicts what is stored, or a strict read met flagged rows"},
+}
+BODY_LIMITS: Responses = {
+    413: {"model": ErrorBody, "description": "body over REPLAY_MAX_BODY_BYTES"},
+    415: {"model": ErrorBody, "description": "body in a media type the endpoint does not take"},
+}
+
+
+def binary_answer(*media_types: str, description: str) -> dict[str, Any]:
+    """The `responses=` entry of an answer in these media types (Arrow, .npy: their specs give the layout)."""
+    return {"description": description, "content": {m: {} for m in media_types}}
+
+
+ARROW_ANSWER = (ARROW_STREAM_MEDIA_TYPE,)
+ROUTE_MEDIA_TYPES = (ARROW_STREAM_MEDIA_TYPE, NPY_MEDIA_TYPE, JSON_MEDIA_TYPE)
+
+
+# ---- runs ---------------------------------------------------------------------------------------
+
+
+class RunSummary(BaseModel):
+    """One run: its shape, counts of requests and rows, rows per flag."""
+
+    run_id: str
+    num_moe_layers: int = Field(description="MoE layers per row")
+    top_k: int
+    num_experts: int
+    moe_layers: list[int] = Field(description="model-layer index of each MoE layer, in row order")
+    dtype: str = Field(description="id dtype on the wire and on disk: uint8 or uint16")
+    source: str | None = Field(None, description="who wrote the run's first batch (rows.md `source`)")
+    created_at: float = Field(description="Unix time of the first batch")
+    requests: int
+    requests_ended: int = Field(description="requests finished or aborted")
+    rows: int = Field(description="rows stored")
+    bytes: int = Field(description="bytes of segment files")
+    flagged: FlagCounts = Field(description="rows per flag (GAP: rows expected but never received)")
+
+
+class RunList(BaseModel):
+    """Every run."""
+
+    runs: list[RunSummary]
+
+
+class ExpertLoad(BaseModel):
+    """Tokens routed to each expert, per MoE layer, over the run's clean rows."""
+
+    run_id: str
+    num_moe_layers: int
+    num_experts: int
+    top_k: int
+    moe_layers: list[int]
+    rows: int = Field(description="clean rows counted")
+    counts: list[list[int]] = Field(description="[MoE ordinal][expert] tokens")
+    imbalance: list[float] = Field(description="per MoE layer: max / mean tokens per expert")
+
+
+# ---- requests -----------------------------------------------------------------------------------
+
+
+class RequestSummary(BaseModel):
+    """One request: status, rows, rows per flag."""
+
+    request_id: str
+    status: RequestStatus = Field(description="open, finished or aborted")
+    num_tokens: int | None = Field(description="T, when finished or aborted (then T - 1 rows are expected)")
+    rows: int = Field(description="rows stored")
+    expected_rows: int = Field(description="T - 1 when ended, else the last position received + 1")
+    first_flagged_position: int | None
+    flagged: FlagCounts
+    clean: bool = Field(description="no row flagged (PADDING aside) and none missing")
+
+
+class RequestPage(BaseModel):
+    """One page of a run's requests, by request id."""
+
+    items: list[RequestSummary]
+    next_cursor: str | None = Field(description="pass as `cursor` for the next page; null on the last")
+
+
+class RouteQuery(BaseModel):
+    """Many routes of one run at once (`POST /v1/runs/{run}/routes/batch`)."""
+
+    requests: list[str] = Field(min_length=1, description="request ids, answered in this order")
+    start: int = Field(0, ge=0)
+    end: int | None = Field(None, ge=0, description="exclusive; default: each request to its own end")
+    strict: bool = False
+
+
+class RouteJsonRow(BaseModel):
+    """One row of a route, for people."""
+
+    position: int
+    token_id: int | None = Field(description="null when unknown")
+    experts: list[list[int]] = Field(description="[MoE ordinal][k] expert ids")
+    flags: list[str]
+
+
+class RouteJson(BaseModel):
+    """A route as JSON (`format=json`), for people and small ranges; programs read the Arrow answer (route.md)."""
+
+    run_id: str
+    request_id: str
+    start: int
+    end: int
+    num_moe_layers: int
+    top_k: int
+    num_experts: int
+    moe_layers: list[int]
+    flagged: FlagCounts = Field(description="rows per flag in this range")
+    rows: list[RouteJsonRow]
+
+
+# ---- comparisons --------------------------------------------------------------------------------
+
+
+class LayerAgreement(BaseModel):
+    """Agreement at one MoE layer."""
+
+    layer: int = Field(description="MoE ordinal")
+    model_layer: int = Field(description="its model-layer index")
+    router_mismatch: float
+    jaccard: float
+
+
+class WorstToken(BaseModel):
+    """A token whose top-k sets differ at the most layers."""
+
+    request_id: str
+    position: int
+    layers_differing: int
+    jaccard: float = Field(description="mean over the token's MoE layers")
+
+
+class CompareResult(BaseModel):
+    """A stored comparison of a trainer's routing with the recorded one (R3's metrics)."""
+
+    compare_id: str
+    run_id: str
+    label: str | None
+    created_at: float
+    requests: int = Field(description="requests in the trainer's body")
+    tokens: int = Field(description="tokens compared (with a clean recorded row)")
+    router_mismatch: float = Field(description="fraction of (token, MoE layer) whose top-k sets differ")
+    token_mismatch: float = Field(description="fraction of tokens with any MoE layer differing")
+    jaccard: float = Field(description="mean |A & B| / |A | B| over (token, MoE layer)")
+    missing_rows: int = Field(description="trainer rows without a clean recorded row: left out")
+    per_layer: list[LayerAgreement]
+    worst_layers: list[int] = Field(description="MoE ordinals, worst first")
+    worst_tokens: list[WorstToken]
+
+
+class CompareList(BaseModel):
+    """A run's stored comparisons, newest first."""
+
+    compares: list[CompareResult]
+
+
+class CompareRequestDetail(BaseModel):
+    """Per position and MoE layer: 1 where the trainer's top-k set differs from the recorded one."""
+
+    request_id: str
+    start: int
+    end: int
+    num_moe_layers: int
+    positions: list[int] = Field(description="positions compared in [start, end)")
+    mismatch: list[list[int]] = Field(description="[row][MoE ordinal] 0 or 1")
+
+
+# ---- operations ---------------------------------------------------------------------------------
+
+
+class Health(BaseModel):
+    """Liveness and where the store is."""
+
+    status: str
+    runs: int
+    data_dir: str

@@ -1,0 +1,42 @@
+"""The ingest pipeline: one batch through decode -> check -> segment -> commit.
+
+    body --decode.py--> Rows --check.py--> CheckedRows --segment.py--> Segment --commit.py--> IngestResult
+
+Decoding happens before this (the API decodes the body it was sent; `decode.py`); `IngestPipeline.ingest`
+runs the rest in order. A retry of a stored batch is answered after the check stage (its digest is
+known then) and goes no further.
+"""
+
+from __future__ import annotations
+
+from replay_format.rows import Rows
+from replay_service.ingest.check import check, check_stale, content_check_applies
+from replay_service.ingest.commit import Committer, IngestResult
+from replay_service.ingest.kernels import RecentRows, warm_up
+from replay_service.ingest.segment import SegmentWriter
+from replay_service.store.runs import RunRegistry
+
+
+class IngestPipeline:
+    """The stages, wired to one store's run registry, segment writer, STALE table and committer."""
+
+    def __init__(self, runs: RunRegistry, segments: SegmentWriter, committer: Committer, recent: RecentRows,
+                 stale_min_entropy_bits: float) -> None:
+        self.runs = runs
+        self.segments = segments
+        self.committer = committer
+        self.recent = recent
+        self.stale_min_entropy_bits = stale_min_entropy_bits
+        warm_up()  # compile the row checks now, not in the first client's ingest
+
+    def ingest(self, rows: Rows) -> IngestResult:
+        """Store one decoded batch; idempotent on (run_id, writer_id, seq)."""
+        run = self.runs.for_batch(rows.meta)  # a new run is created with this batch's shape
+        checked = check(rows, run.shape)
+        duplicate = self.committer.find_duplicate(checked)
+        if duplicate is not None:
+            return duplicate
+        if content_check_applies(run.shape, self.stale_min_entropy_bits):
+            check_stale(checked, self.recent)
+        segment = self.segments.write(checked)
+        return self.committer.commit(segment, run)

@@ -1,0 +1,57 @@
+"""Index rows as the plain records the API answers with (`api/models.py`: RunSummary, RequestSummary).
+
+Fields and their meaning are the API's; the models there document them.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+from replay_format import Flag, RunShape
+from replay_service.store.index import COUNTED_FLAGS, count_column
+
+
+def expected_rows(request: sqlite3.Row) -> int:
+    """A finished request of T tokens has T-1 rows; an open one, up to the last position seen."""
+    if request["final_tokens"] is not None:
+        return max(request["final_tokens"] - 1, 0)
+    return request["pos_max"] + 1
+
+
+def request_summary(request: sqlite3.Row) -> dict:
+    """One `requests` row as a RequestSummary record."""
+    expected = expected_rows(request)
+    flagged = {str(f.name): request[count_column(f)] for f in COUNTED_FLAGS}
+    flagged[str(Flag.GAP.name)] = max(expected - request["rows"], 0)
+    return {
+        "request_id": request["request_id"],
+        "status": request["status"],
+        "num_tokens": request["final_tokens"],
+        "rows": request["rows"],
+        "expected_rows": expected,
+        "first_flagged_position": request["first_flagged"],
+        "flagged": flagged,
+        "clean": not any(v for k, v in flagged.items() if k != Flag.PADDING.name),
+    }
+
+
+def run_summary(run: sqlite3.Row, totals: sqlite3.Row) -> dict:
+    """A `runs` row and the sums over its requests (`Index.run_aggregate`) as a RunSummary record."""
+    flagged = {str(f.name): totals[count_column(f)] for f in COUNTED_FLAGS}
+    flagged[str(Flag.GAP.name)] = totals["gap"]
+    return {
+        "run_id": run["run_id"],
+        "num_moe_layers": run["num_moe_layers"],
+        "top_k": run["top_k"],
+        "num_experts": run["num_experts"],
+        "moe_layers": list(json.loads(run["moe_layers"])),
+        "dtype": str(RunShape(run["num_moe_layers"], run["top_k"], run["num_experts"]).dtype),
+        "source": run["source"],
+        "created_at": run["created_at"],
+        "requests": totals["requests"],
+        "requests_ended": totals["ended"],
+        "rows": totals["rows"],
+        "bytes": run["bytes"],
+        "flagged": flagged,
+    }

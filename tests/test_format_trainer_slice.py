@@ -1,0 +1,107 @@
+"""The trainer-slice format (replay_format/trainer_slice.md): builder and reader agree, versions are checked."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from replay_format import FormatError, UndecodableError
+from replay_format.trainer_slice import (
+    LayoutKind,
+    Packing,
+    SliceLayout,
+    SliceMeta,
+    build_slice,
+    read_slice,
+)
+from tests.support.formats import with_metadata
+
+M = 6
+THD = SliceLayout(LayoutKind.MEGATRON, tokens=M, total_tokens=12, seq_length=12, sequences=2, cu_seqlens=[0, 5, 11],
+                  cu_seqlens_padded=[0, 6, 12], packing=Packing.THD, cp_size=2, cp_rank=1)
+VERL = SliceLayout(LayoutKind.VERL, tokens=M, total_tokens=M, seq_length=3, sequences=2, prompt_width=2,
+                   response_width=1, prompt_lengths=[1, 2])
+
+
+def _arrays(meta: SliceMeta, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    experts = rng.integers(0, meta.num_experts, (M, meta.row_width)).astype(meta.dtype)
+    valid = np.array([1, 1, 0, 1, 0, 0], np.uint8)
+    sequence = np.array([0, 0, 0, 1, 1, -1], np.int32)
+    position = np.array([3, 4, 5, 0, 1, -1], np.int32)
+    return experts, valid, sequence, position
+
+
+def _body(meta: SliceMeta, arrays) -> bytearray:
+    return bytearray(b"".join(bytes(p) for p in build_slice(meta, *arrays)))
+
+
+@pytest.mark.parametrize("layout,num_experts", [(THD, 128), (VERL, 300)])
+def test_round_trip_keeps_every_field_and_views_the_body(layout, num_experts):
+    meta = SliceMeta(top_k=2, num_experts=num_experts, moe_ordinals=[1, 2], moe_layers=[5, 7], layout=layout)
+    arrays = _arrays(meta)
+    body = _body(meta, arrays)
+    got = read_slice(body)
+    assert got.meta == meta and got.layout == layout and got.meta.num_moe_layers == 2
+    assert got.moe_ordinals == [1, 2] and got.moe_layers == [5, 7] and got.num_experts == num_experts
+    assert got.experts.shape == (M, 2, 2) and got.experts.dtype == meta.dtype
+    assert got.experts.tobytes() == arrays[0].tobytes()
+    for have, want in zip((got.valid, got.sequence, got.position), arrays[1:]):
+        assert have.dtype == want.dtype and np.array_equal(have, want)
+    # every array is a writable view of the received body: no copy on the trainer either
+    base = np.frombuffer(body, np.uint8).ctypes.data
+    for array in (got.experts, got.valid, got.sequence, got.position):
+        assert array.flags.writeable and base <= array.ctypes.data < base + len(body)
+
+
+def test_the_builder_hands_the_arrays_own_buffers_to_the_writer():
+    meta = SliceMeta(top_k=8, num_experts=128, moe_ordinals=list(range(48)), moe_layers=list(range(48)), layout=THD)
+    experts, *rest = _arrays(meta)
+    parts = build_slice(meta, experts, *rest)
+    assert any(np.shares_memory(np.frombuffer(p, np.uint8), experts) for p in parts)
+
+
+def test_metadata_keys_and_packing_spelled_as_in_the_spec():
+    meta = SliceMeta(top_k=2, num_experts=8, moe_ordinals=[0, 3], moe_layers=[3, 9], layout=THD)
+    md = meta.to_metadata()
+    assert md["format"] == "routing-replay.trainer-slice" and md["format_version"] == "1.0"
+    assert md["num_moe_layers"] == "2" and json.loads(md["moe_ordinals"]) == [0, 3]
+    assert json.loads(md["moe_layers"]) == [3, 9]
+    layout = json.loads(md["layout"])
+    assert layout["kind"] == "megatron" and layout["packing"] == "thd" and "prompt_width" not in layout
+    verl = SliceMeta(top_k=2, num_experts=8, moe_ordinals=[0], moe_layers=[0], layout=VERL).to_metadata()
+    assert "packing" not in json.loads(verl["layout"]) and json.loads(verl["layout"])["prompt_lengths"] == [1, 2]
+    assert Packing("bshd") is Packing.BSHD and json.dumps(Packing.THD) == '"thd"'
+
+
+@pytest.mark.parametrize("patch,words", [
+    ({"format_version": "2.0"}, "newer than this reader"),
+    ({"format_version": None}, "lacks format_version"),
+    ({"format": "routing-replay.route"}, "expected 'routing-replay.trainer-slice'"),
+    ({"num_moe_layers": "3"}, "moe_ordinals lists 2"),
+    ({"moe_ordinals": "[1, x]"}, "moe_ordinals"),
+    ({"layout": json.dumps({"kind": "megatron", "tokens": M})}, "lacks"),
+    ({"layout": json.dumps({**THD.to_dict(), "packing": "sbhd"})}, "packing"),
+    ({"layout": json.dumps({**THD.to_dict(), "tokens": M + 1})}, "layout says 7 tokens"),
+    ({"layout": json.dumps({**THD.to_dict(), "kind": "deepspeed"})}, "kind 'deepspeed'"),
+])
+def test_reader_names_what_breaks_the_spec(patch, words):
+    meta = SliceMeta(top_k=2, num_experts=8, moe_ordinals=[1, 2], moe_layers=[5, 7], layout=THD)
+    body = with_metadata(_body(meta, _arrays(meta)), patch)
+    with pytest.raises(FormatError, match=words.replace("[", r"\[")):
+        read_slice(body)
+    assert read_slice(with_metadata(_body(meta, _arrays(meta)), {"format_version": "1.7"})).meta.version.minor == 7
+
+
+def test_reader_refuses_a_body_that_is_not_arrow_and_ids_of_the_wrong_width():
+    with pytest.raises(UndecodableError):
+        read_slice(bytearray(b"not arrow at all"))
+    meta = SliceMeta(top_k=2, num_experts=8, moe_ordinals=[1, 2], moe_layers=[5, 7], layout=THD)
+    body = with_metadata(_body(meta, _arrays(meta)), {"num_experts": "300"})  # uint16 expected, uint8 sent
+    with pytest.raises(FormatError, match="300 experts means uint16"):
+        read_slice(body)
+    with pytest.raises(FormatError, match="contiguous rows"):
+        build_slice(meta, *_arrays(SliceMeta(top_k=2, num_experts=300, moe_ordinals=[1, 2], moe_layers=[5, 7],
+                                             layout=THD)))
