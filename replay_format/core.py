@@ -85,6 +85,13 @@ class Source(enum.StrEnum):
     SYNTHETIC = "synthetic"
 
 
+class LayerAxis(enum.StrEnum):
+    """Which layers a read's rows hold: the stored MoE layers, or every model layer (dense ones zero, like vLLM)."""
+
+    MOE = "moe"
+    MODEL = "model"
+
+
 def valid_id(value: str) -> bool:
     """True when `value` follows ID_RULE."""
     return isinstance(value, str) and bool(ID_PATTERN.match(value)) and ".." not in value
@@ -106,12 +113,18 @@ def expert_dtype(num_experts: int) -> np.dtype:
 
 @dataclass(frozen=True)
 class RunShape:
-    """What a run's rows look like: `num_moe_layers` x top-k ids of `num_experts`, and which model layers those are."""
+    """What a run's rows look like: `num_moe_layers` x top-k ids of `num_experts`, and which model layers those are.
+
+    `num_hidden_layers` is the model's layer count (dense layers included): what a read on the
+    model-layer axis returns, as vLLM's and SGLang's `routed_experts` do. 0 means unknown, taken
+    as `max(moe_layers) + 1`.
+    """
 
     num_moe_layers: int
     top_k: int
     num_experts: int
     moe_layers: tuple[int, ...] = ()
+    num_hidden_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.num_moe_layers < 1 or self.top_k < 1:
@@ -125,6 +138,10 @@ class RunShape:
             raise FormatError(f"moe_layers lists {len(layers)} layers but num_moe_layers is {self.num_moe_layers}")
         if min(layers) < 0 or any(b <= a for a, b in zip(layers, layers[1:])):
             raise FormatError(f"moe_layers {list(layers)} must be increasing model-layer indices >= 0")
+        hidden = self.num_hidden_layers or layers[-1] + 1
+        if hidden <= layers[-1]:
+            raise FormatError(f"moe_layers {list(layers)} do not fit num_hidden_layers={hidden}")
+        object.__setattr__(self, "num_hidden_layers", hidden)
 
     @property
     def dtype(self) -> np.dtype:
@@ -137,6 +154,13 @@ class RunShape:
     @property
     def row_width(self) -> int:
         return self.num_moe_layers * self.top_k
+
+    def to_model_axis(self, experts: np.ndarray) -> np.ndarray:
+        """`(n, num_moe_layers, K)` ids as `(n, num_hidden_layers, K)`, dense layers all zero (vLLM's layout)."""
+        n = experts.shape[0]
+        out = np.zeros((n, self.num_hidden_layers, self.top_k), experts.dtype)
+        out[:, list(self.moe_layers)] = experts.reshape(n, self.num_moe_layers, self.top_k)
+        return out
 
 
 @dataclass(frozen=True, order=True)

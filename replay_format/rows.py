@@ -31,7 +31,7 @@ from replay_format.core import (
 )
 
 FORMAT = "routing-replay.rows"
-VERSION = FormatVersion(2, 0)
+VERSION = FormatVersion(2, 1)  # 2.1 added the optional num_hidden_layers
 LEGACY_VERSION = FormatVersion(1, 0)  # no format_version key; `num_layers` where 2.0 says `num_moe_layers`
 COLUMNS = ("request_id", "position", "token_id", "experts", "flags")
 POSITION_MAX = 2**31 - 2
@@ -58,6 +58,7 @@ def shape_metadata(shape: RunShape) -> dict[str, str]:
         "top_k": str(shape.top_k),
         "num_experts": str(shape.num_experts),
         "moe_layers": json.dumps(list(shape.moe_layers)),
+        "num_hidden_layers": str(shape.num_hidden_layers),
     }
 
 
@@ -77,8 +78,9 @@ def shape_from_metadata(md: dict[str, str], what: str, version: FormatVersion = 
         except (ValueError, RecursionError):
             text = md["moe_layers"][:100]
             raise FormatError(f"{what}: schema metadata moe_layers={text!r} is not a JSON list of ints") from None
+    hidden = metadata_int(md, "num_hidden_layers", what, 1, 65535) if "num_hidden_layers" in md else 0
     try:
-        return RunShape(num_moe_layers, top_k, num_experts, moe_layers)
+        return RunShape(num_moe_layers, top_k, num_experts, moe_layers, hidden)
     except FormatError as exc:
         raise FormatError(f"{what}: {exc}") from None
 
@@ -126,7 +128,7 @@ class RowsMeta:
                 f"{what}: schema metadata source={md['source']!r} is not one of {', '.join(s.value for s in Source)}"
             ) from None
         known = {"format", "format_version", "run_id", "writer_id", "seq", "num_layers", "num_moe_layers", "top_k",
-                 "num_experts", "moe_layers", "source"}
+                 "num_experts", "moe_layers", "num_hidden_layers", "source"}
         return cls(
             run_id=check_id("run_id", md["run_id"]),
             writer_id=check_id("writer_id", md["writer_id"]),

@@ -68,6 +68,6 @@ def test_an_answer_from_an_older_service_is_still_read():
     """Before route.md: no format keys, `num_layers`, the batch read without moe_layers."""
     body = _body(RouteMeta("run-1", SHAPE), [_route("a", 0, 2, np.array([1, 2]))])
     old = with_metadata(body, {"format": None, "format_version": None, "num_moe_layers": None, "num_layers": "3",
-                                "moe_layers": None, "requests": None, "start": None})
+                                "moe_layers": None, "num_hidden_layers": None, "requests": None, "start": None})
     meta, got = read_routes(old)
     assert meta.shape == RunShape(3, 2, 300) and got[0].experts.shape == (2, 3, 2)
