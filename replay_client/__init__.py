@@ -4,12 +4,23 @@
     client = ReplayClient("http://127.0.0.1:8470")
     route = client.get_route("run-1", "req-7", strict=True)       # Route: views of the received body
     batch = client.megatron_batch([("run-1", "req-7")], cp_size=2, cp_rank=r)   # TrainerBatch
+    plan = plan_for_model(model, moe_layers)   # megatron-core: this rank's routers (router_replay.py)
 
 `replay_service.client` re-exports the same names (the design names it).
 """
 
 from replay_client.client import NotFoundError, ReplayClient, ReplayError, Route, StrictReadError, routes_from_stream
+from replay_client.router_replay import (
+    ReplayPlan,
+    RouterReplayError,
+    check_config,
+    check_model,
+    install_router_fallback,
+    plan_for_model,
+    plan_for_rank,
+)
 from replay_client.trainer import TrainerBatch
 
-__all__ = ["NotFoundError", "ReplayClient", "ReplayError", "Route", "StrictReadError", "TrainerBatch",
-           "routes_from_stream"]
+__all__ = ["NotFoundError", "ReplayClient", "ReplayError", "ReplayPlan", "Route", "RouterReplayError",
+           "StrictReadError", "TrainerBatch", "check_config", "check_model", "install_router_fallback",
+           "plan_for_model", "plan_for_rank", "routes_from_stream"]

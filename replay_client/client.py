@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from replay_client.trainer import TrainerBatch, compare_body, megatron_query, verl_query
 from replay_client.transport import NotFoundError, ReplayError, StrictReadError, Transport
-from replay_format import ARROW_STREAM_MEDIA_TYPE, NPY_MEDIA_TYPE, Flag, RunShape, flag_names
+from replay_format import ARROW_STREAM_MEDIA_TYPE, NPY_MEDIA_TYPE, Flag, LayerAxis, RunShape, flag_names
 from replay_format.route import read_routes
 
 __all__ = ["NotFoundError", "ReplayClient", "ReplayError", "Route", "StrictReadError", "routes_from_stream"]
@@ -27,16 +27,33 @@ __all__ = ["NotFoundError", "ReplayClient", "ReplayError", "Route", "StrictReadE
 
 @dataclass
 class Route:
-    """One request's rows `[start, start + n)`, dense by position (a missing one is a GAP row)."""
+    """One request's rows `[start, start + n)`, dense by position (a missing one is a GAP row).
+
+    `experts` holds the layers of `layer_axis`: the run's MoE layers (`moe`), or every model layer
+    with dense ones zero (`model`: vLLM's `routed_experts` layout); `layers` names each.
+    """
 
     run_id: str
     request_id: str
     positions: np.ndarray  # int32 (n,)
-    experts: np.ndarray  # (n, L, K) uint8/uint16
+    experts: np.ndarray  # (n, len(layers), K) uint8/uint16
     flags: np.ndarray  # uint16 (n,)
     token_ids: np.ndarray  # int32 (n,), replay_format.NO_TOKEN (-1) where unknown
     num_experts: int
-    moe_layers: tuple[int, ...]  # model-layer index of each of the L MoE layers
+    moe_layers: tuple[int, ...]  # model-layer index of each of the run's MoE layers
+    layer_axis: LayerAxis = LayerAxis.MOE
+    num_hidden_layers: int = 0  # the model's layer count (0: not said; max(moe_layers) + 1)
+
+    def __post_init__(self) -> None:
+        self.layer_axis = LayerAxis(self.layer_axis)
+        self.num_hidden_layers = self.num_hidden_layers or (self.moe_layers[-1] + 1 if self.moe_layers else 0)
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The model-layer index of each layer of `experts`, in order."""
+        if self.layer_axis == LayerAxis.MODEL:
+            return tuple(range(self.num_hidden_layers))
+        return self.moe_layers
 
     @property
     def clean(self) -> bool:
@@ -58,7 +75,7 @@ def routes_from_stream(backing: bytearray) -> list[Route]:
     """A route answer (route.md) as `Route`s whose arrays view `backing`."""
     meta, routes = read_routes(backing)
     return [Route(meta.run_id, r.request_id, r.positions, r.experts, r.flags, r.token_ids, meta.shape.num_experts,
-                  meta.shape.moe_layers) for r in routes]
+                  meta.shape.moe_layers, meta.layer_axis, meta.shape.num_hidden_layers) for r in routes]
 
 
 class ReplayClient:
@@ -111,15 +128,25 @@ class ReplayClient:
         num_experts: int | None = None,
         moe_layers: Sequence[int] | None = None,
         finish: bool = True,
+        start: int = 0,
+        num_hidden_layers: int | None = None,
     ) -> dict:
-        """A whole route `(T-1, model layers or MoE layers, K)` (e.g. vLLM's `routed_experts`), sent as .npy."""
+        """A route `(rows, model layers or MoE layers, K)` (e.g. vLLM's `routed_experts`), sent as .npy.
+
+        `start`: the first row's position (vLLM's `routed_experts_prompt_start`: a later turn's rows);
+        they land at `start .. start+rows-1`, and `finish` ends (or extends) the request at
+        `start + rows + 1` tokens. `moe_layers` (model-layer indices) says which layers are MoE
+        layers; a new run whose array has an all-zero layer needs it (the service never guesses).
+        """
         buf = io.BytesIO()
         np.save(buf, np.ascontiguousarray(route), allow_pickle=False)
-        params: dict[str, Any] = {"finish": str(finish).lower()}
+        params: dict[str, Any] = {"finish": str(finish).lower(), "start": int(start)}
         if num_experts is not None:
             params["num_experts"] = num_experts
         if moe_layers is not None:
             params["moe_layers"] = ",".join(str(int(x)) for x in moe_layers)
+        if num_hidden_layers is not None:
+            params["num_hidden_layers"] = int(num_hidden_layers)
         return self._json(
             "POST",
             f"/v1/runs/{run_id}/requests/{request_id}/routes",
@@ -140,8 +167,15 @@ class ReplayClient:
         num_experts: int | None = None,
         token_ids: Sequence[int] | None = None,
         moe_layers: Sequence[int] | None = None,
+        start: int | None = None,
+        num_hidden_layers: int | None = None,
+        finish: bool = True,
     ) -> dict:
-        """SGLang's `meta_info["routed_experts"]` (base64 of int32 ids; `num_layers` as SGLang counts them)."""
+        """SGLang's `meta_info["routed_experts"]` (base64 of int32 ids; `num_layers` as SGLang counts them).
+
+        `start` is the request's `routed_experts_start_len` (sent under SGLang's name); `token_ids`
+        are the tokens from `start` (rows or rows + 1 of them) or the whole sequence.
+        """
         if not isinstance(routed_experts, str):
             routed_experts = base64.b64encode(np.ascontiguousarray(routed_experts, np.int32).tobytes()).decode()
         doc: dict[str, Any] = {"routed_experts": routed_experts, "num_layers": num_layers, "top_k": top_k}
@@ -151,7 +185,12 @@ class ReplayClient:
             doc["token_ids"] = [int(t) for t in token_ids]
         if moe_layers is not None:
             doc["moe_layers"] = [int(x) for x in moe_layers]
-        return self._json("POST", f"/v1/runs/{run_id}/requests/{request_id}/routes", json=doc)
+        if start is not None:
+            doc["routed_experts_start_len"] = int(start)
+        if num_hidden_layers is not None:
+            doc["num_hidden_layers"] = int(num_hidden_layers)
+        return self._json("POST", f"/v1/runs/{run_id}/requests/{request_id}/routes", json=doc,
+                          params={"finish": str(finish).lower()})
 
     # ---- readers ----------------------------------------------------------
 
@@ -187,10 +226,15 @@ class ReplayClient:
         return self._json("GET", f"/v1/runs/{run_id}/expert-load")
 
     def get_route(
-        self, run_id: str, request_id: str, start: int = 0, end: int | None = None, strict: bool = False
+        self, run_id: str, request_id: str, start: int = 0, end: int | None = None, strict: bool = False,
+        layer_axis: LayerAxis | str = LayerAxis.MOE,
     ) -> Route:
-        """One request's rows `[start, end)` (default: all); `strict` raises StrictReadError on a flagged row."""
-        params: dict[str, Any] = {"start": start, "strict": str(strict).lower()}
+        """One request's rows `[start, end)` (default: all); `strict` raises StrictReadError on a flagged row.
+
+        `layer_axis="model"`: every model layer, dense ones zero, as vLLM's `routed_experts`.
+        """
+        params: dict[str, Any] = {"start": start, "strict": str(strict).lower(),
+                                  "layer_axis": LayerAxis(layer_axis).value}
         if end is not None:
             params["end"] = end
         body = self._fetch_stream(
@@ -200,17 +244,20 @@ class ReplayClient:
         return routes_from_stream(body)[0]
 
     def get_routes(
-        self, run_id: str, request_ids: Sequence[str], start: int = 0, end: int | None = None, strict: bool = False
+        self, run_id: str, request_ids: Sequence[str], start: int = 0, end: int | None = None, strict: bool = False,
+        layer_axis: LayerAxis | str = LayerAxis.MOE,
     ) -> list[Route]:
-        """Many routes in one round trip, in the order asked."""
-        doc = {"requests": list(request_ids), "start": start, "end": end, "strict": strict}
+        """Many routes in one round trip, in the order asked, on one layer axis."""
+        doc = {"requests": list(request_ids), "start": start, "end": end, "strict": strict,
+               "layer_axis": LayerAxis(layer_axis).value}
         body = self._fetch_stream("POST", f"/v1/runs/{run_id}/routes/batch", json=doc)
         return routes_from_stream(body)
 
     def get_route_npy(self, run_id: str, request_id: str, start: int = 0, end: int | None = None,
-                      strict: bool = False) -> np.ndarray:
-        """One request's ids `(n, L, K)` as the service's .npy answer."""
-        params: dict[str, Any] = {"start": start, "strict": str(strict).lower(), "format": "npy"}
+                      strict: bool = False, layer_axis: LayerAxis | str = LayerAxis.MOE) -> np.ndarray:
+        """One request's ids `(n, layers, K)` as the service's .npy answer (`layer_axis` as in `get_route`)."""
+        params: dict[str, Any] = {"start": start, "strict": str(strict).lower(), "format": "npy",
+                                  "layer_axis": LayerAxis(layer_axis).value}
         if end is not None:
             params["end"] = end
         body = self._fetch_stream("GET", f"/v1/runs/{run_id}/requests/{request_id}/routes", params=params)
@@ -239,7 +286,8 @@ class ReplayClient:
     def compare(self, run_id: str, request_ids, positions, experts, label: str | None = None) -> dict:
         """Post the trainer's own top-k (n, L, K) per (request, position); the stored comparison comes back."""
         info = self.run(run_id)
-        shape = RunShape(info["num_moe_layers"], info["top_k"], info["num_experts"], tuple(info["moe_layers"]))
+        shape = RunShape(info["num_moe_layers"], info["top_k"], info["num_experts"], tuple(info["moe_layers"]),
+                         info.get("num_hidden_layers", 0))
         body = compare_body(run_id, shape, request_ids, positions, experts)
         params = {"label": label} if label is not None else None
         return self._json("POST", f"/v1/runs/{run_id}/compare", content=body, params=params,

@@ -6,14 +6,19 @@
                                   cp_size=2, cp_rank=cp_rank, tp_size=tp, tp_rank=tp_rank)
     RouterReplay.set_replay_data(batch.replay_data())     # one [tokens, top_k] int64 tensor per MoE layer
     loss_mask = batch.valid_tensor()                      # False: padding, last token, flagged rows
-    verl = client.verl_batch([...], prompt_lengths=[...], prompt_width=P, response_width=R)
-    routes, mask = verl.dense(), verl.mask()              # [batch, seq, L, K] and [batch, seq]
+    slime = client.megatron_batch(seqs, convention="slime", cp_size=2, cp_rank=c, tp_size=2, tp_rank=t,
+                                  layer_axis="model")     # slime/miles index [:, layer_id] by model layer
+    verl = client.verl_batch([...], prompt_lengths=[...], prompt_width=P, response_width=R, layer_axis="model")
+    routes, mask = verl.dense(), verl.mask()              # [batch, seq, layers, K] and [batch, seq]
 
 `megatron_query` / `verl_query` write the JSON requests, the answer is a trainer slice
 (replay_format/trainer_slice.md) read by `read_slice`, and `TrainerBatch` adds the torch views;
 `compare_body` writes what `RouterReplay` chose in RECORD mode for `POST .../compare` (compare.md).
-Every token without a clean recorded row (padding, the last token of a sequence, a flagged or
-missing row) carries router-valid filler ids (distinct, never all zero) and `valid == 0`.
+Padding and the last token of a sequence carry router-valid filler ids (distinct, never all
+zero) and `valid == 0`. A real token whose row is flagged or missing follows `missing`:
+`strict` (the default) raises a 409, `router` hands the router -1 ids (`replay_data()`) so it
+picks that token's experts itself (a RouterReplay that routes -1 rows: NeMo-RL's convention),
+`filler` replays filler ids.
 """
 
 from __future__ import annotations
@@ -24,9 +29,19 @@ from typing import Any
 
 import numpy as np
 
-from replay_format import RunShape
+from replay_format import LayerAxis, RunShape
 from replay_format.compare import build_compare_body
-from replay_format.trainer_slice import Packing, TrainerSlice, read_slice
+from replay_format.trainer_slice import (
+    Convention,
+    CpSplit,
+    MissingPolicy,
+    Packing,
+    TotalPad,
+    TrainerSlice,
+    read_slice,
+)
+
+MISSING_ROUTE = -1  # the id `replay_data` gives a fallback token on every k (NeMo-RL's missing-route sentinel)
 
 
 @dataclass
@@ -36,7 +51,7 @@ class TrainerBatch(TrainerSlice):
     @classmethod
     def from_slice(cls, piece: TrainerSlice) -> TrainerBatch:
         """The batch over a read slice's arrays (no copy)."""
-        return cls(piece.meta, piece.experts, piece.valid, piece.sequence, piece.position)
+        return cls(piece.meta, piece.experts, piece.valid, piece.sequence, piece.position, piece.fallback)
 
     @classmethod
     def read(cls, backing: bytearray) -> TrainerBatch:
@@ -46,18 +61,35 @@ class TrainerBatch(TrainerSlice):
     def replay_data(self, device=None) -> list:
         """The list `RouterReplay.set_replay_data` takes: one contiguous int64 `[tokens, top_k]` per MoE layer.
 
+        One tensor per MoE layer held, in order, on either layer axis (dense layers have no router).
+        A `fallback` token (missing=router) is all -1: NeMo-RL's missing-route sentinel, for a
+        RouterReplay that routes such rows itself (megatron-core's own does not: it would index -1).
         With `device` (e.g. "cuda"), the uint8/uint16 ids travel to it first and widen there:
         8x fewer bytes over PCIe than moving int64, and no 8x host copy.
         """
         import torch
 
-        m, num_moe_layers, top_k = self.experts.shape
+        m, _, top_k = self.experts.shape
         ids = torch.from_numpy(self.experts)
         if device is not None:
             ids = ids.to(device)
-        out = torch.empty((num_moe_layers, m, top_k), dtype=torch.int64, device=ids.device)
+        if self.layer_axis is LayerAxis.MODEL:
+            ids = ids[:, torch.as_tensor(self.meta.moe_positions, device=ids.device)]
+        out = torch.empty((ids.shape[1], m, top_k), dtype=torch.int64, device=ids.device)
         out.copy_(ids.permute(1, 0, 2))
+        if self.fallback.any():
+            out[:, torch.from_numpy(self.fallback.astype(np.bool_)).to(ids.device)] = MISSING_ROUTE
         return list(out.unbind(0))
+
+    def replay_mask(self):
+        """`(m,)` bool: False where the router must choose itself (`fallback`), True where the ids are to be replayed.
+
+        verl 0.9.1's `set_router_replay_data(..., replay_mask=)` takes this meaning: masked tokens
+        replay, unmasked ones keep the router's own top-k.
+        """
+        import torch
+
+        return torch.from_numpy(self.fallback == 0)
 
     def torch(self):
         """`(m, L_stage, K)` ids as a torch tensor sharing this batch's memory."""
@@ -87,6 +119,10 @@ class TrainerBatch(TrainerSlice):
         import torch
 
         return torch.from_numpy(self.valid.astype(np.bool_)).view(*self._dense_shape())
+
+    def dense_replay_mask(self):
+        """verl: `[batch, seq]` bool, False where the router must choose itself (missing=router)."""
+        return self.replay_mask().view(*self._dense_shape())
 
     def attention_mask(self):
         """verl: `[batch, seq]` bool, True on every real token (including the last, which has no row)."""
@@ -120,15 +156,20 @@ def sequences_doc(sequences: Iterable) -> list[dict]:
     return out
 
 
-def _stage(doc: dict[str, Any], moe_ordinals: Sequence[int] | None,
-           model_layer_range: tuple[int, int] | None, strict: bool) -> dict[str, Any]:
-    """The fields both trainers share: this pipeline stage's MoE layers and strictness."""
+def _stage(doc: dict[str, Any], moe_ordinals: Sequence[int] | None, model_layer_range: tuple[int, int] | None,
+           missing: MissingPolicy | str | None, layer_axis: LayerAxis | str, strict: bool | None) -> dict[str, Any]:
+    """The fields both trainers share: this pipeline stage's layers, the layer axis, the missing-row policy."""
     if moe_ordinals is not None:
         doc["moe_ordinals"] = [int(x) for x in moe_ordinals]
     if model_layer_range is not None:
         lo, hi = model_layer_range
         doc["model_layer_range"] = [int(lo), int(hi)]
-    doc["strict"] = bool(strict)
+    doc["layer_axis"] = LayerAxis(layer_axis).value
+    if strict is not None:  # the older flag: true = strict, false = filler
+        if missing is not None:
+            raise ValueError("give missing= only (strict= is its older alias)")
+        missing = MissingPolicy.STRICT if strict else MissingPolicy.FILLER
+    doc["missing"] = MissingPolicy(missing or MissingPolicy.STRICT).value
     return doc
 
 
@@ -136,28 +177,45 @@ def megatron_query(
     sequences: Iterable,
     packing: Packing | str = Packing.THD,
     *,
+    convention: Convention | str | None = None,
     pad_multiple: int | None = None,
+    total_multiple: int | None = None,
+    total_pad: TotalPad | str | None = None,
+    cp_split: CpSplit | str = CpSplit.ZIGZAG,
+    data_pad_size_multiplier: int | None = None,
+    fp8_padding: bool | None = None,
     seq_length: int | None = None,
     cp_size: int = 1,
     cp_rank: int = 0,
     tp_size: int = 1,
     tp_rank: int = 0,
+    sequence_parallel: bool = True,
     moe_ordinals: Sequence[int] | None = None,
     model_layer_range: tuple[int, int] | None = None,
-    strict: bool = False,
+    layer_axis: LayerAxis | str = LayerAxis.MOE,
+    missing: MissingPolicy | str | None = None,
+    strict: bool | None = None,
 ) -> dict[str, Any]:
     """The JSON body of `POST /v1/trainer/megatron` for one rank.
 
-    `tp_size` is the sequence-parallel size (1 with SP off); `moe_ordinals` (MoE ordinals) or
-    `model_layer_range` ([lo, hi) of model layers) names this pipeline stage's MoE layers.
+    `convention` ("verl", "slime", "miles") pads as that trainer does (with its knobs
+    `fp8_padding` / `data_pad_size_multiplier`); otherwise `pad_multiple`, `total_multiple`
+    and `total_pad` say it. `cp_split="contiguous"` is slime/miles `--allgather-cp`.
+    `tp_size` is the TP size, the tokens split over it when `sequence_parallel`.
+    `moe_ordinals` (MoE ordinals) or `model_layer_range` ([lo, hi) of model layers) names this
+    pipeline stage's layers; `layer_axis="model"` holds every model layer, dense ones zero.
+    `missing`: "strict" (default), "router" or "filler" (`strict=` is its older alias).
     """
     doc: dict[str, Any] = {"sequences": sequences_doc(sequences), "packing": Packing(packing).value,
-                           "cp_size": cp_size, "cp_rank": cp_rank, "tp_size": tp_size, "tp_rank": tp_rank}
-    if pad_multiple is not None:
-        doc["pad_multiple"] = pad_multiple
-    if seq_length is not None:
-        doc["seq_length"] = seq_length
-    return _stage(doc, moe_ordinals, model_layer_range, strict)
+                           "cp_split": CpSplit(cp_split).value, "cp_size": cp_size, "cp_rank": cp_rank,
+                           "tp_size": tp_size, "tp_rank": tp_rank, "sequence_parallel": bool(sequence_parallel)}
+    optional = {"convention": None if convention is None else Convention(convention).value,
+                "pad_multiple": pad_multiple, "total_multiple": total_multiple,
+                "total_pad": None if total_pad is None else TotalPad(total_pad).value,
+                "data_pad_size_multiplier": data_pad_size_multiplier, "fp8_padding": fp8_padding,
+                "seq_length": seq_length}
+    doc.update({k: v for k, v in optional.items() if v is not None})
+    return _stage(doc, moe_ordinals, model_layer_range, missing, layer_axis, strict)
 
 
 def verl_query(
@@ -168,12 +226,18 @@ def verl_query(
     *,
     moe_ordinals: Sequence[int] | None = None,
     model_layer_range: tuple[int, int] | None = None,
-    strict: bool = False,
+    layer_axis: LayerAxis | str = LayerAxis.MOE,
+    missing: MissingPolicy | str | None = None,
+    strict: bool | None = None,
 ) -> dict[str, Any]:
-    """The JSON body of `POST /v1/trainer/verl`: dense `[batch, prompt_width + response_width]`."""
+    """The JSON body of `POST /v1/trainer/verl`: dense `[batch, prompt_width + response_width]`.
+
+    verl's `set_router_replay_data` wants every layer (it picks each stage's itself): leave the
+    stage fields unset; `layer_axis="model"` gives `num_hidden_layers` layers, as vLLM does.
+    """
     doc: dict[str, Any] = {"sequences": sequences_doc(sequences), "prompt_lengths": [int(p) for p in prompt_lengths],
                            "prompt_width": prompt_width, "response_width": response_width}
-    return _stage(doc, moe_ordinals, model_layer_range, strict)
+    return _stage(doc, moe_ordinals, model_layer_range, missing, layer_axis, strict)
 
 
 def compare_body(run_id: str, shape: RunShape, request_ids, positions, experts) -> bytes:

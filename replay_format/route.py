@@ -3,7 +3,9 @@
 The service builds them (`encode_routes`: `GET .../requests/{request}/routes` and
 `POST .../routes/batch`); the client reads them (`read_routes`), and the web view's
 `web/js/routedata.js` mirrors the reader. A batch is a row batch (rows.md columns);
-the stream's metadata (`RouteMeta`) names the run, its shape and the range served.
+the stream's metadata (`RouteMeta`) names the run, its shape, the range served and the layer
+axis of the `experts` column: the run's MoE layers (`LayerAxis.MOE`, the default) or every model
+layer with dense ones zero (`LayerAxis.MODEL`, as vLLM's and SGLang's `routed_experts`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from replay_format.core import (
     NO_TOKEN,
     FormatError,
     FormatVersion,
+    LayerAxis,
     RunShape,
     check_id,
     decode_metadata,
@@ -30,7 +33,7 @@ from replay_format.core import (
 )
 
 FORMAT = "routing-replay.route"
-VERSION = FormatVersion(1, 0)
+VERSION = FormatVersion(1, 1)  # 1.1 added layer_axis (and carries num_hidden_layers, rows.md 2.1)
 # An answer without format_version came from a service older than this spec: same columns,
 # `num_layers` where 1.0 says `num_moe_layers`. Read as such.
 LEGACY_VERSION = FormatVersion(0, 0)
@@ -46,7 +49,25 @@ class RouteMeta:
     requests: int = 1  # record batches in the stream, one per request asked
     start: int = 0  # first position of every batch
     end: int | None = None  # exclusive end asked for; None: each request up to its own last row
+    layer_axis: LayerAxis = LayerAxis.MOE  # which layers the `experts` column holds
     version: FormatVersion = VERSION
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_axis", LayerAxis(self.layer_axis))  # a plain string names one too
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The model-layer index of each layer of the `experts` column, in column order."""
+        if self.layer_axis == LayerAxis.MODEL:
+            return tuple(range(self.shape.num_hidden_layers))
+        return self.shape.moe_layers
+
+    @property
+    def column_shape(self) -> RunShape:
+        """The shape of the `experts` column's rows: `len(layers)` x top-k ids of the run's dtype."""
+        if self.layer_axis == LayerAxis.MOE:
+            return self.shape
+        return RunShape(len(self.layers), self.shape.top_k, self.shape.num_experts)
 
     def to_metadata(self) -> dict[str, str]:
         """The metadata dict written into the stream's schema (always the current version)."""
@@ -57,6 +78,7 @@ class RouteMeta:
             **rows.shape_metadata(self.shape),
             "requests": str(self.requests),
             "start": str(self.start),
+            "layer_axis": self.layer_axis.value,
         }
         if self.end is not None:
             md["end"] = str(self.end)
@@ -72,12 +94,18 @@ class RouteMeta:
         if "run_id" not in md:
             raise FormatError(f"{what}: schema metadata lacks run_id")
         shape_version = rows.LEGACY_VERSION if version == LEGACY_VERSION else rows.VERSION
+        try:
+            axis = LayerAxis(md.get("layer_axis", LayerAxis.MOE.value))
+        except ValueError:
+            raise FormatError(f"{what}: schema metadata layer_axis={md['layer_axis']!r} is not one of "
+                              f"{', '.join(a.value for a in LayerAxis)}") from None
         return cls(
             run_id=check_id("run_id", md["run_id"]),
             shape=rows.shape_from_metadata(md, what, shape_version),
             requests=metadata_int(md, "requests", what) if "requests" in md else 1,
             start=metadata_int(md, "start", what, 0, POSITION_MAX + 1) if "start" in md else 0,
             end=metadata_int(md, "end", what, 0, POSITION_MAX + 1) if "end" in md else None,
+            layer_axis=axis,
             version=version,
         )
 
@@ -89,7 +117,7 @@ class RequestRoute:
     request_id: str
     positions: np.ndarray  # int32 (n,)
     token_ids: np.ndarray  # int32 (n,), NO_TOKEN where unknown
-    experts: np.ndarray  # (n, num_moe_layers, top_k) in the run's dtype ((n, L*K) accepted by the builder)
+    experts: np.ndarray  # (n, layers, top_k) in the run's dtype, layers on the answer's axis ((n, L*K) accepted)
     flags: np.ndarray  # uint16 (n,)
 
     @property
@@ -109,17 +137,19 @@ class RequestRoute:
 def encode_routes(meta: RouteMeta, routes: Iterable[RequestRoute]) -> Iterator[list[memoryview]]:
     """The answer as an Arrow IPC stream, in parts: one list per request (read lazily), then the end marker.
 
+    Each route's `experts` are already on `meta.layer_axis` (`RunShape.to_model_axis` expands MoE rows).
     The parts reference the routes' arrays (no copy of the ids); write them out in order.
     """
     md = meta.to_metadata()
+    columns = meta.column_shape
 
     def batches() -> Iterator[pa.RecordBatch]:
         for route in routes:
             n = route.num_rows
-            yield rows.build_rows(meta.shape, ([route.request_id], np.zeros(n, np.int32)), route.positions,
+            yield rows.build_rows(columns, ([route.request_id], np.zeros(n, np.int32)), route.positions,
                                   route.experts, route.token_ids, route.flags, md)
 
-    return ipc_stream_parts(rows.rows_schema(meta.shape, md), batches())
+    return ipc_stream_parts(rows.rows_schema(columns, md), batches())
 
 
 def read_routes(backing: bytearray) -> tuple[RouteMeta, list[RequestRoute]]:
@@ -133,10 +163,11 @@ def read_routes(backing: bytearray) -> tuple[RouteMeta, list[RequestRoute]]:
     except (pa.ArrowException, OSError) as exc:
         raise FormatError(f"route answer is not a valid Arrow IPC stream: {exc}") from None
     meta = RouteMeta.from_metadata(decode_metadata(reader.schema.metadata, "route answer"))
-    return meta, [_read_batch(batch, meta.shape, backing) for batch in batches]
+    return meta, [_read_batch(batch, meta.column_shape, backing) for batch in batches]
 
 
 def _read_batch(batch: pa.RecordBatch, shape: RunShape, backing: bytearray) -> RequestRoute:
+    """One record batch; `shape` is the `experts` column's (`RouteMeta.column_shape`)."""
     names = batch.schema.names
     for required in rows.COLUMNS:
         if required not in names:

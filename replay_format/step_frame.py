@@ -23,7 +23,7 @@ import numpy as np
 from replay_format.core import FormatError, FormatVersion, RunShape
 
 FORMAT = "routing-replay.step-frame"
-VERSION = FormatVersion(1, 0)
+VERSION = FormatVersion(1, 1)  # 1.1: the shape carries num_hidden_layers
 
 LENGTH = struct.Struct("<Q")  # every frame: u64 body length, then the body
 _STEP = struct.Struct("<IIB")  # rows, requests, bits
@@ -67,7 +67,7 @@ class ConfigFrame:
             "format": FORMAT,
             "format_version": str(VERSION),
             "shape": {"num_moe_layers": shape.num_moe_layers, "top_k": shape.top_k, "num_experts": shape.num_experts,
-                      "moe_layers": list(shape.moe_layers)},
+                      "moe_layers": list(shape.moe_layers), "num_hidden_layers": shape.num_hidden_layers},
             "sender": self.sender,
         }
 
@@ -85,7 +85,8 @@ class ConfigFrame:
             raise FormatError(f"{what}: 'shape' and 'sender' must be JSON objects")
         try:
             run_shape = RunShape(int(shape["num_moe_layers"]), int(shape["top_k"]), int(shape["num_experts"]),
-                                 tuple(int(x) for x in shape.get("moe_layers", ())))
+                                 tuple(int(x) for x in shape.get("moe_layers", ())),
+                                 int(shape.get("num_hidden_layers", 0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise FormatError(f"{what}: bad shape {shape!r}: {exc}") from None
         return cls(run_shape, sender, version)

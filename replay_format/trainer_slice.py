@@ -2,8 +2,9 @@
 
 The service builds them (`build_slice`: the answer of `POST /v1/trainer/megatron` and
 `POST /v1/trainer/verl`); the trainer reads them (`read_slice`). One row per router token of
-the rank, in the order its router sees them; the metadata (`SliceMeta`) names the MoE layers
-held and the token layout (`SliceLayout`) the rows follow.
+the rank, in the order its router sees them; the metadata (`SliceMeta`) names the layers held
+(on the MoE or the model-layer axis), the missing-row policy that produced it, and the token
+layout (`SliceLayout`) the rows follow.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pyarrow as pa
 from replay_format.core import (
     FormatError,
     FormatVersion,
+    LayerAxis,
     UndecodableError,
     decode_metadata,
     expert_dtype,
@@ -28,8 +30,8 @@ from replay_format.core import (
 )
 
 FORMAT = "routing-replay.trainer-slice"
-VERSION = FormatVersion(1, 0)
-COLUMNS = ("experts", "valid", "sequence", "position")
+VERSION = FormatVersion(1, 1)
+COLUMNS = ("experts", "valid", "sequence", "position")  # required; 1.1 adds `fallback` (absent in 1.0: zeros)
 WHAT = "trainer slice"
 
 
@@ -47,6 +49,36 @@ class Packing(enum.StrEnum):
     BSHD = "bshd"  # [b, s] right-padded to one length, seen by the router sequence-first
 
 
+class CpSplit(enum.StrEnum):
+    """How context parallelism splits the tokens over CP ranks."""
+
+    ZIGZAG = "zigzag"  # each (padded) sequence in 2*cp chunks, rank r keeps r and 2cp-1-r (megatron-core, verl)
+    CONTIGUOUS = "contiguous"  # the whole padded stream in cp contiguous parts (slime/miles --allgather-cp)
+
+
+class TotalPad(enum.StrEnum):
+    """Where the tokens that pad the whole micro-batch to `total_multiple` go."""
+
+    LAST_SEQUENCE = "last_sequence"  # the last sequence absorbs them before the CP split (verl fp8, NeMo-RL)
+    TAIL = "tail"  # after the CP split, at the end of every CP rank's stream (slime, miles)
+
+
+class Convention(enum.StrEnum):
+    """A trainer whose THD packing rule the service applies (fixes pad_multiple, total_multiple, total_pad)."""
+
+    VERL = "verl"  # preprocess_packed_seqs / preprocess_thd_engine (verl 0.9.1), fp8 padding optional
+    SLIME = "slime"  # prepare_routed_experts_for_routing_replay (slime/backends/megatron_utils/cp_utils.py)
+    MILES = "miles"  # fill_replay_data (miles/backends/training_utils/replay_data.py): slime's rule
+
+
+class MissingPolicy(enum.StrEnum):
+    """What a real token gets when its recorded row is flagged or missing (padding and last tokens: always filler)."""
+
+    STRICT = "strict"  # refuse the slice (409) naming the rows: the default, safe without trainer cooperation
+    ROUTER = "router"  # `fallback == 1`: the trainer's router picks that token's experts itself (NeMo-RL's -1)
+    FILLER = "filler"  # filler ids, valid 0: the token's hidden state then differs from the rollout's
+
+
 @dataclass(frozen=True)
 class SliceLayout:
     """The token layout of a slice (trainer_slice.md, "Layout"); `kind` says which fields apply."""
@@ -62,8 +94,15 @@ class SliceLayout:
     packing: Packing | None = None
     cp_size: int = 1
     cp_rank: int = 0
-    tp_size: int = 1  # the sequence-parallel size
+    tp_size: int = 1  # TP size; the tokens are split over it when sequence_parallel (1.0: the SP size)
     tp_rank: int = 0
+    # megatron, 1.1 (a 1.0 slice reads as the defaults, which is what 1.0 did)
+    sequence_parallel: bool = True
+    cp_split: CpSplit = CpSplit.ZIGZAG
+    pad_multiple: int = 1  # THD: each sequence padded to a multiple of this
+    total_multiple: int = 1  # THD: the whole micro-batch (all CP ranks) padded to a multiple of this
+    total_pad: TotalPad = TotalPad.LAST_SEQUENCE
+    convention: Convention | None = None  # the preset that chose the four fields above, if any
     # verl
     prompt_width: int = 0
     response_width: int = 0
@@ -71,13 +110,16 @@ class SliceLayout:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", LayoutKind(self.kind))
-        if self.packing is not None:
-            object.__setattr__(self, "packing", Packing(self.packing))
+        for name, kind in (("packing", Packing), ("convention", Convention)):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, kind(getattr(self, name)))
+        object.__setattr__(self, "cp_split", CpSplit(self.cp_split))
+        object.__setattr__(self, "total_pad", TotalPad(self.total_pad))
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of the `layout` metadata key: the common fields and those of its kind."""
         doc = asdict(self)
-        drop = _VERL_FIELDS if self.kind is LayoutKind.MEGATRON else _MEGATRON_FIELDS
+        drop = _VERL_FIELDS if self.kind is LayoutKind.MEGATRON else _MEGATRON_FIELDS | _MEGATRON_OPTIONAL
         return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in doc.items() if k not in drop}
 
     @classmethod
@@ -94,12 +136,15 @@ class SliceLayout:
         missing = sorted(wanted - doc.keys())
         if missing:
             raise FormatError(f"{WHAT}: a {kind.value} layout lacks {', '.join(missing)}")
-        values = {k: doc[k] for k in wanted}
+        optional = _MEGATRON_OPTIONAL if kind is LayoutKind.MEGATRON else frozenset()
+        values = {k: doc[k] for k in wanted | (optional & doc.keys())}
         for name, value in values.items():
             if name in _LIST_FIELDS:
                 ok = isinstance(value, list) and all(_is_int(x) for x in value)
-            elif name == "packing":
-                ok = value in {p.value for p in Packing}
+            elif name in _ENUM_FIELDS:
+                ok = value in {e.value for e in _ENUM_FIELDS[name]} or (name == "convention" and value is None)
+            elif name == "sequence_parallel":
+                ok = isinstance(value, bool)
             else:
                 ok = name == "kind" or _is_int(value)
             if not ok:
@@ -110,8 +155,13 @@ class SliceLayout:
 _COMMON_FIELDS = frozenset({"kind", "tokens", "total_tokens", "seq_length", "sequences", "cu_seqlens",
                             "cu_seqlens_padded"})
 _MEGATRON_FIELDS = frozenset({"packing", "cp_size", "cp_rank", "tp_size", "tp_rank"})
+# added in 1.1: absent from a 1.0 layout, read as their defaults
+_MEGATRON_OPTIONAL = frozenset({"sequence_parallel", "cp_split", "pad_multiple", "total_multiple", "total_pad",
+                                "convention"})
 _VERL_FIELDS = frozenset({"prompt_width", "response_width", "prompt_lengths"})
 _LIST_FIELDS = frozenset({"cu_seqlens", "cu_seqlens_padded", "prompt_lengths"})
+_ENUM_FIELDS: dict[str, type[enum.Enum]] = {"packing": Packing, "cp_split": CpSplit, "total_pad": TotalPad,
+                                            "convention": Convention}
 
 
 def _is_int(value: Any) -> bool:
@@ -132,7 +182,12 @@ def _int_list(md: dict[str, str], key: str) -> list[int]:
 
 @dataclass(frozen=True)
 class SliceMeta:
-    """Schema metadata of a trainer slice (trainer_slice.md, "Metadata")."""
+    """Schema metadata of a trainer slice (trainer_slice.md, "Metadata").
+
+    `layers` are the model layers of the ids' second axis, in order: the MoE layers held
+    (`moe_layers`) on the `moe` axis; on the `model` axis a run of model layers, dense ones
+    included (their ids are zero), of which `moe_layers` are the MoE ones.
+    """
 
     top_k: int
     num_experts: int
@@ -140,16 +195,45 @@ class SliceMeta:
     moe_layers: list[int]  # their model-layer indices
     layout: SliceLayout
     version: FormatVersion = VERSION
+    layer_axis: LayerAxis = LayerAxis.MOE
+    layers: list[int] = field(default_factory=list)  # model-layer index per held layer; default: moe_layers
+    num_hidden_layers: int = 0  # the model's layer count; 0: unknown (max(moe_layers) + 1)
+    missing: MissingPolicy = MissingPolicy.FILLER  # the policy that built it (1.0 slices were filler or refused)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_axis", LayerAxis(self.layer_axis))
+        object.__setattr__(self, "missing", MissingPolicy(self.missing))
         if len(self.moe_ordinals) != len(self.moe_layers) or not self.moe_ordinals:
             raise FormatError(f"{WHAT}: {len(self.moe_ordinals)} MoE ordinals for {len(self.moe_layers)} MoE layers; "
                               "a slice holds at least one")
+        layers = list(self.layers) or list(self.moe_layers)
+        object.__setattr__(self, "layers", layers)
+        hidden = self.num_hidden_layers or max(layers) + 1
+        object.__setattr__(self, "num_hidden_layers", hidden)
+        if any(b <= a for a, b in zip(layers, layers[1:])) or min(layers) < 0 or max(layers) >= hidden:
+            raise FormatError(f"{WHAT}: layers {layers} are not increasing model layers below num_hidden_layers="
+                              f"{hidden}")
+        if self.layer_axis is LayerAxis.MOE and layers != list(self.moe_layers):
+            raise FormatError(f"{WHAT}: on the moe axis the layers held are the MoE layers {self.moe_layers}, "
+                              f"not {layers}")
+        if not set(self.moe_layers) <= set(layers):
+            raise FormatError(f"{WHAT}: MoE layers {self.moe_layers} are not among the layers held {layers}")
 
     @property
     def num_moe_layers(self) -> int:
         """MoE layers held by this slice (not the run's count)."""
         return len(self.moe_ordinals)
+
+    @property
+    def num_layers(self) -> int:
+        """Layers on the ids' second axis: `num_moe_layers` on the moe axis, model layers on the model axis."""
+        return len(self.layers)
+
+    @property
+    def moe_positions(self) -> list[int]:
+        """Where each MoE layer held sits on the ids' second axis (0..num_moe_layers-1 on the moe axis)."""
+        at = {layer: i for i, layer in enumerate(self.layers)}
+        return [at[layer] for layer in self.moe_layers]
 
     @property
     def dtype(self) -> np.dtype:
@@ -158,8 +242,8 @@ class SliceMeta:
 
     @property
     def row_width(self) -> int:
-        """Ids per row: num_moe_layers * top_k."""
-        return self.num_moe_layers * self.top_k
+        """Ids per row: num_layers * top_k."""
+        return self.num_layers * self.top_k
 
     def to_metadata(self) -> dict[str, str]:
         """The metadata dict written into the schema (always the current version)."""
@@ -172,6 +256,10 @@ class SliceMeta:
             "moe_ordinals": json.dumps(list(self.moe_ordinals)),
             "moe_layers": json.dumps(list(self.moe_layers)),
             "layout": json.dumps(self.layout.to_dict()),
+            "layer_axis": self.layer_axis.value,
+            "layers": json.dumps(list(self.layers)),
+            "num_hidden_layers": str(self.num_hidden_layers),
+            "missing": self.missing.value,
         }
 
     @classmethod
@@ -201,7 +289,23 @@ class SliceMeta:
             moe_layers=layers,
             layout=SliceLayout.from_dict(layout),
             version=version,
+            # 1.1 keys; a 1.0 slice has none of them and reads as the MoE axis, filler
+            layer_axis=_enum_key(md, "layer_axis", LayerAxis, LayerAxis.MOE),
+            layers=_int_list(md, "layers") if "layers" in md else [],
+            num_hidden_layers=metadata_int(md, "num_hidden_layers", WHAT, 1, 65535) if "num_hidden_layers" in md
+            else 0,
+            missing=_enum_key(md, "missing", MissingPolicy, MissingPolicy.FILLER),
         )
+
+
+def _enum_key(md: dict[str, str], key: str, kind: type[enum.StrEnum], default):
+    if key not in md:
+        return default
+    try:
+        return kind(md[key])
+    except ValueError:
+        raise FormatError(f"{WHAT}: schema metadata {key}={md[key][:100]!r} is not one of "
+                          f"{', '.join(k.value for k in kind)}") from None
 
 
 def slice_schema(meta: SliceMeta) -> pa.Schema:
@@ -212,6 +316,7 @@ def slice_schema(meta: SliceMeta) -> pa.Schema:
             pa.field("valid", pa.uint8(), nullable=False),
             pa.field("sequence", pa.int32(), nullable=False),
             pa.field("position", pa.int32(), nullable=False),
+            pa.field("fallback", pa.uint8(), nullable=False),
         ],
         metadata=meta.to_metadata(),
     )
@@ -222,10 +327,11 @@ class TrainerSlice:
     """One rank's router tokens, in the router's order (arrays view the received body, writable)."""
 
     meta: SliceMeta
-    experts: np.ndarray  # (m, num_moe_layers, top_k) uint8/uint16
+    experts: np.ndarray  # (m, num_layers, top_k) uint8/uint16 (num_layers: meta.layers; dense layers zero)
     valid: np.ndarray  # (m,) uint8: 1 = a clean recorded row; 0 = filler (padding, last token, flagged or missing)
     sequence: np.ndarray  # (m,) int32: index into the micro-batch's sequences, -1 for padding
     position: np.ndarray  # (m,) int32: position in its request, -1 for padding
+    fallback: np.ndarray  # (m,) uint8: 1 = no recorded route, the router must choose (missing=router); 1.0: zeros
 
     @property
     def num_tokens(self) -> int:
@@ -248,23 +354,42 @@ class TrainerSlice:
         return self.meta.moe_layers
 
     @property
+    def layers(self) -> list[int]:
+        """The model layers of `experts`' second axis (the MoE layers on the moe axis)."""
+        return self.meta.layers
+
+    @property
+    def layer_axis(self) -> LayerAxis:
+        """Whether `experts` holds MoE layers only or a run of model layers (dense ones zero)."""
+        return self.meta.layer_axis
+
+    @property
+    def missing(self) -> MissingPolicy:
+        """The missing-row policy the slice was built with."""
+        return self.meta.missing
+
+    @property
     def num_experts(self) -> int:
         """Experts of the run's routers."""
         return self.meta.num_experts
 
 
 def build_slice(meta: SliceMeta, experts: np.ndarray, valid: np.ndarray, sequence: np.ndarray,
-                position: np.ndarray) -> list[memoryview]:
+                position: np.ndarray, fallback: np.ndarray | None = None) -> list[memoryview]:
     """The slice as one Arrow IPC stream, in parts to write out in order.
 
-    `experts` is `(m, num_moe_layers * top_k)` (or `(m, L, K)`) in the run's dtype, C-contiguous. The
-    large parts are the arrays' own buffers: nothing is copied between the gather and the socket.
+    `experts` is `(m, num_layers * top_k)` (or `(m, num_layers, K)`) in the run's dtype, C-contiguous;
+    `fallback` defaults to zeros. The large parts are the arrays' own buffers: nothing is copied
+    between the gather and the socket.
     """
     m = meta.layout.tokens
     if experts.dtype != meta.dtype or experts.size != m * meta.row_width or not experts.flags.c_contiguous:
         raise FormatError(f"{WHAT}: experts {experts.dtype} {experts.shape} are not {m} contiguous rows of "
                           f"{meta.row_width} {meta.dtype} ids")
-    columns = {"valid": (valid, np.uint8), "sequence": (sequence, np.int32), "position": (position, np.int32)}
+    if fallback is None:
+        fallback = np.zeros(m, np.uint8)
+    columns = {"valid": (valid, np.uint8), "sequence": (sequence, np.int32), "position": (position, np.int32),
+               "fallback": (fallback, np.uint8)}
     for name, (array, dtype) in columns.items():
         if array.shape != (m,) or array.dtype != dtype:
             raise FormatError(f"{WHAT}: column {name!r} is {array.dtype} {array.shape}, expected {np.dtype(dtype)} "
@@ -276,6 +401,7 @@ def build_slice(meta: SliceMeta, experts: np.ndarray, valid: np.ndarray, sequenc
             pa.array(valid),
             pa.array(sequence),
             pa.array(position),
+            pa.array(fallback),
         ],
         schema=schema,
     )
@@ -303,7 +429,10 @@ def read_slice(backing: bytearray) -> TrainerSlice:
     for name in COLUMNS:
         if name not in names:
             raise FormatError(f"{WHAT}: schema lacks column {name!r}; columns are {names}")
-    for name, wanted in (("valid", pa.uint8()), ("sequence", pa.int32()), ("position", pa.int32())):
+    checked = [("valid", pa.uint8()), ("sequence", pa.int32()), ("position", pa.int32())]
+    if "fallback" in names:
+        checked.append(("fallback", pa.uint8()))
+    for name, wanted in checked:
         column = batch.column(name)
         if column.type != wanted or column.null_count:
             raise FormatError(f"{WHAT}: column {name!r} is {column.type} with {column.null_count} nulls, "
@@ -316,14 +445,16 @@ def read_slice(backing: bytearray) -> TrainerSlice:
         raise FormatError(f"{WHAT}: ids are {ids.type} with {ids.null_count} nulls, but {meta.num_experts} "
                           f"experts means {meta.dtype}")
     m = batch.num_rows
+    fallback = writable_view(batch.column("fallback"), backing) if "fallback" in names else np.zeros(m, np.uint8)
     return TrainerSlice(
         meta=meta,
-        experts=writable_view(ids, backing).reshape(m, meta.num_moe_layers, meta.top_k),
+        experts=writable_view(ids, backing).reshape(m, meta.num_layers, meta.top_k),
         valid=writable_view(batch.column("valid"), backing),
         sequence=writable_view(batch.column("sequence"), backing),
         position=writable_view(batch.column("position"), backing),
+        fallback=fallback,
     )
 
 
-__all__ = ["FORMAT", "VERSION", "LayoutKind", "Packing", "SliceLayout", "SliceMeta", "TrainerSlice", "build_slice",
-           "read_slice", "slice_schema"]
+__all__ = ["FORMAT", "VERSION", "Convention", "CpSplit", "LayoutKind", "MissingPolicy", "Packing", "SliceLayout",
+           "SliceMeta", "TotalPad", "TrainerSlice", "build_slice", "read_slice", "slice_schema"]

@@ -16,7 +16,15 @@ from typing import Any
 import numpy as np
 from pydantic_core import to_json
 
-from replay_format import ARROW_STREAM_MEDIA_TYPE, JSON_MEDIA_TYPE, NO_TOKEN, NPY_MEDIA_TYPE, RunShape, flag_names
+from replay_format import (
+    ARROW_STREAM_MEDIA_TYPE,
+    JSON_MEDIA_TYPE,
+    NO_TOKEN,
+    NPY_MEDIA_TYPE,
+    LayerAxis,
+    RunShape,
+    flag_names,
+)
 from replay_format.route import RequestRoute, RouteMeta, encode_routes
 from replay_service.errors import InvalidInput, StrictRefusal
 from replay_service.store import RouteStore
@@ -86,32 +94,33 @@ def refuse_if_flagged(route: RouteRows, report_rows: int, what: str) -> None:
         )
 
 
-def request_route(route: RouteRows) -> RequestRoute:
-    """The store's rows as the route format's `RequestRoute` (the same arrays, no copy)."""
-    return RequestRoute(route.request_id, route.positions, route.token_ids, route.experts, route.flags)
+def request_route(route: RouteRows, axis: LayerAxis = LayerAxis.MOE) -> RequestRoute:
+    """The store's rows as the route format's `RequestRoute` on `axis` (the MoE axis: the same arrays, no copy)."""
+    return RequestRoute(route.request_id, route.positions, route.token_ids, route.experts_on(axis), route.flags)
 
 
-def route_answer(run: str, route: RouteRows, start: int, kind: RouteFormat, max_json_rows: int) -> Answer:
-    """One request's rows `[start, start + n)` in `kind`, with the X-Route-* headers."""
+def route_answer(run: str, route: RouteRows, start: int, kind: RouteFormat, max_json_rows: int,
+                 axis: LayerAxis = LayerAxis.MOE) -> Answer:
+    """One request's rows `[start, start + n)` in `kind` on layer axis `axis`, with the X-Route-* headers."""
     stop = start + route.num_rows
-    headers = {"X-Route-Start": str(start), "X-Route-End": str(stop)}
+    headers = {"X-Route-Start": str(start), "X-Route-End": str(stop), "X-Route-Layer-Axis": axis.value}
     if kind == RouteFormat.JSON:
         if route.num_rows > max_json_rows:
             raise InvalidInput(f"{route.num_rows} rows is more than JSON serves ({max_json_rows}); "
                                "use start/end, or format=arrow or npy")
-        return Answer(kind.media_type, [to_json(route_json(run, route, start, stop))], headers)
+        return Answer(kind.media_type, [to_json(route_json(run, route, start, stop, axis))], headers)
     counts = flag_counts(route.flags)
     headers["X-Route-Flags"] = ",".join(f"{k}={v}" for k, v in counts.items()) or "none"
     if kind == RouteFormat.NPY:
-        return Answer(kind.media_type, npy_parts(route.experts_3d()), headers)
-    meta = RouteMeta(run, route.shape, requests=1, start=start, end=stop)
-    parts: list[bytes | memoryview] = [p for chunk in encode_routes(meta, [request_route(route)]) for p in chunk]
+        return Answer(kind.media_type, npy_parts(route.experts_on(axis)), headers)
+    meta = RouteMeta(run, route.shape, requests=1, start=start, end=stop, layer_axis=axis)
+    parts: list[bytes | memoryview] = [p for chunk in encode_routes(meta, [request_route(route, axis)]) for p in chunk]
     return Answer(kind.media_type, parts, headers)
 
 
 def batch_answer(store: RouteStore, run: str, request_ids: list[str], start: int, end: int | None, strict: bool,
-                 report_rows: int) -> Iterator[list[memoryview]]:
-    """Many requests' routes as one Arrow route answer, one record batch per request, streamed.
+                 report_rows: int, axis: LayerAxis = LayerAxis.MOE) -> Iterator[list[memoryview]]:
+    """Many requests' routes as one Arrow route answer on layer axis `axis`, one record batch per request, streamed.
 
     Every request is read once before this returns, so a missing request or a strict refusal is a
     clean 404/409 instead of a cut stream; the stream then reads each again as it goes out.
@@ -121,8 +130,8 @@ def batch_answer(store: RouteStore, run: str, request_ids: list[str], start: int
         route = store.read_route(run, rid, start, end)
         if strict:
             refuse_if_flagged(route, report_rows, f"request {rid!r}")
-    meta = RouteMeta(run, shape, requests=len(request_ids), start=start, end=end)
-    return encode_routes(meta, (request_route(store.read_route(run, rid, start, end)) for rid in request_ids))
+    meta = RouteMeta(run, shape, requests=len(request_ids), start=start, end=end, layer_axis=axis)
+    return encode_routes(meta, (request_route(store.read_route(run, rid, start, end), axis) for rid in request_ids))
 
 
 def npy_parts(array: np.ndarray) -> list[bytes | memoryview]:
@@ -132,19 +141,23 @@ def npy_parts(array: np.ndarray) -> list[bytes | memoryview]:
     return [header.getvalue(), np.ascontiguousarray(array).data.cast("B")]
 
 
-def route_json(run_id: str, route: RouteRows, start: int, end: int) -> dict:
+def route_json(run_id: str, route: RouteRows, start: int, end: int, axis: LayerAxis = LayerAxis.MOE) -> dict:
     """The `RouteJson` answer (api/models.py) as plain data (serialised without per-row validation: it is large)."""
-    experts = route.experts_3d().tolist()
+    experts = route.experts_on(axis).tolist()
     tokens = route.token_ids
+    shape = route.shape
     return {
         "run_id": run_id,
         "request_id": route.request_id,
         "start": start,
         "end": end,
-        "num_moe_layers": route.shape.num_moe_layers,
-        "top_k": route.shape.top_k,
-        "num_experts": route.shape.num_experts,
-        "moe_layers": list(route.shape.moe_layers),
+        "num_moe_layers": shape.num_moe_layers,
+        "top_k": shape.top_k,
+        "num_experts": shape.num_experts,
+        "moe_layers": list(shape.moe_layers),
+        "num_hidden_layers": shape.num_hidden_layers,
+        "layer_axis": axis.value,
+        "layers": list(shape.moe_layers) if axis == LayerAxis.MOE else list(range(shape.num_hidden_layers)),
         "flagged": flag_counts(route.flags),
         "rows": [
             {"position": int(p), "token_id": None if t == NO_TOKEN else t, "experts": e, "flags": flag_names(int(f))}

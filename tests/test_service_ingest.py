@@ -109,15 +109,17 @@ def test_arrow_route_upload_takes_the_run_shape_when_the_body_names_none(store):
     ex = routes(np.random.default_rng(6), 5)
     store.ingest(_rows(0, [0], ex[:1], request="first"))
     batch = build_rows(SHAPE, ["ignored"] * 5, np.arange(5), ex).replace_schema_metadata({})
-    rows = decode_route("application/vnd.apache.arrow.stream", encode_stream(batch), "run", "up",
-                        store.run_shape("run"), None, None)
-    assert rows.meta.shape == SHAPE and rows.meta.writer_id == "upload/up" and rows.request_ids == ["up"]
+    upload = decode_route("application/vnd.apache.arrow.stream", encode_stream(batch), "run", "up",
+                          store.run_shape("run"))
+    rows = upload.rows
+    assert rows.meta.shape == SHAPE and rows.meta.writer_id == "upload/up@0" and rows.request_ids == ["up"]
+    assert (upload.start, upload.num_tokens, rows.meta.seq) == (0, 6, 5)
     assert store.ingest(rows).stored
     assert store.read_route("run", "up").experts.tobytes() == ex.reshape(5, -1).tobytes()
     with pytest.raises(FormatError, match="lacks num_layers"):  # a new run: the body must name its shape
-        decode_route("application/vnd.apache.arrow.stream", encode_stream(batch), "fresh", "up", None, None, None)
+        decode_route("application/vnd.apache.arrow.stream", encode_stream(batch), "fresh", "up", None)
     with pytest.raises(UnsupportedMediaType):
-        decode_route("text/csv", b"", "run", "up", None, None, None)
+        decode_route("text/csv", b"", "run", "up", None)
 
 
 def test_an_index_written_before_the_rename_is_migrated(tmp_path):

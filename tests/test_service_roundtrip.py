@@ -12,7 +12,7 @@ import pytest
 
 from replay_format import NO_TOKEN, RunShape
 from replay_service.api.models import RouteJson
-from replay_service.client import ReplayClient
+from replay_service.client import ReplayClient, ReplayError
 from tests.support.data import QWEN3_SHAPE, batch_bytes, routes
 
 
@@ -109,20 +109,25 @@ def test_summaries_and_listing(stored, shared_service):
 
 
 def test_vllm_routed_experts_upload_keeps_moe_layers(shared_service):
-    """vLLM's routed_experts carries every model layer; dense ones are zeros and are dropped."""
+    """vLLM's routed_experts carries every model layer; dense ones are zeros and are dropped (given the MoE list)."""
     rng = np.random.default_rng(2)
     shape = RunShape(num_moe_layers=4, top_k=8, num_experts=64)
     moe = routes(rng, 99, shape)
     engine = np.zeros((99, 6, 8), np.int32)  # layers 0 and 1 dense (like DeepSeek-V3's first layers)
     engine[:, 2:] = moe
     client = ReplayClient(shared_service.url)
-    client.upload_vllm_output("vllm-out", "r0", engine, num_experts=64)
+    with pytest.raises(ReplayError, match="pass moe_layers") as refused:  # zero layers: never guessed
+        client.upload_vllm_output("vllm-out", "r0", engine, num_experts=64)
+    assert refused.value.status == 422
+    client.upload_vllm_output("vllm-out", "r0", engine, num_experts=64, moe_layers=[2, 3, 4, 5])
     route = client.get_route("vllm-out", "r0", strict=True)
     assert route.moe_layers == (2, 3, 4, 5)
     assert route.experts.tobytes() == moe.astype(np.uint8).tobytes()
     assert client.request("vllm-out", "r0")["num_tokens"] == 100
-    # The same upload again is idempotent.
-    assert client.upload_vllm_output("vllm-out", "r0", engine, num_experts=64)["duplicate"]
+    # The same upload again is idempotent; the run now knows its layers, so no list is needed.
+    assert client.upload_vllm_output("vllm-out", "r0", engine, num_experts=64, moe_layers=[2, 3, 4, 5])["duplicate"]
+    assert client.upload_vllm_output("vllm-out", "r0", engine)["duplicate"]
+    assert client.get_route("vllm-out", "r0", layer_axis="model").experts.tobytes() == engine.astype(np.uint8).tobytes()
 
 
 def test_sglang_base64_upload(shared_service):

@@ -13,7 +13,7 @@ import pytest
 
 from replay_client import ReplayClient, ReplayError
 from replay_format import RunShape
-from tests.support.data import QWEN3_SHAPE, store_requests
+from tests.support.data import QWEN3_SHAPE, batch_bytes, routes, store_requests
 
 torch = pytest.importorskip("torch")
 router_replay = pytest.importorskip("megatron.core.transformer.moe.router_replay")
@@ -159,11 +159,11 @@ def test_start_serves_rows_from_a_position_on(stored):
 def test_flagged_rows_become_masked_filler_or_a_strict_refusal(shared_service):
     client = ReplayClient(shared_service.url)
     full = store_requests(client, "mg-flag", {"f-a": 30}, flagged={"f-a": [7]})
-    batch = client.megatron_batch([("mg-flag", "f-a")])
+    batch = client.megatron_batch([("mg-flag", "f-a")], missing="filler")
     assert batch.valid[7] == 0 and batch.experts[7].any() and int(batch.valid.sum()) == 28
     assert np.array_equal(batch.experts[8:29], full["f-a"][8:])
     with pytest.raises(ReplayError) as err:
-        client.megatron_batch([("mg-flag", "f-a")], strict=True)
+        client.megatron_batch([("mg-flag", "f-a")], missing="strict")
     assert err.value.status == 409 and "position 7" in err.value.detail
 
 
@@ -211,3 +211,104 @@ def test_record_mode_routing_posted_to_compare_gives_the_planted_mismatch(stored
     assert result["token_mismatch"] == pytest.approx(len(planted) / n, abs=1e-15)
     assert result["jaccard"] == pytest.approx(1 - len(planted) / (n * L), abs=1e-12)  # disjoint sets: Jaccard 0
     assert result["worst_layers"] == [3]
+
+
+# ---- the missing-row policy and the model-layer axis ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def holed(shared_service):
+    """A request with a flagged row (7, ZERO) and a row never sent (12, GAP) in the middle, and a clean one."""
+    client = ReplayClient(shared_service.url)
+    rng = np.random.default_rng(31)
+    rows = {"h-a": routes(rng, 29), "h-b": routes(rng, 20)}
+    rows["h-a"][7] = 0
+    keep = np.r_[0:12, 13:29]
+    ids = ["h-a"] * len(keep) + ["h-b"] * 20
+    positions = np.concatenate([keep, np.arange(20)]).astype(np.int32)
+    client.ingest(batch_bytes("mg-hole", "w", 0, ids, positions, np.concatenate([rows["h-a"][keep], rows["h-b"]])))
+    client.finish("mg-hole", "h-a", 30)
+    client.finish("mg-hole", "h-b", 21)
+    return client, rows
+
+
+def test_the_default_refuses_a_flagged_or_missing_row_of_a_real_token(holed):
+    client, _ = holed
+    with pytest.raises(ReplayError) as err:
+        client.megatron_batch([("mg-hole", "h-a")])
+    assert err.value.status == 409 and "2 tokens" in err.value.detail and "missing=router" in err.value.detail
+    assert [(r["position"], r["flags"]) for r in err.value.body["bad_rows"]] == [(7, ["ZERO"]), (12, ["GAP"])]
+    # the last token has no row by design: a clean request is served under the default
+    assert client.megatron_batch([("mg-hole", "h-b")]).missing == "strict"
+
+
+@pytest.mark.parametrize("cp,tp", [(1, 1), (2, 2)])
+def test_missing_router_leaves_exactly_the_broken_real_tokens_to_the_router(holed, cp, tp):
+    client, rows = holed
+    order = ["h-b", "h-a"]
+    fallback_at = []
+    for c in range(cp):
+        for t in range(tp):
+            batch = client.megatron_batch([("mg-hole", r) for r in order], missing="router", cp_size=cp, cp_rank=c,
+                                          tp_size=tp, tp_rank=t)
+            assert batch.missing == "router"
+            fb = batch.fallback.astype(bool)
+            assert not (fb & batch.valid.astype(bool)).any()
+            fallback_at += [(order[s], p) for s, p in zip(batch.sequence[fb], batch.position[fb])]
+            # padding and last tokens stay filler: router-valid, masked, never left to the router
+            last = np.array([p == {"h-a": 29, "h-b": 20}[order[s]] if s >= 0 else False
+                             for s, p in zip(batch.sequence, batch.position)])
+            assert not fb[(batch.sequence < 0) | last].any()
+            data = batch.replay_data()
+            assert len(data) == L and all(t.dtype == torch.int64 for t in data)
+            for layer, ids in enumerate(data):
+                ids = ids.numpy()
+                assert (ids[fb] == -1).all() and (ids[~fb] >= 0).all()  # whole rows of -1: NeMo-RL's sentinel
+                good = batch.valid.astype(bool)
+                want = np.stack([rows[order[s]][p, layer] for s, p in zip(batch.sequence[good], batch.position[good])])
+                assert np.array_equal(ids[good], want)
+            assert torch.equal(batch.replay_mask(), torch.from_numpy(~fb))
+    assert sorted(fallback_at) == [("h-a", 7), ("h-a", 12)]
+
+
+def test_strict_is_an_alias_and_a_contradiction_is_named(holed):
+    client, _ = holed
+    filler = client.megatron_batch([("mg-hole", "h-a")], strict=False)
+    assert filler.missing == "filler" and not filler.fallback.any() and filler.valid[[7, 12]].sum() == 0
+    doc = {"sequences": [{"run": "mg-hole", "request": "h-a"}], "strict": True, "missing": "router"}
+    response = client.http.post("/v1/trainer/megatron", json=doc)
+    assert response.status_code == 422 and "contradicts missing=router" in response.json()["detail"]
+    doc = {"sequences": [{"run": "mg-hole", "request": "h-a"}], "strict": False}  # what a client before 1.1 sends
+    assert client.http.post("/v1/trainer/megatron", json=doc).status_code == 200
+
+
+def test_the_model_axis_holds_every_model_layer_dense_ones_zero(shared_service):
+    client = ReplayClient(shared_service.url)
+    shape = RunShape(num_moe_layers=4, top_k=2, num_experts=8, moe_layers=(3, 5, 7, 9), num_hidden_layers=10)
+    full = store_requests(client, "mg-axis", {"ax-a": 12, "ax-b": 7}, shape=shape)
+    seqs = [("mg-axis", "ax-a"), ("mg-axis", "ax-b")]
+    moe = client.megatron_batch(seqs)
+    model = client.megatron_batch(seqs, layer_axis="model")
+    assert model.layer_axis == "model" and model.layers == list(range(10)) and model.experts.shape == (19, 10, 2)
+    assert model.moe_layers == [3, 5, 7, 9] and model.meta.num_hidden_layers == 10
+    real = moe.valid.astype(bool)
+    assert np.array_equal(model.experts[real], shape.to_model_axis(np.concatenate([full["ax-a"], full["ax-b"]])))
+    assert not model.experts[:, [0, 1, 2, 4, 6, 8]].any()  # dense layers zero, padding and last tokens too
+    assert np.array_equal(model.experts[:, [3, 5, 7, 9]], moe.experts)  # MoE layers: the same ids, filler included
+    assert all(torch.equal(a, b) for a, b in zip(model.replay_data(), moe.replay_data(), strict=True))
+    stage = client.megatron_batch(seqs, layer_axis="model", model_layer_range=(4, 8))
+    assert stage.layers == [4, 5, 6, 7] and stage.moe_layers == [5, 7] and stage.moe_ordinals == [1, 2]
+    assert np.array_equal(stage.experts, model.experts[:, 4:8])
+    response = client.http.post("/v1/trainer/megatron", json={"sequences": [{"run": "mg-axis", "request": "ax-a"}],
+                                                              "layer_axis": "model", "moe_ordinals": [1]})
+    assert response.status_code == 422 and "model_layer_range" in response.json()["detail"]
+
+
+def test_the_model_axis_ends_at_the_runs_num_hidden_layers(shared_service):
+    """Dense layers after the last MoE layer exist on the model axis too: the run's count, not max + 1."""
+    client = ReplayClient(shared_service.url)
+    shape = RunShape(num_moe_layers=2, top_k=2, num_experts=8, moe_layers=(1, 3), num_hidden_layers=6)
+    full = store_requests(client, "mg-tail", {"tl-a": 5}, shape=shape)
+    batch = client.megatron_batch([("mg-tail", "tl-a")], layer_axis="model")
+    assert batch.experts.shape == (5, 6, 2) and batch.meta.num_hidden_layers == 6
+    assert np.array_equal(batch.experts[:4], shape.to_model_axis(full["tl-a"]))

@@ -127,3 +127,48 @@ def test_slice_of_a_realistic_batch_is_a_fraction_of_the_bytes(shared_service):
     ]
     ratio = max(sizes) / len(whole.content)
     assert 0.24 < ratio < 0.26, (sizes, len(whole.content))
+
+
+@pytest.mark.parametrize("cp,tp", [(2, 1), (2, 2), (4, 1)])
+def test_bshd_contiguous_cp_keeps_one_run_of_positions_per_rank(stored, cp, tp):
+    """`cp_split="contiguous"` (miles `--allgather-cp` for BSHD): CP rank r holds positions [r*s/cp, (r+1)*s/cp)."""
+    client, full = stored
+    whole, _ = _fetch(client, packing="bshd", seq_length=304)
+    s, b = whole.layout.seq_length, len(ORDER)
+    ids_sb = torch.from_numpy(_token_ids(whole).reshape(s, b))
+    for c in range(cp):
+        local_sb = ids_sb[c * s // cp : (c + 1) * s // cp]
+        for t in range(tp):
+            sp = mappings._split_along_first_dim(local_sb, Group(tp, t))
+            part, _ = _fetch(client, packing="bshd", seq_length=304, cp_split="contiguous", cp_size=cp, cp_rank=c,
+                             tp_size=tp, tp_rank=t)
+            assert part.layout.cp_split == "contiguous"
+            assert np.array_equal(_token_ids(part), sp.reshape(-1).numpy())
+            _check_rows(part, full)
+
+
+def test_without_sequence_parallel_every_tp_rank_holds_the_cp_ranks_tokens(stored):
+    client, _ = stored
+    parts = [_fetch(client, packing="thd", cp_size=2, cp_rank=1, tp_size=2, tp_rank=t, sequence_parallel=False)[0]
+             for t in range(2)]
+    with_sp = [_fetch(client, packing="thd", cp_size=2, cp_rank=1, tp_size=2, tp_rank=t)[0] for t in range(2)]
+    assert np.array_equal(_token_ids(parts[0]), _token_ids(parts[1]))
+    assert np.array_equal(_token_ids(parts[0]), np.concatenate([_token_ids(p) for p in with_sp]))
+    assert not parts[0].layout.sequence_parallel and parts[0].layout.pad_multiple == 8  # tp*cp*2: TP pads anyway
+
+
+def test_last_sequence_padding_grows_the_last_sequence_before_the_cp_split(stored):
+    """NeMo-RL (`pad_packed_seq_to_multiple_of`) and verl fp8: the padded total is reached by the last sequence,
+    so under CP its zigzag chunks include that padding (unlike slime's tail after the split)."""
+    client, _ = stored
+    whole, _ = _fetch(client, packing="thd", pad_multiple=4, total_multiple=1024)
+    assert whole.layout.cu_seqlens_padded == [0, 304, 484, 744, 1024] and whole.num_tokens == 1024
+    tail, _ = _fetch(client, packing="thd", pad_multiple=4, total_multiple=1024, total_pad="tail")
+    assert tail.layout.cu_seqlens_padded == [0, 304, 484, 744, 840] and tail.num_tokens == 1024
+    assert np.array_equal(_token_ids(whole), _token_ids(tail))  # one rank: the same positions either way
+    c1, _ = _fetch(client, packing="thd", pad_multiple=4, total_multiple=1024, cp_size=2, cp_rank=1)
+    lo, hi = whole.layout.cu_seqlens_padded[3:5]
+    chunk = (hi - lo) // 4
+    # CP rank 1 holds chunks 1 and 2 of the grown last sequence: its ids end with the last sequence's middle
+    tail_ids = _token_ids(whole)[lo + chunk : lo + 3 * chunk]
+    assert np.array_equal(_token_ids(c1)[-2 * chunk :], tail_ids)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from replay_client import ReplayClient, ReplayError
+from replay_format import RunShape
 from tests.support.data import QWEN3_SHAPE, store_requests
 
 torch = pytest.importorskip("torch")
@@ -65,3 +66,29 @@ def test_lengths_off_by_more_than_one_are_refused(stored):
     with pytest.raises(ReplayError) as err:
         client.verl_batch([("vl", "v-b")], prompt_lengths=[12], prompt_width=12, response_width=2)
     assert err.value.status == 422 and "response_width" in err.value.detail
+
+
+def test_model_axis_gives_vllms_layer_layout_for_verl(shared_service):
+    """verl indexes by `layer_number - 1` when the batch has all `num_layers` layers: vLLM's layout, dense zero."""
+    client = ReplayClient(shared_service.url)
+    shape = RunShape(num_moe_layers=3, top_k=2, num_experts=8, moe_layers=(1, 2, 4), num_hidden_layers=5)
+    full = store_requests(client, "vl-axis", {"va-a": 9, "va-b": 4}, shape=shape, seed=17)
+    batch = client.verl_batch([("vl-axis", "va-a"), ("vl-axis", "va-b")], prompt_lengths=[3, 2], prompt_width=4,
+                              response_width=7, layer_axis="model")
+    dense, mask = batch.dense(), batch.mask()
+    assert dense.shape == (2, 11, 5, 2) and batch.layers == [0, 1, 2, 3, 4]
+    assert np.array_equal(dense[0, 1:9].numpy(), shape.to_model_axis(full["va-a"]))  # byte-equal to vLLM's
+    assert np.array_equal(dense[1, 2:5].numpy(), shape.to_model_axis(full["va-b"]))
+    assert not dense[:, :, [0, 3]].any() and mask.sum() == 8 + 3
+
+
+def test_a_flagged_row_is_refused_unless_the_policy_says_what_to_do(shared_service):
+    client = ReplayClient(shared_service.url)
+    store_requests(client, "vl-flag", {"vf-a": 10}, flagged={"vf-a": [4]})
+    seqs, kw = [("vl-flag", "vf-a")], dict(prompt_lengths=[3], prompt_width=3, response_width=7)
+    with pytest.raises(ReplayError) as err:
+        client.verl_batch(seqs, **kw)
+    assert err.value.status == 409 and "position 4" in err.value.detail
+    routed = client.verl_batch(seqs, missing="router", **kw)
+    assert routed.dense_replay_mask()[0].tolist() == [i != 4 for i in range(10)]
+    assert routed.mask()[0, 4].item() is False and routed.replay_data()[0][4].eq(-1).all()

@@ -172,6 +172,12 @@ def _round_trip(frame, reader: FrameReader):
     return reader.read(data[LENGTH.size:])
 
 
+def test_config_frame_carries_the_models_layer_count():
+    """1.1: the plugin's num_hidden_layers (vLLM's get_total_num_hidden_layers) reaches the sink."""
+    shape = RunShape(num_moe_layers=2, top_k=8, num_experts=64, moe_layers=(3, 5), num_hidden_layers=7)
+    assert _round_trip(ConfigFrame(shape, {}), FrameReader()).shape.num_hidden_layers == 7
+
+
 def _reader() -> FrameReader:
     reader = FrameReader()
     config = _round_trip(ConfigFrame(SHAPE, {"run_id": "r"}), reader)

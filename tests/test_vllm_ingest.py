@@ -1,8 +1,14 @@
-"""Engine-output ingestion through the client: vLLM `routed_experts` arrays and SGLang base64 payloads."""
+"""Engine-output ingestion through the client: vLLM `routed_experts` arrays and SGLang base64 payloads.
+
+Also the plugin's side of the model-layer axis: the run's `num_hidden_layers` comes from vLLM's own
+`ModelConfig.get_total_num_hidden_layers()` (what sizes vLLM's `routed_experts`), read from a real
+vLLM config of a Qwen3-MoE with dense layers.
+"""
 
 from __future__ import annotations
 
 import base64
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -35,6 +41,7 @@ def test_vllm_routed_experts_land_equal(svc):
             np.testing.assert_array_equal(route.experts, moe)
             assert route.experts.dtype == np.uint8 and not route.flags.any()
             assert c.request("vllm-out", rid)["status"] == "finished"
+            np.testing.assert_array_equal(c.get_route("vllm-out", rid, layer_axis="model").experts, full)
 
 
 def test_sglang_base64_lands_equal(svc):
@@ -49,3 +56,42 @@ def test_sglang_base64_lands_equal(svc):
             np.testing.assert_array_equal(route.experts, ids)
             assert route.experts.dtype == np.uint16
             assert route.token_ids.tolist() == tokens[:n]
+
+
+def test_vllm_turns_from_routed_experts_prompt_start_land_at_their_positions(svc):
+    """Turn 2 of a conversation: vLLM returns rows from `routed_experts_prompt_start` = turn 1's T - 1."""
+    rng = np.random.default_rng(2)
+    full = np.zeros((30, 4, 2), np.int32)
+    full[:, 1:] = _route(rng, 30, 3, 2, 16)
+    with ReplayClient(svc.url) as c:
+        c.upload_vllm_output("vllm-turns", "chat", full[:19], num_experts=16, moe_layers=[1, 2, 3])  # T1 = 20
+        c.upload_vllm_output("vllm-turns", "chat", full[19:], start=19)  # T2 = 31
+        assert c.request("vllm-turns", "chat")["num_tokens"] == 31
+        np.testing.assert_array_equal(c.get_route("vllm-turns", "chat", strict=True, layer_axis="model").experts, full)
+
+
+def _qwen3_moe_config(path: str, num_layers: int, dense: list[int]) -> str:
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                   num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                   num_experts=8, num_experts_per_tok=2, mlp_only_layers=dense,
+                   max_position_embeddings=256).save_pretrained(path)
+    return path
+
+
+def test_the_plugin_takes_the_model_layer_count_from_vllm(tmp_path):
+    pytest.importorskip("vllm")
+    from vllm.config import ModelConfig
+
+    from capture.vllm.worker.worker_capture import model_num_hidden_layers
+
+    # Layers 0 and 3 dense (Qwen3-MoE `mlp_only_layers`): MoE layers (1, 2) of a 4-layer model, whose
+    # routed_experts vLLM returns as (rows, 4, K); max(moe_layers) + 1 would say 3.
+    config = ModelConfig(model=_qwen3_moe_config(str(tmp_path), 4, [0, 3]), dtype="float32", skip_tokenizer_init=True)
+    assert model_num_hidden_layers(SimpleNamespace(model_config=config), (1, 2)) == 4
+    # Without vLLM's method, the HF text config's count; one that cannot hold the layer ids is not used.
+    hf_only = SimpleNamespace(model_config=SimpleNamespace(hf_text_config=SimpleNamespace(num_hidden_layers=6)))
+    assert model_num_hidden_layers(hf_only, (1, 5)) == 6
+    assert model_num_hidden_layers(hf_only, (1, 6)) == 0  # e.g. an MTP layer numbered past the decoder layers
+    assert model_num_hidden_layers(None, (0, 1)) == 0

@@ -17,7 +17,7 @@ from replay_service.api.deps import Metrics, RequestId, RunId, Settings, Store, 
 from replay_service.api.models import BODY_LIMITS, CONFLICT, ERRORS, RequestSummary
 from replay_service.errors import ServiceError
 from replay_service.ingest.commit import IngestOutcome, IngestResult
-from replay_service.ingest.decode import decode_batch, decode_route, parse_moe_layers, route_num_tokens
+from replay_service.ingest.decode import UploadOptions, decode_batch, decode_route, parse_moe_layers
 from replay_service.metrics import ServiceMetrics
 from replay_service.store import RequestStatus
 
@@ -82,7 +82,7 @@ def finish(run: RunId, request: RequestId, body: FinishBody, store: Store) -> di
 
 @router.post(
     "/runs/{run}/requests/{request}/routes",
-    summary="Store a whole route: .npy (T-1, layers, K), SGLang base64 JSON, or Arrow",
+    summary="Store a whole route, or one turn of it from `start`: .npy (rows, layers, K), SGLang base64 JSON, or Arrow",
     response_model=IngestAnswer,
     responses={**CONFLICT, **BODY_LIMITS},
     openapi_extra={"requestBody": {"required": True, "content": {
@@ -96,21 +96,38 @@ async def upload_route(
     settings: Settings,
     metrics: Metrics,
     num_experts: int | None = Query(None, ge=1, le=65536, description="needed when the run is new (npy)"),
-    moe_layers: str | None = Query(None, description="comma-separated MoE layer indices of the array"),
-    finish: bool = Query(True, description="also mark the request finished with T = rows + 1 tokens"),
+    moe_layers: str | None = Query(None, description="comma-separated model-layer indices of the MoE layers; needed "
+                                                     "for a new run whose array has an all-zero layer"),
+    num_hidden_layers: int | None = Query(None, ge=1, le=65535,
+                                          description="the model's layer count (an array of that many layers holds "
+                                                      "every model layer, dense ones zero)"),
+    start: int | None = Query(None, ge=0, le=2**31 - 2,
+                              description="position of the first row: vLLM's routed_experts_prompt_start, SGLang's "
+                                          "routed_experts_start_len (default 0; an Arrow body's positions say it)"),
+    finish: bool = Query(True, description="also mark the request finished with T = start + rows + 1 tokens (a later "
+                                           "turn extends a finished request)"),
 ) -> IngestAnswer:
-    """One request's whole route as the engine handed it out; stored like a batch of writer `upload/<request>`."""
+    """One request's route (or one turn of it) as the engine handed it out; stored like a batch of rows.
+
+    The rows land at positions `start .. start+n-1`; each (start, rows) is its own idempotent batch.
+    Which layers the array holds comes from `moe_layers`, else from the run, never from guessing.
+    """
     content_type = http.headers.get("content-type", "")
-    layers = parse_moe_layers(moe_layers)
+    options = UploadOptions(num_experts, parse_moe_layers(moe_layers), num_hidden_layers, start)
     async with http.app.state.ingest_slots:  # bounds bodies held in memory
         body = await read_body(http, settings.max_body_bytes)
 
     def store_route() -> IngestResult:
         run_shape = store.run_shape(run) if store.has_run(run) else None
-        rows = decode_route(content_type, body, run, request, run_shape, num_experts, layers)
-        result = store.ingest(rows)
-        if finish:
-            store.finish(run, request, route_num_tokens(rows), RequestStatus.FINISHED)
+        upload = decode_route(content_type, body, run, request, run_shape, options)
+        store.check_upload(run, request, upload.start, upload.num_tokens, finish)  # refused before anything is stored
+        result = store.ingest(upload.rows)
+        store.end_upload(run, request, upload.start, upload.num_tokens, finish)
         return result
 
-    return _answer(metrics, await run_in_threadpool(store_route))
+    try:
+        result = await run_in_threadpool(store_route)
+    except (ServiceError, FormatError):
+        metrics.batches.labels(IngestOutcome.REJECTED.value).inc()
+        raise
+    return _answer(metrics, result)

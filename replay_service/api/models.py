@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from replay_format import ARROW_STREAM_MEDIA_TYPE, JSON_MEDIA_TYPE, NPY_MEDIA_TYPE
+from replay_format import ARROW_STREAM_MEDIA_TYPE, JSON_MEDIA_TYPE, NPY_MEDIA_TYPE, LayerAxis
 from replay_service.store.index import RequestStatus
 
 FlagCounts = dict[str, int]  # flag name -> rows carrying it
@@ -73,6 +73,8 @@ class RunSummary(BaseModel):
     top_k: int
     num_experts: int
     moe_layers: list[int] = Field(description="model-layer index of each MoE layer, in row order")
+    num_hidden_layers: int = Field(description="the model's layer count, dense layers included: the width of a "
+                                               "`layer_axis=model` read; max(moe_layers) + 1 until a batch states it")
     dtype: str = Field(description="id dtype on the wire and on disk: uint8 or uint16")
     source: str | None = Field(None, description="who wrote the run's first batch (rows.md `source`)")
     created_at: float = Field(description="Unix time of the first batch")
@@ -125,6 +127,10 @@ class RequestPage(BaseModel):
     next_cursor: str | None = Field(description="pass as `cursor` for the next page; null on the last")
 
 
+LAYER_AXIS_HELP = ("moe: the run's MoE layers (num_moe_layers per row); model: every model layer "
+                   "(num_hidden_layers per row, dense layers zero), as vLLM's and SGLang's routed_experts")
+
+
 class RouteQuery(BaseModel):
     """Many routes of one run at once (`POST /v1/runs/{run}/routes/batch`)."""
 
@@ -132,6 +138,7 @@ class RouteQuery(BaseModel):
     start: int = Field(0, ge=0)
     end: int | None = Field(None, ge=0, description="exclusive; default: each request to its own end")
     strict: bool = False
+    layer_axis: LayerAxis = Field(LayerAxis.MOE, description=LAYER_AXIS_HELP)
 
 
 class RouteJsonRow(BaseModel):
@@ -139,7 +146,7 @@ class RouteJsonRow(BaseModel):
 
     position: int
     token_id: int | None = Field(description="null when unknown")
-    experts: list[list[int]] = Field(description="[MoE ordinal][k] expert ids")
+    experts: list[list[int]] = Field(description="[layer][k] expert ids; `layers` names each layer")
     flags: list[str]
 
 
@@ -154,6 +161,10 @@ class RouteJson(BaseModel):
     top_k: int
     num_experts: int
     moe_layers: list[int]
+    num_hidden_layers: int
+    layer_axis: LayerAxis
+    layers: list[int] = Field(description="model-layer index of each row's `experts` entry: moe_layers on the moe "
+                                          "axis, 0..num_hidden_layers-1 on the model axis")
     flagged: FlagCounts = Field(description="rows per flag in this range")
     rows: list[RouteJsonRow]
 

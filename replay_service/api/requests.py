@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from typing import Annotated
 
 from fastapi import APIRouter, Header, Query
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 
-from replay_format import ARROW_STREAM_MEDIA_TYPE, ID_RULE, parse_flag, valid_id
+from replay_format import ARROW_STREAM_MEDIA_TYPE, ID_RULE, LayerAxis, parse_flag, valid_id
 from replay_service import encode
 from replay_service.api.deps import RequestId, RunId, Settings, Store
 from replay_service.api.models import (
     ARROW_ANSWER,
     CONFLICT,
     ERRORS,
+    LAYER_AXIS_HELP,
     ROUTE_MEDIA_TYPES,
     RequestPage,
     RequestSummary,
@@ -49,10 +51,11 @@ def request_summary(run: RunId, request: RequestId, store: Store) -> dict:
 
 @router.get(
     "/runs/{run}/requests/{request}/routes",
-    summary="A request's route: Arrow IPC (default; replay_format/route.md), .npy or JSON by Accept or format",
+    summary="A request's route: Arrow IPC (default; replay_format/route.md), .npy or JSON by Accept or format; "
+            "MoE layers or every model layer (layer_axis)",
     response_class=StreamingResponse,
-    responses={200: {**binary_answer(*ROUTE_MEDIA_TYPES, description="Arrow: route.md; .npy: (n, L, K) ids; JSON: "
-                                     "RouteJson"), "model": RouteJson}, **CONFLICT},
+    responses={200: {**binary_answer(*ROUTE_MEDIA_TYPES, description="Arrow: route.md; .npy: (n, layers, K) ids; "
+                                     "JSON: RouteJson"), "model": RouteJson}, **CONFLICT},
 )
 async def get_route(
     run: RunId,
@@ -63,6 +66,7 @@ async def get_route(
     end: int | None = Query(None, ge=0, description="exclusive; default: T-1 when finished, else last position + 1"),
     strict: bool = Query(False, description="409 instead of data when any row in range is flagged or missing"),
     format: str | None = Query(None, description="arrow | npy | json (overrides Accept)"),
+    layer_axis: Annotated[LayerAxis, Query(description=LAYER_AXIS_HELP)] = LayerAxis.MOE,
     accept: str | None = Header(None),
 ) -> StreamingResponse:
     kind = encode.pick_format(format, accept)
@@ -71,7 +75,7 @@ async def get_route(
         route = store.read_route(run, request, start, end)
         if strict:
             encode.refuse_if_flagged(route, settings.strict_report_rows, f"request {request!r}")
-        return encode.route_answer(run, route, start, kind, settings.max_json_rows)
+        return encode.route_answer(run, route, start, kind, settings.max_json_rows, layer_axis)
 
     answer = await run_in_threadpool(work)
     # the parts view the route's arrays: no copy of the ids between the store and the socket
@@ -92,7 +96,7 @@ async def batch_routes(run: RunId, body: RouteQuery, store: Store, settings: Set
         if not valid_id(rid):
             raise InvalidInput(f"request id {rid!r} is not a valid id: {ID_RULE}")
     chunks = await run_in_threadpool(encode.batch_answer, store, run, body.requests, body.start, body.end,
-                                     body.strict, settings.strict_report_rows)
+                                     body.strict, settings.strict_report_rows, body.layer_axis)
     return StreamingResponse(_streamed(chunks), media_type=ARROW_STREAM_MEDIA_TYPE)
 
 

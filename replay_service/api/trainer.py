@@ -1,4 +1,8 @@
-"""Trainer slices over HTTP: Megatron-core RouterReplay per rank, verl dense batches (replay_service/trainer/)."""
+"""Trainer slices over HTTP: Megatron-core RouterReplay per rank, verl dense batches (replay_service/trainer/).
+
+The bodies here only name what the trainer runs; `replay_service.trainer` turns them into a token
+plan (`layouts.MegatronSpec`, a convention's padding from `conventions.py`) and a slice.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,21 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from replay_format import ARROW_STREAM_MEDIA_TYPE
-from replay_format.trainer_slice import Packing
+from replay_format import ARROW_STREAM_MEDIA_TYPE, LayerAxis
+from replay_format.trainer_slice import Convention, CpSplit, MissingPolicy, Packing, TotalPad
 from replay_service.api.deps import Settings, Store
 from replay_service.api.models import CONFLICT, ERRORS, binary_answer
 from replay_service.settings import ServiceSettings
 from replay_service.trainer import layouts
-from replay_service.trainer.reads import SequenceRef, SliceAnswer, SliceLimits, SliceQuery, read_rank_slice
+from replay_service.trainer.conventions import ThdPadding, resolve_padding
+from replay_service.trainer.reads import (
+    SequenceRef,
+    SliceAnswer,
+    SliceLimits,
+    SliceQuery,
+    missing_policy,
+    read_rank_slice,
+)
 
 router = APIRouter(prefix="/v1/trainer", tags=["trainer"], responses=ERRORS)
 
@@ -39,29 +51,70 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     sequences: list[Sequence] = Field(min_length=1, description="the micro-batch, in order")
-    moe_ordinals: list[int] | None = Field(None, description="MoE ordinals of this pipeline stage (default: all)")
+    moe_ordinals: list[int] | None = Field(None, description="MoE ordinals of this pipeline stage (default: all; "
+                                           "moe axis only)")
     model_layer_range: tuple[int, int] | None = Field(
-        None, description="or: this stage's model layers [lo, hi); the MoE layers among them")
-    strict: bool = Field(False, description="409 instead of filler when a token's recorded row is flagged or missing")
+        None, description="or: this stage's model layers [lo, hi); the MoE layers among them (model axis: all of "
+        "them, dense ones zero)")
+    layer_axis: LayerAxis = Field(LayerAxis.MOE, description="moe: the MoE layers only; model: every model layer, "
+                                  "dense ones zero, as vLLM's routed_experts (slime, miles, verl index by model "
+                                  "layer)")
+    missing: MissingPolicy | None = Field(
+        None, description="a real token whose recorded row is flagged or missing: strict (default) answers 409 "
+        "naming the rows; router sets fallback=1 (the trainer's router picks that token's experts: NeMo-RL's -1 "
+        "rows); filler replays filler ids (valid=0), which changes every later token's hidden state")
+    strict: bool | None = Field(None, description="deprecated alias: true = missing=strict, false = missing=filler")
 
     def query(self) -> SliceQuery:
         """The domain query of this body."""
         refs = [SequenceRef(s.run, s.request, s.start, s.num_tokens) for s in self.sequences]
-        return SliceQuery(refs, self.moe_ordinals, self.model_layer_range, self.strict)
+        return SliceQuery(refs, self.moe_ordinals, self.model_layer_range, self.missing_policy(), self.layer_axis)
+
+    def missing_policy(self) -> MissingPolicy:
+        """`missing`, or what the older `strict` flag meant; strict when neither is given."""
+        return missing_policy(self.missing, self.strict)
 
 
 class MegatronQuery(_Common):
     """One rank of a Megatron micro-batch."""
 
     packing: Packing = Packing.THD
-    pad_multiple: int | None = Field(None, ge=1, description="THD: pad each sequence to this multiple "
-                                     "(default tp*cp*2 with CP, else tp)")
+    convention: Convention | None = Field(
+        None, description="THD: pad as this trainer does (verl, slime, miles); fixes pad_multiple, total_multiple "
+        "and total_pad, which are then refused")
+    pad_multiple: int | None = Field(None, ge=1, description="pad each sequence to this multiple (default tp*cp*2 "
+                                     "with CP, else tp: verl's rule; BSHD: the default seq_length's)")
+    total_multiple: int | None = Field(None, ge=1, description="THD: pad the whole micro-batch (all CP ranks) to "
+                                       "a multiple of this (default 1)")
+    total_pad: TotalPad | None = Field(None, description="THD: where those tokens go: last_sequence (default; verl "
+                                       "fp8, NeMo-RL) or tail (after the CP split, each rank's stream: slime/miles)")
+    cp_split: CpSplit = Field(CpSplit.ZIGZAG, description="zigzag: each sequence in 2*cp chunks, rank r keeps r "
+                              "and 2cp-1-r; contiguous: the padded stream in cp parts (slime/miles --allgather-cp)")
+    data_pad_size_multiplier: int | None = Field(None, ge=1, description="convention slime/miles: their "
+                                                 "--data-pad-size-multiplier (default 128)")
+    fp8_padding: bool | None = Field(None, description="convention verl: tf_config.fp8 is e4m3 or hybrid "
+                                     "(use_fp8_padding)")
     seq_length: int | None = Field(None, ge=1, description="BSHD: padded sequence length (default: longest, "
                                    "rounded up)")
     cp_size: int = Field(1, ge=1)
     cp_rank: int = Field(0, ge=0)
-    tp_size: int = Field(1, ge=1, description="sequence-parallel size (TP size with SP on; 1 with SP off)")
+    tp_size: int = Field(1, ge=1, description="TP size; the tokens are split over it when sequence_parallel")
     tp_rank: int = Field(0, ge=0)
+    sequence_parallel: bool = Field(True, description="split this CP rank's tokens over TP (megatron-core's SP "
+                                    "scatter; verl always does)")
+
+    def spec(self) -> layouts.MegatronSpec:
+        """The rank's token-plan parameters; InvalidInput for options that do not go together."""
+        return layouts.MegatronSpec(self.packing, self.padding(), self.seq_length, self.cp_split, self.cp_size,
+                                    self.cp_rank, self.tp_size, self.tp_rank, self.sequence_parallel,
+                                    self.convention)
+
+    def padding(self) -> ThdPadding:
+        """THD padding: the convention's, or the explicit fields over verl's default rule."""
+        return resolve_padding(self.packing, self.convention, cp_size=self.cp_size, tp_size=self.tp_size,
+                               cp_split=self.cp_split, pad_multiple=self.pad_multiple,
+                               total_multiple=self.total_multiple, total_pad=self.total_pad,
+                               data_pad_size_multiplier=self.data_pad_size_multiplier, fp8_padding=self.fp8_padding)
 
 
 class VerlQuery(_Common):
@@ -90,9 +143,10 @@ def _streamed(answer: SliceAnswer) -> StreamingResponse:
     responses=SLICE_ANSWER,
 )
 async def megatron(body: MegatronQuery, store: Store, settings: Settings) -> StreamingResponse:
+    spec = body.spec()
+
     def make_plan(specs: list[layouts.SequenceSpec]) -> layouts.TokenPlan:
-        return layouts.megatron_plan([s.num_tokens for s in specs], body.packing, body.pad_multiple, body.seq_length,
-                                     body.cp_size, body.cp_rank, body.tp_size, body.tp_rank)
+        return layouts.megatron_plan([s.num_tokens for s in specs], spec)
 
     return _streamed(await run_in_threadpool(read_rank_slice, store, body.query(), make_plan, _limits(settings)))
 

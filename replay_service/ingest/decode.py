@@ -1,15 +1,18 @@
 """Ingest stage 1, decode: request bodies become `Rows` (replay_format.rows), or a named error.
 
 Two endpoints send rows. `POST /v1/ingest` takes row batches (rows.md) and nothing else.
-`POST /v1/runs/{run}/requests/{request}/routes` takes one request's whole route in the form the
-engine handed it out: `.npy` or SGLang JSON (`engine_outputs.py`), or an Arrow row batch whose
-run, writer and request come from the URL. Nothing is stored until a body has decoded.
+`POST /v1/runs/{run}/requests/{request}/routes` takes one request's whole route, or one turn of it
+from a start position, in the form the engine handed it out: `.npy` or SGLang JSON
+(`engine_outputs.py`), or an Arrow row batch whose run, writer and request come from the URL.
+Nothing is stored until a body has decoded.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -18,8 +21,15 @@ from replay_format import ARROW_STREAM_MEDIA_TYPE, JSON_MEDIA_TYPE, NPY_MEDIA_TY
 from replay_format import rows as rows_format
 from replay_format.rows import Rows, RowsMeta, shape_metadata
 from replay_service.errors import InvalidInput, UnsupportedMediaType
-from replay_service.ingest.engine_outputs import EngineRoute, decode_npy, decode_sglang_json, engine_route_rows
+from replay_service.ingest.engine_outputs import (
+    EngineRoute,
+    decode_npy,
+    decode_sglang_json,
+    engine_route_rows,
+    upload_writer,
+)
 
+T = TypeVar("T")
 # Metadata keys that name a run's layer count (rows.md 2.0 and 1.0).
 _SHAPE_KEYS = {"num_moe_layers", "num_layers"}
 
@@ -61,42 +71,75 @@ def parse_moe_layers(text: str | None) -> tuple[int, ...] | None:
         raise InvalidInput(f"moe_layers={text!r} is not a comma-separated list of layer indices") from None
 
 
-def decode_route(content_type: str, body: bytes | memoryview, run_id: str, request_id: str,
-                 run_shape: RunShape | None, num_experts: int | None, moe_layers: tuple[int, ...] | None) -> Rows:
-    """One request's whole route (positions 0..T-2), idempotent on (run, "upload/<request>", 0).
+@dataclass(frozen=True)
+class UploadOptions:
+    """What the caller says about an uploaded route beside its body (query parameters)."""
 
-    `run_shape` is the run's when it exists: engine outputs holding every model layer are cut
-    to its MoE layers, and an Arrow body without shape keys takes its shape.
+    num_experts: int | None = None
+    moe_layers: tuple[int, ...] | None = None  # model-layer index of each MoE layer
+    num_hidden_layers: int | None = None  # the model's layer count
+    start: int | None = None  # the first row's position (default 0; an Arrow body's positions say it)
+
+
+@dataclass
+class Upload:
+    """A decoded route upload: its rows, the first position they start at, and the request length they imply."""
+
+    rows: Rows
+    start: int
+    num_tokens: int  # T: the last row's position + 2 (start + 1 for no rows)
+
+
+def decode_route(content_type: str, body: bytes | memoryview, run_id: str, request_id: str,
+                 run_shape: RunShape | None, options: UploadOptions = UploadOptions()) -> Upload:
+    """One request's route, or one turn of it, at positions `start ..`; idempotent per (request, start, rows).
+
+    `run_shape` is the run's when it exists: it says which layers an engine output holds when the caller
+    does not (`engine_outputs.choose_layers`), and an Arrow body without shape keys takes its shape.
     """
     kind = BodyKind.of(content_type)
     if kind == BodyKind.NPY:
-        route = EngineRoute(decode_npy(body), None, moe_layers, None, Source.VLLM_OUTPUT)
+        route = EngineRoute(decode_npy(body), None, None, None, Source.VLLM_OUTPUT)
     elif kind == BodyKind.SGLANG_JSON:
         route = decode_sglang_json(body)
-        route.moe_layers = moe_layers or route.moe_layers
     elif kind == BodyKind.ARROW:
-        return _arrow_route(body, run_id, request_id, run_shape)
+        return _arrow_route(body, run_id, request_id, run_shape, options.start)
     else:
         raise UnsupportedMediaType(f"a route is {NPY_MEDIA_TYPE}, {JSON_MEDIA_TYPE} or {ARROW_STREAM_MEDIA_TYPE}; "
                                    f"got {media_type(content_type) or 'no content type'}")
-    return engine_route_rows(run_id, request_id, route, run_shape, num_experts)
+    route.start = _agree("start", "routed_experts_start_len", options.start, route.start)
+    route.moe_layers = _agree("moe_layers", "moe_layers", options.moe_layers, route.moe_layers)
+    route.num_hidden_layers = _agree("num_hidden_layers", "num_hidden_layers", options.num_hidden_layers,
+                                     route.num_hidden_layers)
+    rows = engine_route_rows(run_id, request_id, route, run_shape, options.num_experts)
+    start = route.start or 0
+    return Upload(rows, start, start + rows.num_rows + 1)
 
 
-def _arrow_route(body: bytes | memoryview, run_id: str, request_id: str, run_shape: RunShape | None) -> Rows:
+def _agree(query_name: str, body_name: str, query: T | None, body: T | None) -> T | None:
+    """The value the query and the body both name (either may leave it out); InvalidInput when they differ."""
+    if query is not None and body is not None and query != body:
+        raise InvalidInput(f"the query says {query_name}={query} but the body says {body_name}={body}")
+    return query if query is not None else body
+
+
+def _arrow_route(body: bytes | memoryview, run_id: str, request_id: str, run_shape: RunShape | None,
+                 start: int | None) -> Upload:
+    """An Arrow row batch of one request: positions are absolute (rows.md); a given `start` must be the first."""
     table, md = rows_format.read_stream(body)
     md = {"source": Source.VLLM_OUTPUT.value, **md, "run_id": run_id, "writer_id": "upload", "seq": "0"}
     if run_shape is not None and not _SHAPE_KEYS & md.keys():
         md.setdefault("format_version", str(rows_format.VERSION))  # the run's shape is written in today's keys
         md.update(shape_metadata(run_shape))
     meta = RowsMeta.from_metadata(md)
-    # "upload/<request>" breaks the id rule on purpose: no real writer can send this writer id.
-    meta = dataclasses.replace(meta, writer_id=f"upload/{request_id}")
     if "request_id" in table.schema.names:
         table = table.drop_columns(["request_id"])
     table = table.add_column(0, "request_id", pa.array([request_id] * table.num_rows, pa.utf8()))
-    return rows_format.read_rows(table, meta)
-
-
-def route_num_tokens(rows: Rows) -> int:
-    """T of a whole route: its last position + 2 (the last sampled token has no row)."""
-    return int(np.max(rows.positions)) + 2 if rows.num_rows else 1
+    rows = rows_format.read_rows(table, meta)
+    first = int(np.min(rows.positions))
+    if start is not None and start != first:
+        raise InvalidInput(f"an Arrow route's positions are absolute (rows.md): its first is {first}, but "
+                           f"start={start}; write the positions start, start + 1, ... into the body")
+    # The upload's idempotency key, as for engine outputs (`upload_writer`): one batch per (request, start, rows).
+    rows.meta = dataclasses.replace(meta, writer_id=upload_writer(request_id, first), seq=rows.num_rows)
+    return Upload(rows, first, int(np.max(rows.positions)) + 2)

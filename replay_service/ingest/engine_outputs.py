@@ -1,9 +1,13 @@
 """Whole routes as engines hand them out, decoded into row batches (`Rows`).
 
-Two shapes arrive: vLLM's `routed_experts` as a `.npy` array `(T-1, layers, top_k)` and SGLang's
-`meta_info["routed_experts"]` as base64 int32 inside JSON. Both may hold every model layer
-(dense ones as zeros); only MoE layers are stored. Everything here raises `FormatError` (its
-`UndecodableError` when the body is not .npy or JSON at all) or `InvalidInput`, naming the problem.
+Two shapes arrive: vLLM's `routed_experts` as a `.npy` array `(rows, layers, top_k)` and SGLang's
+`meta_info["routed_experts"]` as base64 int32 inside JSON. Both hold every model layer (dense ones
+as zeros: vLLM sizes its buffer by `get_total_num_hidden_layers()`, SGLang by `num_hidden_layers`),
+or a caller may send only the MoE layers; only MoE layers are stored (`choose_layers` says which,
+never by guessing). Rows start at `start` (vLLM's `routed_experts_prompt_start`, SGLang's
+`routed_experts_start_len`: a later turn of a conversation). Everything here raises `FormatError`
+(its `UndecodableError` when the body is not .npy or JSON at all), `InvalidInput` or `Conflict`
+(an array that fits neither of the run's axes), naming the problem.
 """
 
 from __future__ import annotations
@@ -16,47 +20,110 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from replay_format import NO_TOKEN, RunShape, Source, UndecodableError
-from replay_format.rows import Rows, RowsMeta, narrow_ids
-from replay_service.errors import InvalidInput
+from replay_format import NO_TOKEN, FormatError, RunShape, Source, UndecodableError
+from replay_format.rows import POSITION_MAX, Rows, RowsMeta, narrow_ids
+from replay_service.errors import Conflict, InvalidInput
 
 ID_DTYPES = ("int32", "int64", "int16", "uint8", "uint16")  # what a JSON route's `dtype` may name
 
 
 @dataclass
 class EngineRoute:
-    """A whole route from an engine output, before layer selection."""
+    """A whole route (or one turn of it) from an engine output, before its layers are chosen."""
 
-    route: np.ndarray  # (T-1, layers, K) integers
+    route: np.ndarray  # (n, layers, K) integers: rows of positions start .. start+n-1
     num_experts: int | None
-    moe_layers: tuple[int, ...] | None
+    moe_layers: tuple[int, ...] | None  # the caller's list of MoE layers (model-layer indices)
     token_ids: np.ndarray | None
     source: Source
+    start: int | None = None  # first row's position (vLLM routed_experts_prompt_start, SGLang routed_experts_start_len)
+    num_hidden_layers: int | None = None  # the caller's model layer count
 
 
-def select_moe_layers(route: np.ndarray, moe_layers: tuple[int, ...] | None) -> tuple[np.ndarray, tuple[int, ...]]:
-    """Keep only MoE layers of an engine output `(T-1, num_model_layers, K)`.
+@dataclass(frozen=True)
+class LayerChoice:
+    """Which model layers an uploaded array's layers are."""
 
-    Engines write dense layers as zeros (vLLM's `routed_experts`); without a
-    caller-given list the MoE layers are the ones that are not all zero.
+    moe_layers: tuple[int, ...]
+    num_hidden_layers: int  # 0: not known (RunShape derives max(moe_layers) + 1)
+    model_axis: bool  # the array holds every model layer (dense ones zero), else exactly the MoE layers
+
+
+REFUSE_TO_GUESS = (
+    "the service does not guess which layers are MoE layers: pass moe_layers (the model-layer indices of the "
+    "layers with a router, e.g. 3..60 for DeepSeek-V3; `?moe_layers=` or the JSON field), and num_hidden_layers "
+    "when the array holds only the MoE layers")
+
+
+def choose_layers(route: np.ndarray, moe_layers: tuple[int, ...] | None, num_hidden_layers: int | None,
+                  run_shape: RunShape | None) -> LayerChoice:
+    """The layer list of an uploaded `(n, layers, K)` array, from the caller, else the run, else refused when ambiguous.
+
+    An array of a run's `num_moe_layers` layers is on the MoE axis, one of `num_hidden_layers` on the
+    model axis (vLLM's and SGLang's `routed_experts`). Without a list or a run, every layer is a MoE
+    layer when none is all zero; a zero layer may be dense or a real top-1 layer that chose expert 0
+    on every row, so that is refused (InvalidInput saying to pass `moe_layers`), never dropped.
     """
     if route.ndim != 3:
-        raise InvalidInput(f"a route is (tokens-1, layers, top_k); got shape {route.shape}")
+        raise InvalidInput(f"a route is (rows, layers, top_k); got shape {route.shape}")
+    width = route.shape[1]
     if moe_layers:
-        if max(moe_layers) >= route.shape[1] or min(moe_layers) < 0:
-            raise InvalidInput(f"moe_layers {list(moe_layers)} do not fit a route of {route.shape[1]} layers")
-        if len(moe_layers) == route.shape[1]:
-            return route, tuple(moe_layers)
-        return np.ascontiguousarray(route[:, list(moe_layers), :]), tuple(moe_layers)
-    if route.shape[0] == 0:
-        return route, tuple(range(route.shape[1]))
-    nonzero = np.flatnonzero(route.reshape(route.shape[0], route.shape[1], -1).any(axis=(0, 2)))
-    if nonzero.size == 0:
-        raise InvalidInput("every layer of the route is all zero: nothing to store (pass moe_layers explicitly)")
-    layers = tuple(int(x) for x in nonzero)
+        layers = tuple(moe_layers)
+        if layers[0] < 0 or any(b <= a for a, b in zip(layers, layers[1:])):
+            raise InvalidInput(f"moe_layers {list(layers)} must be increasing model-layer indices >= 0")
+        if num_hidden_layers and width == num_hidden_layers and layers[-1] < width:
+            return LayerChoice(layers, width, model_axis=True)
+        if width == len(layers):
+            return LayerChoice(layers, num_hidden_layers or 0, model_axis=False)
+        if not num_hidden_layers and layers[-1] < width:
+            return LayerChoice(layers, width, model_axis=True)
+        model = (f"num_hidden_layers={num_hidden_layers}" if num_hidden_layers
+                 else f"every layer of a model of more than {layers[-1]} layers")
+        raise InvalidInput(
+            f"the array holds {width} layers: neither the {len(layers)} of moe_layers {list(layers)} nor {model}")
+    if run_shape is not None:
+        return _layers_of_run(width, num_hidden_layers, run_shape)
+    zero = np.flatnonzero(~route.reshape(route.shape[0], width, -1).any(axis=(0, 2)))
+    if zero.size:
+        raise InvalidInput(f"layers {zero.tolist()} of the array are all zero (dense layers, or MoE layers whose "
+                           f"top-1 was expert 0 on every row): {REFUSE_TO_GUESS}")
+    if num_hidden_layers and num_hidden_layers != width:
+        raise InvalidInput(f"the array holds {width} layers of a {num_hidden_layers}-layer model: {REFUSE_TO_GUESS}")
+    return LayerChoice(tuple(range(width)), width, model_axis=True)
+
+
+def _layers_of_run(width: int, num_hidden_layers: int | None, run: RunShape) -> LayerChoice:
+    hidden = num_hidden_layers or run.num_hidden_layers
+    if width == run.num_moe_layers:
+        return LayerChoice(run.moe_layers, num_hidden_layers or 0, model_axis=False)
+    if width == hidden:
+        return LayerChoice(run.moe_layers, width, model_axis=True)
+    # A run that never learnt its model's layer count (max(moe_layers) + 1) learns it from a wider model-axis array.
+    if not num_hidden_layers and run.num_hidden_layers == run.moe_layers[-1] + 1 and width > run.num_hidden_layers:
+        return LayerChoice(run.moe_layers, width, model_axis=True)
+    raise Conflict(
+        f"the array holds {width} layers: neither the run's {run.num_moe_layers} MoE layers {list(run.moe_layers)} "
+        f"nor its model's {run.num_hidden_layers} layers; send one of those (or pass moe_layers and "
+        "num_hidden_layers if this is another model)")
+
+
+def moe_rows(route: np.ndarray, choice: LayerChoice) -> np.ndarray:
+    """The MoE layers of an array on `choice`'s axis, `(n, num_moe_layers, K)`; its dense layers must be zero.
+
+    A non-zero id on a layer outside `moe_layers` means the list does not describe the array (an
+    off-by-one list, another model): InvalidInput, never a silent shift of every layer.
+    """
+    if not choice.model_axis:
+        return route
+    layers = list(choice.moe_layers)
     if len(layers) == route.shape[1]:
-        return route, layers
-    return np.ascontiguousarray(route[:, list(layers), :]), layers
+        return route
+    dense = np.setdiff1d(np.arange(route.shape[1]), layers)
+    nonzero = dense[route[:, dense].reshape(route.shape[0], len(dense), -1).any(axis=(0, 2))]
+    if nonzero.size:
+        raise InvalidInput(f"layers {nonzero.tolist()} are not in moe_layers {layers} but hold non-zero ids: "
+                           "the layer list does not describe this array")
+    return np.ascontiguousarray(route[:, layers, :])
 
 
 def decode_npy(body: bytes | memoryview) -> np.ndarray:
@@ -88,7 +155,11 @@ def decode_npy(body: bytes | memoryview) -> np.ndarray:
 
 
 def decode_sglang_json(body: bytes | memoryview) -> EngineRoute:
-    """SGLang-style `{"routed_experts": base64 int32, "num_layers", "top_k", ...}`."""
+    """SGLang-style `{"routed_experts": base64 int32, "num_layers", "top_k", ...}`.
+
+    Optional: `num_experts`, `token_ids`, `moe_layers`, `num_hidden_layers`, and `routed_experts_start_len`
+    (SGLang's request field: the response covers positions `[start, seqlen - 1)`).
+    """
     try:
         doc = json.loads(bytes(body))
     except (ValueError, UnicodeDecodeError) as exc:
@@ -113,12 +184,18 @@ def decode_sglang_json(body: bytes | memoryview) -> EngineRoute:
     if num_layers < 1 or top_k < 1 or ids.size % (num_layers * top_k):
         raise InvalidInput(f"{ids.size} ids do not split into rows of num_layers*top_k = {num_layers}*{top_k}")
     token_ids, moe_layers = _json_int_list(doc, "token_ids"), _json_int_list(doc, "moe_layers")
+    start = _json_int(doc, "routed_experts_start_len")
+    hidden = _json_int(doc, "num_hidden_layers")
+    if (start is not None and start < 0) or (hidden is not None and hidden < 1):
+        raise InvalidInput("'routed_experts_start_len' must be >= 0 and 'num_hidden_layers' >= 1")
     return EngineRoute(
         route=ids.reshape(-1, num_layers, top_k),
         num_experts=_json_int(doc, "num_experts"),
         moe_layers=tuple(moe_layers) if moe_layers else None,
         token_ids=np.asarray(token_ids, np.int64) if token_ids is not None else None,
         source=Source.SGLANG_OUTPUT,
+        start=start,
+        num_hidden_layers=hidden,
     )
 
 
@@ -140,29 +217,52 @@ def _json_int_list(doc: dict, key: str) -> list[int] | None:
     return value
 
 
-def engine_route_rows(
-    run_id: str, request_id: str, route: EngineRoute, run_shape: RunShape | None, num_experts: int | None
-) -> Rows:
-    """Rows for a whole-route upload; idempotent on (run, "upload/<request>", 0)."""
-    all_layers = run_shape is not None and route.route.shape[1] != run_shape.num_moe_layers
-    layers_wanted = route.moe_layers or (run_shape.moe_layers if run_shape is not None and all_layers else None)
-    experts3, moe_layers = select_moe_layers(route.route, layers_wanted)
-    if run_shape is not None and route.moe_layers is None and experts3.shape[1] == run_shape.num_moe_layers:
-        moe_layers = run_shape.moe_layers
+def upload_writer(request_id: str, start: int) -> str:
+    """The writer id of a whole-route upload starting at `start` (its seq is its row count).
+
+    "upload/<request>@<start>" breaks the id rule on purpose: no real writer can send it. Each turn
+    of a request (another start) is its own batch; the same turn again is a retry (idempotent).
+    """
+    return f"upload/{request_id}@{start}"
+
+
+def engine_route_rows(run_id: str, request_id: str, route: EngineRoute, run_shape: RunShape | None,
+                      num_experts: int | None) -> Rows:
+    """Rows at positions `start .. start+n-1` for an upload; idempotent on (run, upload_writer(request, start), n)."""
+    choice = choose_layers(route.route, route.moe_layers, route.num_hidden_layers, run_shape)
+    experts3 = moe_rows(route.route, choice)
     n, num_moe_layers, top_k = experts3.shape
     experts_n = num_experts or route.num_experts or (run_shape.num_experts if run_shape else None)
     if experts_n is None:
         raise InvalidInput("num_experts is unknown: pass it (query parameter or JSON field) for a new run")
-    shape = RunShape(num_moe_layers, top_k, experts_n, moe_layers)
+    start = route.start or 0
+    if start + n - 1 > POSITION_MAX:
+        raise InvalidInput(f"rows from start={start} reach position {start + n - 1}, past {POSITION_MAX}")
+    try:
+        shape = RunShape(num_moe_layers, top_k, experts_n, choice.moe_layers, choice.num_hidden_layers)
+    except FormatError as exc:
+        raise InvalidInput(f"the route's shape: {exc}") from None
     experts = narrow_ids(experts3.reshape(n, num_moe_layers * top_k), experts_n, what="route")
-    tokens = np.full(n, NO_TOKEN, np.int32)
-    if route.token_ids is not None:
-        if len(route.token_ids) not in (n, n + 1):
-            raise InvalidInput(
-                f"token_ids has {len(route.token_ids)} entries; a route of {n} rows needs {n} or {n + 1}")
-        tokens = route.token_ids[:n].astype(np.int32)
-    # "upload/<request>" breaks the id rule on purpose: no real writer can send this writer id.
-    meta = RowsMeta(run_id=run_id, writer_id=f"upload/{request_id}", seq=0, shape=shape, source=route.source)
+    meta = RowsMeta(run_id=run_id, writer_id=upload_writer(request_id, start), seq=n, shape=shape,
+                    source=route.source)
     return Rows(meta=meta, request_ids=[request_id], request_index=np.zeros(n, np.int32),
-                positions=np.arange(n, dtype=np.int32), token_ids=tokens, experts=experts,
+                positions=np.arange(start, start + n, dtype=np.int32),
+                token_ids=_upload_tokens(route.token_ids, start, n), experts=experts,
                 flags=np.zeros(n, np.uint16))
+
+
+def _upload_tokens(token_ids: np.ndarray | None, start: int, n: int) -> np.ndarray:
+    """Input tokens of rows `start .. start+n-1`: `token_ids` from `start` (n or n+1 of them), or the whole sequence.
+
+    The whole sequence is `start + n + 1` tokens (T: e.g. SGLang's input_ids + output ids); the
+    counts never collide (at start 0 both readings are the same).
+    """
+    if token_ids is None:
+        return np.full(n, NO_TOKEN, np.int32)
+    if len(token_ids) in (n, n + 1):
+        return token_ids[:n].astype(np.int32)
+    if len(token_ids) == start + n + 1:
+        return token_ids[start : start + n].astype(np.int32)
+    raise InvalidInput(
+        f"token_ids has {len(token_ids)} entries; rows {start}..{start + n - 1} need the tokens from position {start} "
+        f"({n} or {n + 1}) or the whole sequence ({start + n + 1})")

@@ -12,7 +12,8 @@ after its segment is fsynced and renamed into place and its index rows are commi
 (synchronous=FULL). Reading a request asks the index for its spans (segment, row range,
 position range) and slices the memory-mapped segments (reads.py): no file of the run is
 scanned. The run registry (runs.py) keeps each run's shape and expert load in memory;
-summaries.py turns index rows into the API's records.
+summaries.py turns index rows into the API's records; ends.py says where a request ends after a
+route upload (a later turn extends it).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from replay_service.buffers import BufferPool
 from replay_service.errors import Conflict, InvalidInput, NotFound
 from replay_service.settings import ServiceSettings
 from replay_service.store.compares import CompareStore
+from replay_service.store.ends import upload_end
 from replay_service.store.files import SegmentCache, sweep_unindexed
 from replay_service.store.index import Index, RequestStatus, count_column
 from replay_service.store.reads import RouteRows, RowReader
@@ -92,6 +94,18 @@ class RouteStore:
                     f"got {status} with {num_tokens}")
             tx.set_final(run_id, request_id, num_tokens, status)
         return self.request_summary(run_id, request_id)
+
+    def check_upload(self, run_id: str, request_id: str, start: int, num_tokens: int, finish: bool) -> None:
+        """Conflict, before anything is stored, when an upload of rows `start .. num_tokens-2` cannot land (ends.py)."""
+        if self.registry.get(run_id) is not None:
+            upload_end(self.index.request(run_id, request_id), request_id, start, num_tokens, finish)
+
+    def end_upload(self, run_id: str, request_id: str, start: int, num_tokens: int, finish: bool) -> None:
+        """Move the request's end after an upload's rows were stored: finish it, extend it by a turn, or leave it."""
+        with self.index.transaction() as tx:
+            end = upload_end(tx.request(run_id, request_id), request_id, start, num_tokens, finish)
+            if end is not None:
+                tx.set_final(run_id, request_id, end, RequestStatus.FINISHED)
 
     # ---- runs
 

@@ -46,6 +46,7 @@ CREATE TABLE IF NOT EXISTS runs (
     top_k INTEGER NOT NULL,
     num_experts INTEGER NOT NULL,
     moe_layers TEXT NOT NULL,
+    num_hidden_layers INTEGER NOT NULL DEFAULT 0,
     source TEXT NOT NULL,
     created_at REAL NOT NULL,
     bytes INTEGER NOT NULL DEFAULT 0,
@@ -92,10 +93,12 @@ CREATE TABLE IF NOT EXISTS row_flags (
     PRIMARY KEY (run_id, request_id, position)
 );
 """
-# Index files written before the runs table said num_moe_layers (user_version 0) are renamed on open.
-SCHEMA_VERSION = 1
+# Index files are brought up to date on open: user_version 0 named num_moe_layers num_layers (renamed);
+# before 2, runs had no num_hidden_layers (added as 0: unknown, read as max(moe_layers) + 1).
+SCHEMA_VERSION = 2
 RUNS_COLUMNS = "PRAGMA table_info(runs)"
 RENAME_NUM_LAYERS = "ALTER TABLE runs RENAME COLUMN num_layers TO num_moe_layers"
+ADD_NUM_HIDDEN_LAYERS = "ALTER TABLE runs ADD COLUMN num_hidden_layers INTEGER NOT NULL DEFAULT 0"
 GET_SCHEMA_VERSION = "PRAGMA user_version"
 SET_SCHEMA_VERSION = f"PRAGMA user_version = {SCHEMA_VERSION}"
 
@@ -104,9 +107,10 @@ EXPECTED_ROWS = "COALESCE(final_tokens - 1, pos_max + 1)"
 
 # ---- runs
 INSERT_RUN = (
-    "INSERT INTO runs (run_id, num_moe_layers, top_k, num_experts, moe_layers, source, created_at)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?)"
+    "INSERT INTO runs (run_id, num_moe_layers, top_k, num_experts, moe_layers, num_hidden_layers, source, created_at)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 )
+SET_NUM_HIDDEN_LAYERS = "UPDATE runs SET num_hidden_layers = ? WHERE run_id = ?"
 SELECT_RUN = "SELECT * FROM runs WHERE run_id = ?"
 SELECT_RUNS = "SELECT * FROM runs ORDER BY run_id"
 COUNT_RUNS = "SELECT COUNT(*) AS n FROM runs"
@@ -189,6 +193,8 @@ class Index:
         columns = {row["name"] for row in self.conn.execute(RUNS_COLUMNS)}
         if "num_layers" in columns:
             self.conn.execute(RENAME_NUM_LAYERS)
+        if columns and "num_hidden_layers" not in columns:  # no columns: a new file, SCHEMA creates the table
+            self.conn.execute(ADD_NUM_HIDDEN_LAYERS)
         self.conn.execute(SET_SCHEMA_VERSION)
 
     # ---- generic access (the comparison store keeps its own statements beside its table)
@@ -264,7 +270,12 @@ class Index:
         """Insert a new run's row."""
         with self.transaction() as tx:
             tx.execute(INSERT_RUN, (run_id, shape.num_moe_layers, shape.top_k, shape.num_experts,
-                                    json.dumps(list(shape.moe_layers)), source, created_at))
+                                    json.dumps(list(shape.moe_layers)), shape.num_hidden_layers, source, created_at))
+
+    def set_num_hidden_layers(self, run_id: str, num_hidden_layers: int) -> None:
+        """Record the model's layer count a run learnt (it had only the count derived from its MoE layers)."""
+        with self.transaction() as tx:
+            tx.execute(SET_NUM_HIDDEN_LAYERS, (num_hidden_layers, run_id))
 
 
 class IndexTransaction:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from replay_format import NO_TOKEN, Flag, RunShape
+from replay_format import NO_TOKEN, Flag, LayerAxis, RunShape
 from replay_service.store.files import SegmentCache
 from replay_service.store.index import Index
 
@@ -41,6 +41,12 @@ class RouteRows:
     def experts_3d(self) -> np.ndarray:
         """The ids as `(n, num_moe_layers, top_k)`."""
         return self.experts.reshape(self.num_rows, self.shape.num_moe_layers, self.shape.top_k)
+
+    def experts_on(self, axis: LayerAxis) -> np.ndarray:
+        """The ids on a layer axis: `(n, num_moe_layers, K)` (a view), or `(n, num_hidden_layers, K)`, dense zero."""
+        if axis == LayerAxis.MODEL:
+            return self.shape.to_model_axis(self.experts)
+        return self.experts_3d()
 
     def bad_rows(self) -> np.ndarray:
         """Row numbers of flagged (or missing) rows."""

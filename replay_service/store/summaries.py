@@ -5,11 +5,11 @@ Fields and their meaning are the API's; the models there document them.
 
 from __future__ import annotations
 
-import json
 import sqlite3
 
-from replay_format import Flag, RunShape
+from replay_format import Flag
 from replay_service.store.index import COUNTED_FLAGS, count_column
+from replay_service.store.runs import shape_of
 
 
 def expected_rows(request: sqlite3.Row) -> int:
@@ -38,6 +38,7 @@ def request_summary(request: sqlite3.Row) -> dict:
 
 def run_summary(run: sqlite3.Row, totals: sqlite3.Row) -> dict:
     """A `runs` row and the sums over its requests (`Index.run_aggregate`) as a RunSummary record."""
+    shape = shape_of(run)
     flagged = {str(f.name): totals[count_column(f)] for f in COUNTED_FLAGS}
     flagged[str(Flag.GAP.name)] = totals["gap"]
     return {
@@ -45,8 +46,9 @@ def run_summary(run: sqlite3.Row, totals: sqlite3.Row) -> dict:
         "num_moe_layers": run["num_moe_layers"],
         "top_k": run["top_k"],
         "num_experts": run["num_experts"],
-        "moe_layers": list(json.loads(run["moe_layers"])),
-        "dtype": str(RunShape(run["num_moe_layers"], run["top_k"], run["num_experts"]).dtype),
+        "moe_layers": list(shape.moe_layers),
+        "num_hidden_layers": shape.num_hidden_layers,
+        "dtype": str(shape.dtype),
         "source": run["source"],
         "created_at": run["created_at"],
         "requests": totals["requests"],

@@ -1,8 +1,8 @@
 """Trainer layouts: which recorded row each router token of a rank gets (pure numpy, in the service).
 
-The service plans one rank's tokens here and gathers only their rows (`reads.py`), so
-the bytes on the wire are the rank's slice (replay_format/trainer_slice.md). Nothing
-here touches HTTP, the store or torch.
+The service plans one rank's tokens here and gathers only their rows (`gather.py`,
+`reads.py`), so the bytes on the wire are the rank's slice (replay_format/trainer_slice.md).
+Nothing here touches HTTP, the store or torch.
 
 A *sequence* of a micro-batch is one request's tokens `[start, start + n)`; the
 store holds rows for positions `0 .. T-2` of a request of `T` tokens (the last
@@ -29,24 +29,28 @@ Sources relied on (megatron-core 0.16.1 unless said otherwise):
   divisible by the TP size and rank `r` keeps the contiguous `r`-th part.
 - Padding of THD sequences: verl's `preprocess_packed_seqs` pads every
   sequence to a multiple of `tp * cp * 2` when `cp > 1`, else of `tp`; that is
-  our default `pad_multiple`.
-- verl: `AgentLoopWorker._agent_loop_postprocess` places a route of a
-  left-padded prompt + right-padded response at columns
-  `prompt_width - len(prompt) ...` of `[batch, prompt_width + response_width,
-  L, K]`; the route is as long as the input or one short (vLLM/SGLang give
-  `T - 1` rows); `set_router_replay_data` then packs by the attention mask.
+  our default `pad_multiple`. The whole batch may then be padded to a multiple
+  (`total_multiple`): verl's FP8 padding and NeMo-RL grow the last sequence,
+  slime and miles append a tail to every CP rank's stream; slime/miles
+  `--allgather-cp` and verl's contiguous CP layout cut the padded stream into
+  `cp` contiguous parts (`conventions.py` cites each).
+- verl 0.9.1: `AgentLoopWorker._agent_loop_postprocess`
+  (verl/experimental/agent_loop/agent_loop.py) places a route of a left-padded
+  prompt + right-padded response at columns `prompt_width - len(prompt) ...` of
+  `[batch, prompt_width + response_width, layers, K]`; the engine turns it into a
+  nested tensor by the attention mask (`left_right_2_no_padding`) and
+  `set_router_replay_data` packs it with `preprocess_thd_engine`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 
-from replay_format.trainer_slice import LayoutKind, Packing, SliceLayout
+from replay_format.trainer_slice import Convention, CpSplit, LayoutKind, Packing, SliceLayout, TotalPad
 from replay_service.errors import InvalidInput
+from replay_service.trainer.conventions import ThdPadding, default_pad_multiple
 
 
 class LayoutError(InvalidInput):
@@ -88,9 +92,12 @@ class SequenceSpec:
 def sequence_spec(expected_rows: int, start: int, num_tokens: int | None, what: str) -> SequenceSpec:
     """Check the length rule and say how many of the sequence's tokens have rows.
 
-    The route (rows from `start` on) must be as long as the input or one short,
-    as verl requires: a longer route means the trainer's tokens are not the
-    rollout's; a route two or more short means rows are missing (not padding).
+    The route (rows from `start` on) must be as long as the input or one short:
+    a longer route means the trainer's tokens are not the rollout's; a route two
+    or more short means rows are missing (not padding). Our rule; the trainers
+    differ: slime and miles assert exactly one short (`experts.shape[0] ==
+    tokens.shape[0] - 1`), verl 0.9.1's `align_r3_router_replay_data` takes
+    either, and verl's agent loop truncates or zero-fills to the input's length.
     """
     available = expected_rows - start
     if available < 0:
@@ -134,6 +141,14 @@ def _cp_chunks(length: int, cp_size: int, cp_rank: int) -> np.ndarray:
     return np.concatenate([first, second])
 
 
+def _cp_part(length: int, cp_size: int, cp_rank: int) -> np.ndarray:
+    """Indices `[0, length)` kept by CP rank `cp_rank` under a contiguous split: the rank's `1/cp` part."""
+    if length % cp_size:
+        raise LayoutError(f"{length} tokens do not split into cp = {cp_size} contiguous parts")
+    part = length // cp_size
+    return np.arange(cp_rank * part, (cp_rank + 1) * part, dtype=np.int64)
+
+
 def _sp_split(n: int, tp_size: int, tp_rank: int) -> slice:
     if n % tp_size:
         raise LayoutError(f"{n} tokens on this CP rank do not split evenly over sequence parallel size {tp_size}")
@@ -141,91 +156,142 @@ def _sp_split(n: int, tp_size: int, tp_rank: int) -> slice:
     return slice(tp_rank * part, (tp_rank + 1) * part)
 
 
-def _check_ranks(cp_size: int, cp_rank: int, tp_size: int, tp_rank: int) -> None:
-    if cp_size < 1 or tp_size < 1:
-        raise LayoutError(f"cp_size and tp_size must be >= 1, got {cp_size} and {tp_size}")
-    if not 0 <= cp_rank < cp_size:
-        raise LayoutError(f"cp_rank {cp_rank} is not in 0..{cp_size - 1}")
-    if not 0 <= tp_rank < tp_size:
-        raise LayoutError(f"tp_rank {tp_rank} is not in 0..{tp_size - 1}")
+@dataclass(frozen=True)
+class MegatronSpec:
+    """One rank of a Megatron micro-batch: the packing, the padding and where the rank sits.
+
+    `tp_size` is the TP size; the tokens are split over it only when `sequence_parallel`
+    (megatron-core scatters to the SP region then). `padding` is THD's (`conventions.ThdPadding`);
+    BSHD pads every sequence to `seq_length` instead.
+    """
+
+    packing: Packing = Packing.THD
+    padding: ThdPadding | None = None  # THD; None: verl's per-sequence rule, nothing more
+    seq_length: int | None = None  # BSHD
+    cp_split: CpSplit = CpSplit.ZIGZAG
+    cp_size: int = 1
+    cp_rank: int = 0
+    tp_size: int = 1
+    tp_rank: int = 0
+    sequence_parallel: bool = True
+    convention: Convention | None = None  # recorded in the layout when a preset chose the padding
+
+    def __post_init__(self) -> None:
+        if self.cp_size < 1 or self.tp_size < 1:
+            raise LayoutError(f"cp_size and tp_size must be >= 1, got {self.cp_size} and {self.tp_size}")
+        if not 0 <= self.cp_rank < self.cp_size:
+            raise LayoutError(f"cp_rank {self.cp_rank} is not in 0..{self.cp_size - 1}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise LayoutError(f"tp_rank {self.tp_rank} is not in 0..{self.tp_size - 1}")
+        try:
+            object.__setattr__(self, "packing", Packing(self.packing))
+        except ValueError:
+            raise LayoutError(f"packing {self.packing!r} is not one of {', '.join(p.value for p in Packing)}") from None
+        object.__setattr__(self, "cp_split", CpSplit(self.cp_split))
+        if self.padding is None:
+            object.__setattr__(self, "padding", ThdPadding(default_pad_multiple(self.cp_size, self.tp_size)))
+
+    @property
+    def sp_size(self) -> int:
+        """Ranks the CP rank's tokens are split over: the TP size with sequence parallel, else 1."""
+        return self.tp_size if self.sequence_parallel else 1
+
+    def _sp(self, n: int) -> slice:
+        return _sp_split(n, self.sp_size, self.tp_rank if self.sequence_parallel else 0)
+
+    def describe(self, **fields) -> SliceLayout:
+        """The slice layout of this rank with the plan's `fields` (tokens, lengths)."""
+        pad = self.padding
+        assert pad is not None
+        return SliceLayout(LayoutKind.MEGATRON, packing=self.packing, cp_size=self.cp_size, cp_rank=self.cp_rank,
+                           tp_size=self.tp_size, tp_rank=self.tp_rank, sequence_parallel=self.sequence_parallel,
+                           cp_split=self.cp_split, pad_multiple=pad.pad_multiple,
+                           total_multiple=pad.total_multiple, total_pad=pad.total_pad, convention=self.convention,
+                           **fields)
 
 
-def default_pad_multiple(cp_size: int, tp_size: int) -> int:
-    """verl's `preprocess_packed_seqs` rule: tp * cp * 2 with context parallel, else tp."""
-    return tp_size * cp_size * 2 if cp_size > 1 else tp_size
-
-
-def megatron_plan(
-    lengths: list[int],
-    packing: Packing | str = Packing.THD,
-    pad_multiple: int | None = None,
-    seq_length: int | None = None,
-    cp_size: int = 1,
-    cp_rank: int = 0,
-    tp_size: int = 1,
-    tp_rank: int = 0,
-) -> TokenPlan:
+def megatron_plan(lengths: list[int], spec: MegatronSpec) -> TokenPlan:
     """The router tokens of rank (cp_rank, tp_rank) for sequences of `lengths` tokens.
 
-    `Packing.THD`: sequences packed back to back, each padded to a multiple of
-    `pad_multiple`; CP splits every padded sequence into 2cp chunks; SP splits
-    what the CP rank holds contiguously over TP.
-    `Packing.BSHD`: `[b, s]` right-padded to `seq_length`, seen by the router
-    sequence-first (`[s, b]` flattened); CP splits `s`; SP splits the local
-    `s * b` tokens contiguously (i.e. along `s`).
-    `tp_size` here is the sequence-parallel size (1 when SP is off).
+    THD: sequences packed back to back, each padded to `pad_multiple`, the whole batch padded
+    to `total_multiple` (the last sequence grows, or every CP rank's stream gets a tail); CP
+    then splits every padded sequence into 2cp zigzag chunks, or the whole stream into cp
+    contiguous parts; SP splits what the CP rank holds contiguously over TP.
+    BSHD: `[b, s]` right-padded to `seq_length`, seen by the router sequence-first (`[s, b]`
+    flattened); CP splits `s` (zigzag or contiguous); SP splits the local `s * b` tokens
+    contiguously (i.e. along `s`).
     """
-    _check_ranks(cp_size, cp_rank, tp_size, tp_rank)
     if not lengths:
         raise LayoutError("a micro-batch needs at least one sequence")
-    try:
-        packing = Packing(packing)
-    except ValueError:
-        raise LayoutError(f"packing {packing!r} is not one of {', '.join(p.value for p in Packing)}") from None
     lengths_arr = np.asarray(lengths, np.int64)
-    multiple = pad_multiple or default_pad_multiple(cp_size, tp_size)
-    describe = partial(SliceLayout, LayoutKind.MEGATRON, packing=packing, cp_size=cp_size, cp_rank=cp_rank,
-                       tp_size=tp_size, tp_rank=tp_rank)
-    if packing is Packing.THD:
-        padded = -(-lengths_arr // multiple) * multiple
-        cu = np.concatenate([[0], np.cumsum(lengths_arr)])
-        cu_padded = np.concatenate([[0], np.cumsum(padded)])
-        pieces = []
-        for i, p in enumerate(padded.tolist()):
-            pieces.append(cu_padded[i] + _cp_chunks(p, cp_size, cp_rank))
+    if spec.packing is Packing.THD:
+        return _thd_plan(lengths_arr, spec)
+    return _bshd_plan(lengths_arr, spec)
+
+
+def _thd_plan(lengths: np.ndarray, spec: MegatronSpec) -> TokenPlan:
+    pad = spec.padding
+    assert pad is not None
+    cp, r = spec.cp_size, spec.cp_rank
+    padded = -(-lengths // pad.pad_multiple) * pad.pad_multiple
+    whole = int(padded.sum())
+    total = _round_up(whole, pad.total_multiple)
+    extra = total - whole
+    if pad.total_pad is TotalPad.LAST_SEQUENCE:
+        padded[-1] += extra  # the last sequence absorbs them, before the CP split (verl fp8, NeMo-RL)
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    cu_padded = np.concatenate([[0], np.cumsum(padded)])  # tail padding (TotalPad.TAIL) is after its end
+    if spec.cp_split is CpSplit.CONTIGUOUS:
+        local = _cp_part(total, cp, r)
+    else:
+        pieces = [cu_padded[i] + _cp_chunks(p, cp, r) for i, p in enumerate(padded.tolist())]
+        if pad.total_pad is TotalPad.TAIL and extra:
+            if extra % cp:
+                raise LayoutError(f"a tail of {extra} padding tokens does not split over cp = {cp} ranks; "
+                                  "total_multiple must be a multiple of cp")
+            share = extra // cp  # every CP rank's stream ends with its own share (slime's per-rank tail)
+            pieces.append(np.arange(whole + r * share, whole + (r + 1) * share, dtype=np.int64))
         local = np.concatenate(pieces)
-        local = local[_sp_split(len(local), tp_size, tp_rank)]
-        seq = np.searchsorted(cu_padded, local, side="right") - 1
-        offset = local - cu_padded[seq]
-        real = offset < lengths_arr[seq]
-        total = int(cu_padded[-1])
-        return TokenPlan(
-            sequence=np.where(real, seq, -1).astype(np.int32),
-            offset=np.where(real, offset, -1).astype(np.int32),
-            global_index=local,
-            layout=describe(tokens=len(local), total_tokens=total, seq_length=total, sequences=len(lengths),
-                            cu_seqlens=cu.tolist(), cu_seqlens_padded=cu_padded.tolist()),
+    local = local[spec._sp(len(local))]
+    seq = np.searchsorted(cu_padded, local, side="right") - 1
+    seq_ok = np.minimum(seq, len(lengths) - 1)
+    offset = local - cu_padded[seq_ok]
+    real = (seq < len(lengths)) & (offset < lengths[seq_ok])
+    return TokenPlan(
+        sequence=np.where(real, seq, -1).astype(np.int32),
+        offset=np.where(real, offset, -1).astype(np.int32),
+        global_index=local,
+        layout=spec.describe(tokens=len(local), total_tokens=total, seq_length=total, sequences=len(lengths),
+                             cu_seqlens=cu.tolist(), cu_seqlens_padded=cu_padded.tolist()),
+    )
+
+
+def _bshd_plan(lengths: np.ndarray, spec: MegatronSpec) -> TokenPlan:
+    batch = len(lengths)
+    multiple = spec.padding.pad_multiple if spec.padding else 1
+    s_len = spec.seq_length if spec.seq_length is not None else _round_up(int(lengths.max()), multiple)
+    if int(lengths.max()) > s_len:
+        raise LayoutError(f"a sequence of {int(lengths.max())} tokens does not fit seq_length={s_len}")
+    if spec.cp_split is CpSplit.CONTIGUOUS:
+        local_s = _cp_part(s_len, spec.cp_size, spec.cp_rank)
+    else:
+        local_s = _cp_chunks(s_len, spec.cp_size, spec.cp_rank)
+    if len(local_s) % spec.sp_size:
+        raise LayoutError(
+            f"{len(local_s)} sequence positions on this CP rank do not split over sequence parallel size "
+            f"{spec.sp_size}"
         )
-    batch = len(lengths_arr)
-    s_len = seq_length if seq_length is not None else _round_up(int(lengths_arr.max()), multiple)
-    if int(lengths_arr.max()) > s_len:
-        raise LayoutError(f"a sequence of {int(lengths_arr.max())} tokens does not fit seq_length={s_len}")
-    local_s = _cp_chunks(s_len, cp_size, cp_rank)
     # sequence-first: router token i of this CP rank is (local_s[i // b], i % b)
     s_idx = np.repeat(local_s, batch)
     b_idx = np.tile(np.arange(batch, dtype=np.int64), len(local_s))
-    if (len(local_s)) % tp_size:
-        raise LayoutError(
-            f"{len(local_s)} sequence positions on this CP rank do not split over sequence parallel size {tp_size}"
-        )
-    keep = _sp_split(len(s_idx), tp_size, tp_rank)
+    keep = spec._sp(len(s_idx))
     s_idx, b_idx = s_idx[keep], b_idx[keep]
-    real = s_idx < lengths_arr[b_idx]
+    real = s_idx < lengths[b_idx]
     return TokenPlan(
         sequence=np.where(real, b_idx, -1).astype(np.int32),
         offset=np.where(real, s_idx, -1).astype(np.int32),
         global_index=s_idx * batch + b_idx,
-        layout=describe(tokens=len(s_idx), total_tokens=s_len * batch, seq_length=s_len, sequences=batch),
+        layout=spec.describe(tokens=len(s_idx), total_tokens=s_len * batch, seq_length=s_len, sequences=batch),
     )
 
 
@@ -264,69 +330,3 @@ def verl_plan(prompt_lengths: list[int], total_lengths: list[int], prompt_width:
                            sequences=batch, prompt_width=prompt_width, response_width=response_width,
                            prompt_lengths=[int(x) for x in prompt_lengths]),
     )
-
-
-def _contiguous_runs(dst: np.ndarray, src: np.ndarray, max_runs: int = 64) -> list[tuple[int, int]] | None:
-    """[a, b) ranges where both dst and src step by one; None when there are too many to pay off."""
-    breaks = np.flatnonzero((np.diff(dst) != 1) | (np.diff(src) != 1)) + 1
-    if len(breaks) >= max_runs:
-        return None
-    edges = [0, *breaks.tolist(), len(dst)]
-    return list(zip(edges[:-1], edges[1:]))
-
-
-# read_rows(i, lo, hi) -> (experts (hi-lo, L*K), ok (hi-lo,) bool): sequence i's offsets [lo, hi)
-ReadRows = Callable[[int, int, int], tuple[np.ndarray, np.ndarray]]
-
-
-def gather_rows(
-    plan: TokenPlan,
-    specs: list[SequenceSpec],
-    read_rows: ReadRows,
-    num_moe_layers: int,
-    top_k: int,
-    num_experts: int,
-    moe_ordinals: np.ndarray,
-    dtype: np.dtype,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Fill `(m, len(moe_ordinals) * K)` ids and an `(m,)` uint8 validity mask for a plan.
-
-    `read_rows(i, lo, hi)` returns `(experts (hi-lo, L*K), ok (hi-lo,) bool)` for
-    sequence `i`'s offsets `[lo, hi)` (ok: a clean recorded row), all the run's
-    `num_moe_layers`; only `moe_ordinals` are kept. Tokens without a clean row get
-    `filler_rows` and mask 0.
-    """
-    m = plan.num_tokens
-    held = len(moe_ordinals)
-    out = np.empty((m, held, top_k), dtype)
-    valid = np.zeros(m, np.uint8)
-    order = np.argsort(plan.sequence, kind="stable")
-    seq_sorted = plan.sequence[order]
-    bounds = np.searchsorted(seq_sorted, np.arange(-1, len(specs) + 1))
-    for i, spec in enumerate(specs):
-        idx = order[bounds[i + 1] : bounds[i + 2]]
-        if not idx.size:
-            continue
-        offs = plan.offset[idx]
-        has_row = offs < spec.rows
-        idx_rows, offs_rows = idx[has_row], offs[has_row]
-        if idx_rows.size:
-            lo, hi = int(offs_rows.min()), int(offs_rows.max()) + 1
-            experts, ok = read_rows(i, lo, hi)
-            experts = experts.reshape(hi - lo, num_moe_layers, top_k)
-            local = offs_rows - lo
-            good = ok[local]
-            if held != num_moe_layers:
-                experts = experts[:, moe_ordinals]
-            runs = _contiguous_runs(idx_rows, local) if good.all() else None
-            if runs is not None:  # THD: one run per sequence (two under CP): plain memcpy
-                for a, b in runs:
-                    out[idx_rows[a] : idx_rows[a] + b - a] = experts[local[a] : local[a] + b - a]
-            else:
-                out[idx_rows[good]] = experts[local[good]]
-            valid[idx_rows[good]] = 1
-    missing = np.flatnonzero(valid == 0)
-    if missing.size:
-        fill = filler_rows(plan.global_index[missing], num_moe_layers, top_k, num_experts)[:, moe_ordinals]
-        out[missing] = fill.astype(dtype)
-    return out.reshape(m, held * top_k), valid

@@ -1,8 +1,9 @@
 """One rank's trainer slice: plan its tokens, read only their rows from the store, build the answer.
 
 The answer is a trainer slice (replay_format/trainer_slice.md): one row per router token
-of the rank, in the router's order. Tokens without a clean recorded row get
-`layouts.filler_rows` and `valid == 0`; a strict read refuses them instead.
+of the rank, in the router's order. Padding and last tokens get `layouts.filler_rows` and
+`valid == 0`; a real token whose row is flagged or missing follows the query's
+`MissingPolicy` (`gather.py`): refused (strict, the default), left to the router, or filler.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from replay_format import ID_RULE, RunShape, flag_names, valid_id
-from replay_format.trainer_slice import SliceMeta, build_slice
+from replay_format import ID_RULE, LayerAxis, RunShape, flag_names, valid_id
+from replay_format.trainer_slice import MissingPolicy, SliceMeta, build_slice
 from replay_service.errors import Conflict, InvalidInput, StrictRefusal
 from replay_service.store import RouteStore
 from replay_service.trainer import layouts
+from replay_service.trainer.gather import Gathered, HeldLayers, gather_rows, held_layers
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,8 @@ class SliceQuery:
     sequences: list[SequenceRef]
     moe_ordinals: list[int] | None = None  # MoE ordinals of this pipeline stage
     model_layer_range: tuple[int, int] | None = None  # or: the stage's model layers [lo, hi)
-    strict: bool = False  # refuse a flagged or missing row instead of giving filler
+    missing: MissingPolicy = MissingPolicy.STRICT  # a real token whose row is flagged or missing
+    layer_axis: LayerAxis = LayerAxis.MOE  # MoE layers only, or every model layer (dense ones zero)
 
 
 @dataclass(frozen=True)
@@ -77,20 +80,36 @@ def read_rank_slice(store: RouteStore, query: SliceQuery, make_plan: MakePlan, l
             if not valid_id(value):
                 raise InvalidInput(f"{kind} {value!r} is not a valid id: {ID_RULE}")
     shape = common_shape(store, refs)
-    ordinals = moe_selection(shape, query.moe_ordinals, query.model_layer_range)
+    held = held_layers(shape, query.layer_axis, query.moe_ordinals, query.model_layer_range)
     specs = sequence_specs(store, refs)
     plan = make_plan(specs)
     if plan.num_tokens > limits.max_tokens:
         raise InvalidInput(
             f"this rank's slice is {plan.num_tokens} tokens, more than one read returns "
             f"(REPLAY_MAX_READ_ROWS={limits.max_tokens}); use smaller micro-batches")
-    experts, valid = gather(store, refs, specs, plan, shape, ordinals, query.strict, limits.strict_report_rows)
+    got = gather(store, refs, specs, plan, held, query.missing, limits.strict_report_rows)
     starts = np.array([s.start for s in specs], np.int64)
     position = np.where(plan.sequence >= 0, starts[np.maximum(plan.sequence, 0)] + plan.offset, -1).astype(np.int32)
-    meta = SliceMeta(top_k=shape.top_k, num_experts=shape.num_experts, moe_ordinals=ordinals.tolist(),
-                     moe_layers=[shape.moe_layers[i] for i in ordinals], layout=plan.layout)
-    parts = build_slice(meta, experts, valid, plan.sequence, position)
-    return SliceAnswer(parts, plan.num_tokens, int(valid.sum()))
+    meta = SliceMeta(top_k=shape.top_k, num_experts=shape.num_experts, moe_ordinals=held.moe_ordinals.tolist(),
+                     moe_layers=held.moe_layers, layout=plan.layout, layer_axis=held.axis, layers=held.layers,
+                     num_hidden_layers=shape.num_hidden_layers, missing=query.missing)
+    parts = build_slice(meta, got.experts, got.valid, plan.sequence, position, got.fallback)
+    return SliceAnswer(parts, plan.num_tokens, int(got.valid.sum()))
+
+
+def missing_policy(missing: MissingPolicy | None, strict: bool | None) -> MissingPolicy:
+    """The policy a query asks for: `missing`, or what the older `strict` flag meant; strict when neither is given.
+
+    `strict` (every client before slice 1.1 sends it) is an alias: true = strict, false = filler.
+    InvalidInput when both are given and disagree.
+    """
+    if strict is None:
+        return missing or MissingPolicy.STRICT
+    alias = MissingPolicy.STRICT if strict else MissingPolicy.FILLER
+    if missing is not None and missing is not alias:
+        raise InvalidInput(f"strict={str(strict).lower()} (an alias of missing={alias.value}) contradicts "
+                           f"missing={missing.value}; give missing only")
+    return alias
 
 
 def common_shape(store: RouteStore, refs: list[SequenceRef]) -> RunShape:
@@ -105,25 +124,6 @@ def common_shape(store: RouteStore, refs: list[SequenceRef]) -> RunShape:
     return shape
 
 
-def moe_selection(shape: RunShape, moe_ordinals: list[int] | None,
-                  model_layer_range: tuple[int, int] | None) -> np.ndarray:
-    """MoE ordinals of this pipeline stage: given directly, or by the stage's model layers [lo, hi); default all."""
-    if moe_ordinals is not None and model_layer_range is not None:
-        raise InvalidInput("give either moe_ordinals or model_layer_range ([lo, hi) of model layers), not both")
-    if moe_ordinals is not None:
-        sel = np.asarray(moe_ordinals, np.int64)
-        if not sel.size or sel.min() < 0 or sel.max() >= shape.num_moe_layers:
-            raise InvalidInput(f"moe_ordinals {moe_ordinals} are not MoE ordinals 0..{shape.num_moe_layers - 1}")
-        return sel
-    if model_layer_range is not None:
-        lo, hi = model_layer_range
-        sel = np.array([i for i, m in enumerate(shape.moe_layers) if lo <= m < hi], np.int64)
-        if not sel.size:
-            raise InvalidInput(f"model layers [{lo}, {hi}) hold no MoE layer (MoE layers are {list(shape.moe_layers)})")
-        return sel
-    return np.arange(shape.num_moe_layers, dtype=np.int64)
-
-
 def sequence_specs(store: RouteStore, refs: list[SequenceRef]) -> list[layouts.SequenceSpec]:
     """Each sequence's rows, checked against the length rule (`layouts.sequence_spec`)."""
     return [
@@ -134,9 +134,11 @@ def sequence_specs(store: RouteStore, refs: list[SequenceRef]) -> list[layouts.S
 
 
 def gather(store: RouteStore, refs: list[SequenceRef], specs: list[layouts.SequenceSpec], plan: layouts.TokenPlan,
-           shape: RunShape, ordinals: np.ndarray, strict: bool, report_rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """The plan's ids `(m, len(ordinals) * K)` and validity; StrictRefusal for a flagged or missing row when strict."""
+           held: HeldLayers, missing: MissingPolicy, report_rows: int) -> Gathered:
+    """The plan's ids and masks (`gather.gather_rows`); StrictRefusal naming the first flagged or missing rows
+    of real tokens under `missing=strict`."""
     flagged: list[dict] = []
+    strict = missing is MissingPolicy.STRICT
 
     def read_rows(i: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         ref, spec = refs[i], specs[i]
@@ -148,16 +150,13 @@ def gather(store: RouteStore, refs: list[SequenceRef], specs: list[layouts.Seque
                                 "flags": flag_names(int(route.flags[j]))})
         return route.experts, ok
 
-    experts, valid = layouts.gather_rows(plan, specs, read_rows, shape.num_moe_layers, shape.top_k,
-                                         shape.num_experts, ordinals, shape.dtype)
-    if strict:
-        rows_of = np.array([s.rows for s in specs], np.int64)
-        needed = (plan.sequence >= 0) & (plan.offset < rows_of[np.maximum(plan.sequence, 0)])
-        bad = np.flatnonzero(needed & (valid == 0))
-        if bad.size:
-            first = flagged[0]["position"] if flagged else int(specs[plan.sequence[bad[0]]].start + plan.offset[bad[0]])
-            raise StrictRefusal(
-                f"strict read refused: {bad.size} tokens of this rank have a flagged or missing row, the first at "
-                f"position {first}", flagged,
-            )
-    return experts, valid
+    got = gather_rows(plan, specs, read_rows, held, missing)
+    if strict and got.broken.size:
+        bad = got.broken
+        first = flagged[0]["position"] if flagged else int(specs[plan.sequence[bad[0]]].start + plan.offset[bad[0]])
+        raise StrictRefusal(
+            f"strict read refused: {bad.size} tokens of this rank have a flagged or missing row, the first at "
+            f"position {first}; ask with missing=router to let the trainer's router choose those tokens' experts "
+            "(its RouterReplay must then route -1 rows itself), or missing=filler to replay filler ids", flagged,
+        )
+    return got

@@ -27,7 +27,7 @@ import logging
 import os
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -73,6 +73,27 @@ def info(msg: str, *args) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
+def model_num_hidden_layers(vcfg, moe_layers: tuple[int, ...]) -> int:
+    """The model's layer count, dense layers included, as vLLM's own `routed_experts` counts it; 0 when unknown.
+
+    vLLM sizes its routed-experts buffer by `model_config.get_total_num_hidden_layers()`
+    (`routed_experts_capturer._get_routed_experts_shape`); without it, the HF text config's
+    `num_hidden_layers`. A count that cannot hold the routers' layer ids (e.g. MTP layers numbered past
+    it) is not used: 0 lets the service derive `max(moe_layers) + 1`.
+    """
+    model_config: Any = getattr(vcfg, "model_config", None)
+    count = 0
+    try:
+        count = int(model_config.get_total_num_hidden_layers())
+    except Exception:  # noqa: BLE001 - an older or a stand-in config: fall back to the HF config
+        for name in ("hf_text_config", "hf_config"):
+            value = getattr(getattr(model_config, name, None), "num_hidden_layers", None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                count = value
+                break
+    return count if moe_layers and count > moe_layers[-1] else 0
+
+
 class WorkerCapture:
     """The capture state of one worker process (one model runner)."""
 
@@ -112,8 +133,9 @@ class WorkerCapture:
         self.model_id = id(model)
         self.par = Parallel.from_vllm()
         first = bound[0].router
-        shape = RunShape(len(bound), int(first.top_k), int(first.global_num_experts),
-                         tuple(sorted(b.layer_id for b in bound)))
+        moe_layers = tuple(sorted(b.layer_id for b in bound))
+        shape = RunShape(len(bound), int(first.top_k), int(first.global_num_experts), moe_layers,
+                         model_num_hidden_layers(vcfg, moe_layers))
         max_tokens = int(getattr(getattr(vcfg, "scheduler_config", None), "max_num_batched_tokens", 0) or 8192)
         self.recorder = StepRecorder(shape, max_tokens=max_tokens + 64)
         self.install_pcp_mask()

@@ -1,0 +1,156 @@
+"""Fill a token plan with ids: the recorded rows, filler, and the missing-row policy (pure numpy).
+
+`layouts.py` says which token each router position of a rank is; this module reads those
+tokens' rows (through a callback, so it never touches the store), keeps the layers the
+slice holds, on the MoE axis or the model-layer axis (dense layers zero, vLLM's layout),
+and decides what a token without a clean row gets:
+
+- padding and the last token of a sequence (which never ran through the model): filler ids,
+  `valid == 0`, whatever the policy; they change no other token's hidden state through
+  causal attention that the loss sees (padding sits after every real token of its sequence);
+- a real token whose row is flagged or missing, by `MissingPolicy`: `strict` refuses the
+  slice, `router` marks it `fallback == 1` (the trainer's router picks its experts itself:
+  NeMo-RL's all -1 row), `filler` gives it filler ids like padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from replay_format import LayerAxis, RunShape
+from replay_format.trainer_slice import MissingPolicy
+from replay_service.errors import InvalidInput
+from replay_service.trainer.layouts import SequenceSpec, TokenPlan, filler_rows
+
+# read_rows(i, lo, hi) -> (experts (hi-lo, L*K), ok (hi-lo,) bool): sequence i's offsets [lo, hi)
+ReadRows = Callable[[int, int, int], tuple[np.ndarray, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class HeldLayers:
+    """The layers a slice holds: which of the run's MoE ordinals, and where they sit on the ids' second axis."""
+
+    shape: RunShape
+    axis: LayerAxis
+    moe_ordinals: np.ndarray  # int64: the run's MoE ordinals held, in order
+    layers: list[int]  # the model layer of each position of the ids' second axis
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Model-layer indices of the MoE layers held."""
+        return [self.shape.moe_layers[i] for i in self.moe_ordinals.tolist()]
+
+    @property
+    def positions(self) -> np.ndarray:
+        """Position of each MoE layer held on the ids' second axis."""
+        at = {layer: i for i, layer in enumerate(self.layers)}
+        return np.array([at[layer] for layer in self.moe_layers], np.int64)
+
+
+def held_layers(shape: RunShape, axis: LayerAxis, moe_ordinals: list[int] | None,
+                model_layer_range: tuple[int, int] | None) -> HeldLayers:
+    """The layers of this pipeline stage: by MoE ordinals or by model layers [lo, hi); default all.
+
+    On the model axis a stage is named by its model layers only (MoE ordinals do not say which
+    dense layers to hold), and the slice holds every model layer of the range, dense ones zero.
+    """
+    if moe_ordinals is not None and model_layer_range is not None:
+        raise InvalidInput("give either moe_ordinals or model_layer_range ([lo, hi) of model layers), not both")
+    axis = LayerAxis(axis)
+    if moe_ordinals is not None:
+        if axis is LayerAxis.MODEL:
+            raise InvalidInput("layer_axis=model holds a run of model layers: name the stage by model_layer_range "
+                               "[lo, hi), not moe_ordinals")
+        sel = np.asarray(moe_ordinals, np.int64)
+        if not sel.size or sel.min() < 0 or sel.max() >= shape.num_moe_layers:
+            raise InvalidInput(f"moe_ordinals {moe_ordinals} are not MoE ordinals 0..{shape.num_moe_layers - 1}")
+        return HeldLayers(shape, axis, sel, [shape.moe_layers[i] for i in sel.tolist()])
+    lo, hi = model_layer_range if model_layer_range is not None else (0, shape.num_hidden_layers)
+    if axis is LayerAxis.MODEL and not 0 <= lo < hi <= shape.num_hidden_layers:
+        raise InvalidInput(f"model_layer_range [{lo}, {hi}) is not inside the model's {shape.num_hidden_layers} "
+                           "layers")
+    sel = np.array([i for i, m in enumerate(shape.moe_layers) if lo <= m < hi], np.int64)
+    if not sel.size:
+        raise InvalidInput(f"model layers [{lo}, {hi}) hold no MoE layer (MoE layers are {list(shape.moe_layers)})")
+    layers = list(range(lo, hi)) if axis is LayerAxis.MODEL else [shape.moe_layers[i] for i in sel.tolist()]
+    return HeldLayers(shape, axis, sel, layers)
+
+
+@dataclass
+class Gathered:
+    """A plan's ids and masks, ready for the slice."""
+
+    experts: np.ndarray  # (m, len(layers) * K), the run's dtype, C-contiguous
+    valid: np.ndarray  # (m,) uint8: a clean recorded row
+    fallback: np.ndarray  # (m,) uint8: the router must choose (missing=router)
+    broken: np.ndarray  # int64: plan indices of real tokens whose recorded row is flagged or missing
+
+
+def _contiguous_runs(dst: np.ndarray, src: np.ndarray, max_runs: int = 64) -> list[tuple[int, int]] | None:
+    """[a, b) ranges where both dst and src step by one; None when there are too many to pay off."""
+    breaks = np.flatnonzero((np.diff(dst) != 1) | (np.diff(src) != 1)) + 1
+    if len(breaks) >= max_runs:
+        return None
+    edges = [0, *breaks.tolist(), len(dst)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def gather_rows(plan: TokenPlan, specs: list[SequenceSpec], read_rows: ReadRows, held: HeldLayers,
+                missing: MissingPolicy) -> Gathered:
+    """Ids of every token of `plan` for the `held` layers, and who gets filler or the router's own choice.
+
+    `read_rows(i, lo, hi)` returns `(experts (hi-lo, L*K), ok (hi-lo,) bool)` for sequence `i`'s
+    offsets `[lo, hi)` (ok: a clean recorded row), all the run's MoE layers. Tokens without a
+    clean row get `filler_rows` (router-valid ids) and `valid == 0`; under `missing=router` the
+    real ones among them (not padding, not a last token) also get `fallback == 1`.
+    """
+    shape = held.shape
+    num_moe_layers, top_k = shape.num_moe_layers, shape.top_k
+    ordinals = held.moe_ordinals
+    m = plan.num_tokens
+    out = np.empty((m, len(ordinals), top_k), shape.dtype)
+    valid = np.zeros(m, np.uint8)
+    needs_row = np.zeros(m, bool)
+    order = np.argsort(plan.sequence, kind="stable")
+    seq_sorted = plan.sequence[order]
+    bounds = np.searchsorted(seq_sorted, np.arange(-1, len(specs) + 1))
+    for i, spec in enumerate(specs):
+        idx = order[bounds[i + 1] : bounds[i + 2]]
+        if not idx.size:
+            continue
+        offs = plan.offset[idx]
+        has_row = offs < spec.rows
+        idx_rows, offs_rows = idx[has_row], offs[has_row]
+        if not idx_rows.size:
+            continue
+        needs_row[idx_rows] = True
+        lo, hi = int(offs_rows.min()), int(offs_rows.max()) + 1
+        experts, ok = read_rows(i, lo, hi)
+        experts = experts.reshape(hi - lo, num_moe_layers, top_k)
+        local = offs_rows - lo
+        good = ok[local]
+        if len(ordinals) != num_moe_layers:
+            experts = experts[:, ordinals]
+        runs = _contiguous_runs(idx_rows, local) if good.all() else None
+        if runs is not None:  # THD: one run per sequence (two under zigzag CP): plain memcpy
+            for a, b in runs:
+                out[idx_rows[a] : idx_rows[a] + b - a] = experts[local[a] : local[a] + b - a]
+        else:
+            out[idx_rows[good]] = experts[local[good]]
+        valid[idx_rows[good]] = 1
+    without = np.flatnonzero(valid == 0)
+    if without.size:
+        fill = filler_rows(plan.global_index[without], num_moe_layers, top_k, shape.num_experts)[:, ordinals]
+        out[without] = fill.astype(shape.dtype)
+    broken = np.flatnonzero(needs_row & (valid == 0))
+    fallback = np.zeros(m, np.uint8)
+    if missing is MissingPolicy.ROUTER:
+        fallback[broken] = 1
+    if held.axis is LayerAxis.MODEL:  # every model layer of the range, dense ones zero (vLLM's routed_experts)
+        full = np.zeros((m, len(held.layers), top_k), shape.dtype)
+        full[:, held.positions] = out
+        out = full
+    return Gathered(out.reshape(m, -1), valid, fallback, broken)
