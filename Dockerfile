@@ -1,7 +1,9 @@
 FROM python:3.11-slim
 WORKDIR /app
-COPY pyproject.toml README.md replay_schema.py ./
+COPY pyproject.toml README.md ./
+COPY replay_format ./replay_format
 COPY replay_service ./replay_service
+COPY replay_client ./replay_client
 COPY capture ./capture
 COPY web ./web
 RUN pip install --no-cache-dir -e ".[service]"

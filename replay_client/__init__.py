@@ -5,11 +5,13 @@
     route = client.get_route("run-1", "req-7", strict=True)       # Route: views of the received body
     batch = client.megatron_batch([("run-1", "req-7")], cp_size=2, cp_rank=r)   # TrainerBatch
     plan = plan_for_model(model, moe_layers)   # megatron-core: this rank's routers (router_replay.py)
+    routes = client.get_openai_routes("run-1", completion, n=2)   # vLLM OpenAI server ids (openai_ids.py)
 
 `replay_service.client` re-exports the same names (the design names it).
 """
 
 from replay_client.client import NotFoundError, ReplayClient, ReplayError, Route, StrictReadError, routes_from_stream
+from replay_client.openai_ids import Endpoint, choice_request_ids, response_request_ids, stored_request_id
 from replay_client.router_replay import (
     ReplayPlan,
     RouterReplayError,
@@ -21,6 +23,7 @@ from replay_client.router_replay import (
 )
 from replay_client.trainer import TrainerBatch
 
-__all__ = ["NotFoundError", "ReplayClient", "ReplayError", "ReplayPlan", "Route", "RouterReplayError",
-           "StrictReadError", "TrainerBatch", "check_config", "check_model", "install_router_fallback",
-           "plan_for_model", "plan_for_rank", "routes_from_stream"]
+__all__ = ["Endpoint", "NotFoundError", "ReplayClient", "ReplayError", "ReplayPlan", "Route", "RouterReplayError",
+           "StrictReadError", "TrainerBatch", "check_config", "check_model", "choice_request_ids",
+           "install_router_fallback", "plan_for_model", "plan_for_rank", "response_request_ids", "routes_from_stream",
+           "stored_request_id"]

@@ -17,6 +17,7 @@ import httpx
 import numpy as np
 import pyarrow as pa
 
+from replay_client.openai_ids import Endpoint, choice_request_ids, stored_request_id
 from replay_client.trainer import TrainerBatch, compare_body, megatron_query, verl_query
 from replay_client.transport import NotFoundError, ReplayError, StrictReadError, Transport
 from replay_format import ARROW_STREAM_MEDIA_TYPE, NPY_MEDIA_TYPE, Flag, LayerAxis, RunShape, flag_names
@@ -262,6 +263,28 @@ class ReplayClient:
             params["end"] = end
         body = self._fetch_stream("GET", f"/v1/runs/{run_id}/requests/{request_id}/routes", params=params)
         return np.load(io.BytesIO(bytes(body)), allow_pickle=False)
+
+    def get_openai_route(
+        self, run_id: str, response_id: str, prompt_index: int = 0, choice_index: int = 0,
+        endpoint: Endpoint | str = Endpoint.COMPLETIONS, n: int = 1, strict: bool = False,
+        layer_axis: LayerAxis | str = LayerAxis.MOE,
+    ) -> Route:
+        """One choice's route from what a vLLM user holds (`replay_client.openai_ids.stored_request_id`).
+
+        `response_id`: the response's `id` (or offline `RequestOutput.request_id`); `prompt_index`:
+        the prompt of a completions request; `choice_index`: the sample (0..n-1); `n`: the request's n.
+        """
+        rid = stored_request_id(response_id, endpoint=endpoint, prompt_index=prompt_index,
+                                choice_index=choice_index, n=n)
+        return self.get_route(run_id, rid, strict=strict, layer_axis=layer_axis)
+
+    def get_openai_routes(self, run_id: str, response: Any, n: int | None = None, strict: bool = False,
+                          layer_axis: LayerAxis | str = LayerAxis.MOE) -> list[Route]:
+        """Every choice's route of an `openai` response (or a vLLM `RequestOutput`), in `choices` order.
+
+        `n`: the request's n, needed for a completions response with several choices.
+        """
+        return self.get_routes(run_id, choice_request_ids(response, n), strict=strict, layer_axis=layer_axis)
 
     # ---- trainers -----------------------------------------------------------
 

@@ -4,7 +4,9 @@ The service builds them (`build_slice`: the answer of `POST /v1/trainer/megatron
 `POST /v1/trainer/verl`); the trainer reads them (`read_slice`). One row per router token of
 the rank, in the order its router sees them; the metadata (`SliceMeta`) names the layers held
 (on the MoE or the model-layer axis), the missing-row policy that produced it, and the token
-layout (`SliceLayout`) the rows follow.
+layout (`SliceLayout`) the rows follow. (Over 400 lines on purpose: the layout's typed fields,
+their JSON form and their checks are one description of one message; split, the slice's
+metadata would be read in two places.)
 """
 
 from __future__ import annotations

@@ -77,3 +77,26 @@ def hf_reference(path: str, seqs: dict[str, list[int]]) -> tuple[dict, float]:
         for h in hooks:
             h.remove()
     return out, margin
+
+
+# The tiny tokenizer has no chat template; vLLM's chat endpoint is given this one (`--chat-template`):
+# each message's content, space-separated, so a conversation of `words(ids)` tokenizes back to `ids`.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def text_safe(token_ids: list[int]) -> list[int]:
+    """The ids whose word `t<id>` the tiny tokenizer reads back as itself.
+
+    `t0`-`t2` are special (added) tokens matched anywhere in the text, so `t129` reads as `t1` + an
+    unknown `29`; id 3 is both `t3` and `<unk>`, and which of the two `tokenizer.json` keeps varies
+    from one build to the next (with `<unk>` lost, any unknown word fails to encode). Words
+    starting with 3-9, other than `t3`, are safe.
+    """
+    return [t for t in token_ids if t != 3 and str(t)[0] in "3456789"]
+
+
+def words(token_ids: list[int]) -> str:
+    """Text that the tiny tokenizer turns back into `token_ids` (every id must be `text_safe`)."""
+    if text_safe(token_ids) != list(token_ids):
+        raise ValueError(f"ids not text-safe for the tiny tokenizer: {token_ids}")
+    return " ".join(f"t{t}" for t in token_ids)
