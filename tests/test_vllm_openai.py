@@ -26,7 +26,7 @@ openai = pytest.importorskip("openai")
 from replay_client import Endpoint, choice_request_ids  # noqa: E402
 from replay_service.client import ReplayClient  # noqa: E402
 from tests.support.service import ServiceProcess, free_port  # noqa: E402
-from tests.support.vllm_model import CHAT_TEMPLATE, build_model, prompts, text_safe, words  # noqa: E402
+from tests.support.vllm_model import CHAT_TEMPLATE, prompts, text_safe, words  # noqa: E402
 from tests.test_vllm_e2e import (  # noqa: E402
     _engine_env,
     check_against_reference,
@@ -39,11 +39,6 @@ pytestmark = pytest.mark.slow
 
 RUN_ID = "openai-e2e"
 MAX_TOKENS = 5
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_model(str(tmp_path_factory.mktemp("qwen3moe") / "model"))
 
 
 @pytest.fixture(scope="module")
