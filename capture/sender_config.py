@@ -80,6 +80,7 @@ class SenderStats:
     sent_batches: int = 0
     sent_rows: int = 0
     sent_finishes: int = 0
+    sent_references: int = 0  # references calls
     retried: int = 0
     spilled_batches: int = 0
     drained_batches: int = 0
@@ -93,6 +94,7 @@ class SenderStats:
 
     def summary(self) -> str:
         """The counters as one log line."""
-        return (f"sent {self.sent_batches} batches ({self.sent_rows} rows) and {self.sent_finishes} finishes; "
+        return (f"sent {self.sent_batches} batches ({self.sent_rows} rows), {self.sent_finishes} finishes and "
+                f"{self.sent_references} reference calls; "
                 f"retried {self.retried}, spilled {self.spilled_batches}, drained {self.drained_batches}, "
                 f"dropped {self.dropped_batches} batches ({self.dropped_rows} rows), refused {self.refused}")

@@ -16,7 +16,7 @@ from typing import Any
 from replay_format.core import FormatError, FormatVersion, metadata_version
 
 FORMAT = "routing-replay.spill"
-VERSION = FormatVersion(1, 0)
+VERSION = FormatVersion(1, 1)  # 1.1: the `references` kind
 SUFFIX = ".item"
 _HEADER_LENGTH = struct.Struct("<I")
 
@@ -26,6 +26,7 @@ class ItemKind(enum.StrEnum):
 
     BATCH = "batch"  # a row batch (rows.md) as an Arrow IPC stream, posted to /v1/ingest
     FINISH = "finish"  # the finish call's JSON body, posted to the header's `path`
+    REFERENCES = "references"  # a references call's JSON body, posted to the header's `path` (since 1.1)
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,8 @@ class SpillHeader:
 
     kind: ItemKind
     seq: int  # the writer's sequence number of the item
-    rows: int = 0  # rows in a batch (0 for a finish)
-    path: str = ""  # a finish item's service path, e.g. /v1/runs/{run}/requests/{request}/finish
+    rows: int = 0  # rows in a batch (0 for a JSON call)
+    path: str = ""  # a JSON call's service path, e.g. /v1/runs/{run}/requests/{request}/finish
     version: FormatVersion = VERSION
 
     def to_metadata(self) -> dict[str, Any]:
@@ -51,7 +52,7 @@ class SpillHeader:
             raise FormatError(f"{what}: header is not a JSON object")
         if md.get("format", FORMAT) != FORMAT:
             raise FormatError(f"{what}: format {md['format']!r}, expected {FORMAT!r}")
-        version = metadata_version({k: str(v) for k, v in md.items()}, what, VERSION, VERSION)
+        version = metadata_version({k: str(v) for k, v in md.items()}, what, VERSION, FormatVersion(1, 0))
         try:
             kind = ItemKind(md["kind"])
             seq, rows, path = md["seq"], md.get("rows", 0), md.get("path", "")
@@ -59,8 +60,8 @@ class SpillHeader:
                 raise ValueError
         except (KeyError, ValueError):
             raise FormatError(f"{what}: bad header {md!r}") from None
-        if kind == ItemKind.FINISH and not path:
-            raise FormatError(f"{what}: a finish item without its path")
+        if kind != ItemKind.BATCH and not path:
+            raise FormatError(f"{what}: a {kind.value} item without its path")
         return cls(kind, seq, rows, path, version)
 
 

@@ -7,7 +7,7 @@ stream's typed metadata `ConfigFrame`, and refuses an unknown major version ther
 Frame kinds are `FrameKind`; a step is one `StepFrame` from the worker's step close to the
 sink's `StepBook`. Steps are packed by hand (no pickle): pickling a step's arrays cost the
 forward thread ~40 us per step inside the engine (bench/vllm_overhead.py); control frames
-(configuration, finish, close) are JSON or a fixed struct.
+(configuration, finish, references, close) are JSON or a fixed struct.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 from replay_format.core import FormatError, FormatVersion, RunShape
 
 FORMAT = "routing-replay.step-frame"
-VERSION = FormatVersion(1, 1)  # 1.1: the shape carries num_hidden_layers
+VERSION = FormatVersion(1, 2)  # 1.1: the shape carries num_hidden_layers; 1.2: reference frames
 
 LENGTH = struct.Struct("<Q")  # every frame: u64 body length, then the body
 _STEP = struct.Struct("<IIB")  # rows, requests, bits
@@ -38,6 +38,7 @@ class FrameKind(enum.Enum):
     CONFIG = b"C"
     STEP = b"S"
     FINISH = b"F"
+    REFERENCES = b"R"
     CLOSE = b"X"
 
 
@@ -135,6 +136,25 @@ class FinishFrame:
     ended: list[Ended]
 
 
+class Reference(NamedTuple):
+    """A request's positions `[start, end)` hold what `source_request_id` computed there (prefix-cache hits).
+
+    Ids are the engine's (internal) ids; both requests ran the same tokens at the same positions.
+    """
+
+    request_id: str
+    start: int
+    end: int
+    source_request_id: str
+
+
+@dataclass(frozen=True)
+class ReferencesFrame:
+    """Prefix-cache hits of requests the step scheduled, sent before that step's frame."""
+
+    references: list[Reference]
+
+
 @dataclass(frozen=True)
 class CloseFrame:
     """The worker is done: send what is queued within `timeout_s`, then spill the rest and exit."""
@@ -142,7 +162,7 @@ class CloseFrame:
     timeout_s: float
 
 
-Frame = ConfigFrame | StepFrame | FinishFrame | CloseFrame
+Frame = ConfigFrame | StepFrame | FinishFrame | ReferencesFrame | CloseFrame
 
 
 def _framed(body: bytes) -> bytes:
@@ -172,6 +192,8 @@ def pack(frame: Frame) -> bytes:
         ended = [{"request_id": e.request_id, "num_tokens": e.num_tokens,
                   "status": None if e.status is None else FinishStatus(e.status).value} for e in frame.ended]
         return _framed(FrameKind.FINISH.value + json.dumps(ended).encode())
+    if isinstance(frame, ReferencesFrame):
+        return _framed(FrameKind.REFERENCES.value + json.dumps([list(r) for r in frame.references]).encode())
     if isinstance(frame, CloseFrame):
         return _framed(FrameKind.CLOSE.value + _CLOSE.pack(frame.timeout_s))
     if isinstance(frame, ConfigFrame):
@@ -199,6 +221,18 @@ def _read_ended(items: Any) -> list[Ended]:
         except (KeyError, TypeError, ValueError, AttributeError):
             raise FormatError(f"finish frame: bad entry {item!r}") from None
     return ended
+
+
+def _read_references(items: Any) -> list[Reference]:
+    if not isinstance(items, list):
+        raise FormatError("references frame: not a JSON list")
+    references = []
+    for item in items:
+        if not (isinstance(item, list) and len(item) == 4 and isinstance(item[0], str) and isinstance(item[3], str)
+                and type(item[1]) is int and type(item[2]) is int and 0 <= item[1] < item[2]):
+            raise FormatError(f"references frame: bad entry {item!r}")
+        references.append(Reference(*item))
+    return references
 
 
 def _read_step(body: bytes, shape: RunShape) -> StepFrame:
@@ -259,6 +293,8 @@ class FrameReader:
                 raise FormatError(f"step frame of {len(body)} bytes does not follow step_frame.md: {exc}") from None
         if kind == FrameKind.FINISH:
             return FinishFrame(_read_ended(_json(body, "finish")))
+        if kind == FrameKind.REFERENCES:
+            return ReferencesFrame(_read_references(_json(body, "references")))
         if len(body) != 1 + _CLOSE.size:
             raise FormatError(f"close frame of {len(body)} bytes, expected {1 + _CLOSE.size}")
         return CloseFrame(_CLOSE.unpack_from(body, 1)[0])

@@ -10,7 +10,7 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
-from replay_service.api import compares, ingest, ops, requests, runs, trainer
+from replay_service.api import compares, ingest, ops, references, requests, runs, trainer
 from replay_service.api.errors import install_error_handlers
 from replay_service.buffers import BufferPool
 from replay_service.metrics import ServiceMetrics
@@ -77,7 +77,7 @@ def create_app(settings: ServiceSettings | None = None, store: RouteStore | None
     app.state.settings = settings
     app.state.metrics = ServiceMetrics()
     install_error_handlers(app)
-    for module in (ingest, runs, requests, compares, trainer, ops):
+    for module in (ingest, references, runs, requests, compares, trainer, ops):
         app.include_router(module.router)
 
     app.add_middleware(LatencyMiddleware, metrics=app.state.metrics)

@@ -161,7 +161,11 @@ def _old_item(header: dict, payload: bytes) -> bytes:
 def test_spill_items_round_trip_and_unversioned_ones_are_read():
     header = SpillHeader(ItemKind.FINISH, 7, path="/v1/runs/r/requests/a/finish")
     got, payload = decode_item(encode_item(header, b'{"num_tokens": 3}'))
-    assert got == header and payload == b'{"num_tokens": 3}' and got.version == FormatVersion(1, 0)
+    assert got == header and payload == b'{"num_tokens": 3}' and got.version == FormatVersion(1, 1)
+    refs = SpillHeader(ItemKind.REFERENCES, 8, path="/v1/runs/r/references")
+    assert decode_item(encode_item(refs, b"{}")) == (refs, b"{}")
+    with pytest.raises(FormatError, match="a references item without its path"):
+        decode_item(encode_item(SpillHeader(ItemKind.REFERENCES, 9), b"{}"))
     old = _old_item({"kind": "batch", "seq": 4, "rows": 12, "path": ""}, b"arrow bytes")
     got, payload = decode_item(old)
     assert (got.kind, got.seq, got.rows, got.version, payload) == (ItemKind.BATCH, 4, 12, FormatVersion(1, 0),

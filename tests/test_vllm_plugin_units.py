@@ -27,7 +27,7 @@ def test_config_off_without_url_and_needs_run_id(tmp_path):
         PluginConfig.from_env({"ROUTING_REPLAY_URL": "http://x"})
     cfg = PluginConfig.from_env({"ROUTING_REPLAY_URL": "http://x/", "ROUTING_REPLAY_RUN_ID": "r1",
                                  "ROUTING_REPLAY_TOKEN": "t", "ROUTING_REPLAY_SPILL_DIR": str(tmp_path)})
-    assert cfg.url == "http://x" and cfg.token == "t" and not cfg.allow_prefix_cache
+    assert cfg.url == "http://x" and cfg.token == "t"
 
 
 def test_unsupported_version_is_refused_naming_what_is_missing():
@@ -152,5 +152,26 @@ def test_config_refusals_name_the_fix():
     with pytest.raises(StartupError, match="CUDA graphs are on.*--enforce-eager"):
         wc.check_config(graphs)
     cached = SimpleNamespace(**{**vars(eager), "cache_config": SimpleNamespace(enable_prefix_caching=True)})
-    with pytest.raises(StartupError, match="prefix caching is on.*--no-enable-prefix-caching"):
-        wc.check_config(cached)
+    wc.check_config(cached)  # prefix caching (vLLM's default) is supported: hits are sent as references
+    connector = SimpleNamespace(**{**vars(cached), "kv_transfer_config": SimpleNamespace(kv_connector="X")})
+    with pytest.raises(StartupError, match="KV connector is configured.*another engine"):
+        wc.check_config(connector)
+
+
+def test_block_ledger_names_the_computation_a_hit_reuses():
+    """Engine core: hit blocks -> position ranges per computing request (vLLM's own KVCacheBlock objects)."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from capture.vllm.engine_core.prefix_hits import BlockLedger
+
+    blocks = {i: KVCacheBlock(i) for i in (10, 11, 12, 13)}
+    ledger = BlockLedger()
+    ledger.computed("A", [blocks[10], blocks[11], blocks[12]], 0, 3, 32)
+    assert ledger.hit_ranges("B", [blocks[10], blocks[11]], 64) == [(0, 64, "A")]
+    assert ledger.hit_ranges("B", [blocks[10], blocks[11]], 40) == [(0, 40, "A")]  # capped at the hit tokens
+    # Block 11 evicted and computed again by C at the same index: a later hit reuses C's KV.
+    ledger.computed("C", [blocks[13], blocks[11]], 1, 2, 32)
+    assert ledger.hit_ranges("D", [blocks[10], blocks[11]], 64) == [(0, 32, "A"), (32, 64, "C")]
+    assert ledger.hit_ranges("A", [blocks[10]], 32) == []  # resumed after preemption: its own rows are stored
+    assert ledger.hit_ranges("E", [blocks[12]], 32) == []  # an index that cannot match: no reference (GAP)
+    assert ledger.hit_ranges("F", [KVCacheBlock(99)], 32) == []  # never seen computed

@@ -6,8 +6,6 @@
 | `ROUTING_REPLAY_RUN_ID` | run id routes are stored under (required when the URL is set) |
 | `ROUTING_REPLAY_TOKEN` | optional bearer token for the service |
 | `ROUTING_REPLAY_SPILL_DIR` | where unsent batches are spilled (default `./replay-spill/<run_id>`) |
-| `ROUTING_REPLAY_ALLOW_PREFIX_CACHE` | `1`: run with prefix caching on; cached prompt rows are never computed, |
-| | so they read back as `GAP` (default: refuse at startup) |
 | `ROUTING_REPLAY_VERBOSE` | `1`: log one line per captured step |
 """
 
@@ -21,7 +19,6 @@ ENV_URL = "ROUTING_REPLAY_URL"
 ENV_RUN = "ROUTING_REPLAY_RUN_ID"
 ENV_TOKEN = "ROUTING_REPLAY_TOKEN"
 ENV_SPILL = "ROUTING_REPLAY_SPILL_DIR"
-ENV_ALLOW_PREFIX = "ROUTING_REPLAY_ALLOW_PREFIX_CACHE"
 ENV_VERBOSE = "ROUTING_REPLAY_VERBOSE"
 # Set by the worker for its sink process only: the token stays off the command line, where `ps` shows it.
 ENV_SINK_TOKEN = "ROUTING_REPLAY_SINK_TOKEN"
@@ -43,7 +40,6 @@ class PluginConfig:
     run_id: str
     token: str | None
     spill_dir: Path
-    allow_prefix_cache: bool = False
     verbose: bool = False
 
     @classmethod
@@ -67,6 +63,5 @@ class PluginConfig:
             run_id=run_id,
             token=(env.get(ENV_TOKEN) or None),
             spill_dir=Path(spill),
-            allow_prefix_cache=_truthy(env.get(ENV_ALLOW_PREFIX)),
             verbose=_truthy(env.get(ENV_VERBOSE)),
         )

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator, model_validator
 
-from replay_format import ARROW_STREAM_MEDIA_TYPE, JSON_MEDIA_TYPE, NPY_MEDIA_TYPE, LayerAxis
+from replay_format import ARROW_STREAM_MEDIA_TYPE, ID_RULE, JSON_MEDIA_TYPE, NPY_MEDIA_TYPE, LayerAxis, valid_id
 from replay_service.store.index import RequestStatus
 
 FlagCounts = dict[str, int]  # flag name -> rows carrying it
@@ -80,8 +80,11 @@ class RunSummary(BaseModel):
     created_at: float = Field(description="Unix time of the first batch")
     requests: int
     requests_ended: int = Field(description="requests finished or aborted")
-    rows: int = Field(description="rows stored")
-    bytes: int = Field(description="bytes of segment files")
+    rows: int = Field(description="rows served, one per request and position (referenced_rows included)")
+    referenced_rows: int = Field(0, description="of `rows`, those served through prefix-cache references: stored "
+                                                "once, by the request that computed them, and not again")
+    references: int = Field(0, description="distinct prefix-cache references received (POST .../references)")
+    bytes: int = Field(description="bytes of segment files (references add none)")
     flagged: FlagCounts = Field(description="rows per flag (GAP: rows expected but never received)")
 
 
@@ -113,8 +116,10 @@ class RequestSummary(BaseModel):
     request_id: str
     status: RequestStatus = Field(description="open, finished or aborted")
     num_tokens: int | None = Field(description="T, when finished or aborted (then T - 1 rows are expected)")
-    rows: int = Field(description="rows stored")
-    expected_rows: int = Field(description="T - 1 when ended, else the last position received + 1")
+    rows: int = Field(description="rows served, one per position (referenced_rows included)")
+    referenced_rows: int = Field(0, description="of `rows`, those served through prefix-cache references (rows "
+                                                "another request stored at the same positions)")
+    expected_rows: int = Field(description="T - 1 when ended, else the last position received or referenced + 1")
     first_flagged_position: int | None
     flagged: FlagCounts
     clean: bool = Field(description="no row flagged (PADDING aside) and none missing")
@@ -167,6 +172,56 @@ class RouteJson(BaseModel):
                                           "axis, 0..num_hidden_layers-1 on the model axis")
     flagged: FlagCounts = Field(description="rows per flag in this range")
     rows: list[RouteJsonRow]
+
+
+# ---- prefix-cache references -------------------------------------------------------------------
+
+MAX_REFERENCES = 10_000  # per body: a step's references are a few per scheduled request
+POSITION_END_MAX = 2**31 - 1  # positions are int32
+
+
+class PrefixReference(BaseModel):
+    """Positions `[start, end)` of `request_id` hold the rows `source_request_id` stored at the same positions.
+
+    vLLM served them from the prefix cache: KV blocks `source_request_id` computed (block hashes chain
+    from position 0, so the positions are the same in both requests).
+    """
+
+    request_id: str = Field(description=f"the request reusing the blocks: {ID_RULE}")
+    start: int = Field(ge=0, description="first position")
+    end: int = Field(le=POSITION_END_MAX, description="one past the last position; greater than start")
+    source_request_id: str = Field(description="the request that computed the blocks (not request_id)")
+
+    @field_validator("request_id", "source_request_id")
+    @classmethod
+    def _valid_id(cls, value: str) -> str:
+        if not valid_id(value):
+            raise ValueError(f"{value!r} is not a valid id: {ID_RULE}")
+        return value
+
+    @model_validator(mode="after")
+    def _coherent(self) -> PrefixReference:
+        if self.end <= self.start:
+            raise ValueError(f"end={self.end} must be greater than start={self.start}")
+        if self.request_id == self.source_request_id:
+            raise ValueError(f"request {self.request_id!r} cannot reference itself")
+        return self
+
+
+class ReferenceBatch(BaseModel):
+    """Prefix-cache references of one run (`POST /v1/runs/{run}/references`); idempotent per reference."""
+
+    references: list[PrefixReference] = Field(max_length=MAX_REFERENCES,
+                                              description=f"at most {MAX_REFERENCES} per body")
+
+
+class ReferencesAnswer(BaseModel):
+    """What one body of references did."""
+
+    received: int = Field(description="references in the body")
+    new: int = Field(description="references not received before (a retry or replayed spill adds none)")
+    rows_resolved: int = Field(description="rows made readable by this call: the references' source rows already "
+                                           "stored, in the referencing requests and in requests referencing them")
 
 
 # ---- comparisons --------------------------------------------------------------------------------

@@ -4,8 +4,9 @@ Under the run's lock (one commit per run at a time): a concurrent retry of the s
 (run, writer, seq) is answered as a duplicate; rows at positions already served are settled
 by the check stage's rule (`check.repeat_conflicts`: identical is a resend, different is
 CONFLICT on the served row, recorded as a late flag); then the segment, its spans, the
-requests' counters and the run's totals are committed together. The answer is an
-`IngestResult`.
+requests' counters and the run's totals are committed together, with the spans that prefix-cache
+references mirror from the new rows into the requests referencing them (`store/references.py`:
+a reference that arrived before its source's rows resolves here). The answer is an `IngestResult`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from replay_service.ingest.check import CheckedRows, repeat_conflicts
 from replay_service.ingest.segment import Segment, SegmentWriter
 from replay_service.store.index import COUNTED_FLAGS, Index, IndexTransaction
 from replay_service.store.reads import RowReader
+from replay_service.store.references import HeldRows, Resolver
 from replay_service.store.runs import RunState
 
 
@@ -81,7 +83,8 @@ class Committer:
                 conflicts = self._settle_stored_repeats(checked, run.shape, shadowed)
                 load = checked.served_load(shadowed)
                 with self.index.transaction() as tx:
-                    self._record(tx, segment, shadowed, conflicts, run.load + load)
+                    held = self._record(tx, segment, shadowed, conflicts, run.load + load)
+                    Resolver(tx, self.reader, run.run_id, run.shape).propagate(held)
                 run.load += load
         except Exception:
             self.segments.discard(segment)
@@ -112,28 +115,26 @@ class Committer:
 
     @staticmethod
     def _record(tx: IndexTransaction, segment: Segment, shadowed: np.ndarray, conflicts: list[tuple[str, int]],
-                run_load: np.ndarray) -> None:
+                run_load: np.ndarray) -> list[HeldRows]:
+        """Index the segment; returns the spans inserted (rows the batch's requests now hold)."""
         checked = segment.rows
         rows, meta = checked.rows, checked.rows.meta
         segment_id = tx.insert_segment(meta.run_id, meta.writer_id, meta.seq, segment.path, rows.num_rows,
                                        segment.size, checked.digest)
         padding = checked.padding_dropped
         with_rows = set()
+        held: list[HeldRows] = []
         for lo, hi in checked.request_spans():
             index = int(rows.request_index[lo])
             with_rows.add(index)
             request_id = rows.request_ids[index]
             positions = rows.positions[lo:hi]
             tx.insert_span(meta.run_id, request_id, segment_id, lo, hi - lo, int(positions[0]), int(positions[-1]))
+            held.append(HeldRows(request_id, segment_id, segment.path, lo, hi - lo, int(positions[0]),
+                                 int(positions[-1])))
             served = ~shadowed[lo:hi]  # only served rows count
-            flags = checked.flags[lo:hi][served]
-            counts: dict[Flag, int] = {f: int(np.count_nonzero(flags & f)) for f in COUNTED_FLAGS if f != Flag.PADDING}
-            counts[Flag.PADDING] = int(padding[index])
-            flagged_positions = positions[served][flags != 0]
-            tx.add_to_request(meta.run_id, request_id, rows=int(np.count_nonzero(served)), pos_max=int(positions[-1]),
-                              flag_bits=int(np.bitwise_or.reduce(flags)) if flags.size else 0,
-                              first_flagged=int(flagged_positions[0]) if flagged_positions.size else None,
-                              counts=counts)
+            tx.add_served(meta.run_id, request_id, positions[served], checked.flags[lo:hi][served],
+                          pos_max=int(positions[-1]), padding=int(padding[index]))
         for index in np.flatnonzero(padding).tolist():
             if index not in with_rows:  # a request whose rows were all padding this batch
                 tx.add_to_request(meta.run_id, rows.request_ids[index], rows=0, pos_max=-1, flag_bits=0,
@@ -141,3 +142,4 @@ class Committer:
         for request_id, position in conflicts:
             tx.mark_conflict(meta.run_id, request_id, position)
         tx.add_run_totals(meta.run_id, segment.size, run_load)
+        return held

@@ -13,7 +13,8 @@ after its segment is fsynced and renamed into place and its index rows are commi
 position range) and slices the memory-mapped segments (reads.py): no file of the run is
 scanned. The run registry (runs.py) keeps each run's shape and expert load in memory;
 summaries.py turns index rows into the API's records; ends.py says where a request ends after a
-route upload (a later turn extends it).
+route upload (a later turn extends it); references.py resolves prefix-cache references (a request's
+positions served by rows another request stored, stored once).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     import sqlite3
 
     from replay_service.ingest.commit import IngestResult
+    from replay_service.store.references import Reference, Resolution
 
 __all__ = ["RequestStatus", "RouteRows", "RouteStore"]
 
@@ -95,6 +97,18 @@ class RouteStore:
             tx.set_final(run_id, request_id, num_tokens, status)
         return self.request_summary(run_id, request_id)
 
+    def add_references(self, run_id: str, references: list[Reference]) -> Resolution:
+        """Record prefix-cache references of a run and resolve those whose source rows are stored (references.py).
+
+        Idempotent on (run, request, start, end, source); NotFound for an unknown run. One transaction,
+        under the run's commit lock: a reference and its source's rows resolve once, in either order.
+        """
+        from replay_service.store.references import Resolver  # builds on the ingest stage's CONFLICT rule
+
+        run = self.registry.require(run_id)
+        with run.lock, self.index.transaction() as tx:
+            return Resolver(tx, self.reader, run_id, run.shape).add(references)
+
     def check_upload(self, run_id: str, request_id: str, start: int, num_tokens: int, finish: bool) -> None:
         """Conflict, before anything is stored, when an upload of rows `start .. num_tokens-2` cannot land (ends.py)."""
         if self.registry.get(run_id) is not None:
@@ -123,14 +137,15 @@ class RouteStore:
 
     def runs(self) -> list[dict]:
         """Every run's summary, by run id."""
-        return [run_summary(run, self.index.run_aggregate(run["run_id"])) for run in self.index.runs()]
+        return [run_summary(run, self.index.run_aggregate(run["run_id"]), self.index.count_references(run["run_id"]))
+                for run in self.index.runs()]
 
     def run_summary(self, run_id: str) -> dict:
         """One run's summary (api.models.RunSummary fields)."""
         run = self.index.run(run_id)
         if run is None:
             raise NotFound(f"run {run_id!r} not found")
-        return run_summary(run, self.index.run_aggregate(run_id))
+        return run_summary(run, self.index.run_aggregate(run_id), self.index.count_references(run_id))
 
     def expert_load(self, run_id: str) -> tuple[RunShape, np.ndarray]:
         """A run's shape and its served clean rows' expert counts `(num_moe_layers, num_experts)`."""

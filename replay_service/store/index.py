@@ -1,9 +1,13 @@
 """The store's index: SQLite (WAL, synchronous=FULL) beside the segment files. All of the store's SQL is here.
 
 It answers "which rows of which segment hold request R" without scanning any file, keeps
-per-request and per-run counters for summaries and listings, and records the idempotency key
-`(run_id, writer_id, seq)` of every stored batch. Every statement is a module constant; callers
-use the typed methods of `Index` (reads) and `IndexTransaction` (writes), never SQL text.
+per-request and per-run counters for summaries and listings, records the idempotency key
+`(run_id, writer_id, seq)` of every stored batch, and keeps prefix-cache references (`prefix_refs`:
+request R's positions `[start, end)` are the rows request S stored there; `references.py` resolves
+them into spans of R that point at S's segment rows, so rows are stored once). Every statement is a
+module constant; callers use the typed methods of `Index` (reads) and `IndexTransaction` (writes),
+never SQL text. (Over 400 lines on purpose: every statement of the store is in this one file, beside the
+typed method that runs it, so the whole schema and its queries read in one place.)
 """
 
 from __future__ import annotations
@@ -39,6 +43,21 @@ def count_column(flag: Flag) -> str:
 
 COUNT_COLUMNS = tuple(count_column(f) for f in COUNTED_FLAGS)
 
+# A span's id is the order a request came to hold its rows: among rows at one position, the first held is
+# served. For a request's own rows that is segment order; a span mirrored from a reference's source
+# (references.py) is held from when it was inserted, so a request's own earlier rows keep winning.
+SPANS_COLUMNS = """
+    span_id INTEGER PRIMARY KEY,
+    run_id TEXT NOT NULL,
+    request_id TEXT NOT NULL,
+    segment_id INTEGER NOT NULL,
+    row_start INTEGER NOT NULL,
+    row_count INTEGER NOT NULL,
+    pos_min INTEGER NOT NULL,
+    pos_max INTEGER NOT NULL
+"""
+SPAN_FIELDS = "run_id, request_id, segment_id, row_start, row_count, pos_min, pos_max"
+
 SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY,
@@ -62,6 +81,7 @@ CREATE TABLE IF NOT EXISTS requests (
     flag_bits INTEGER NOT NULL DEFAULT 0,
     first_flagged INTEGER,
     {", ".join(f"{c} INTEGER NOT NULL DEFAULT 0" for c in COUNT_COLUMNS)},
+    referenced_rows INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (run_id, request_id)
 );
 CREATE TABLE IF NOT EXISTS segments (
@@ -75,15 +95,7 @@ CREATE TABLE IF NOT EXISTS segments (
     digest TEXT NOT NULL,
     UNIQUE (run_id, writer_id, seq)
 );
-CREATE TABLE IF NOT EXISTS spans (
-    run_id TEXT NOT NULL,
-    request_id TEXT NOT NULL,
-    segment_id INTEGER NOT NULL,
-    row_start INTEGER NOT NULL,
-    row_count INTEGER NOT NULL,
-    pos_min INTEGER NOT NULL,
-    pos_max INTEGER NOT NULL
-);
+CREATE TABLE IF NOT EXISTS spans ({SPANS_COLUMNS});
 CREATE INDEX IF NOT EXISTS spans_by_request ON spans (run_id, request_id, pos_min);
 CREATE TABLE IF NOT EXISTS row_flags (
     run_id TEXT NOT NULL,
@@ -92,13 +104,31 @@ CREATE TABLE IF NOT EXISTS row_flags (
     flags INTEGER NOT NULL,
     PRIMARY KEY (run_id, request_id, position)
 );
+CREATE TABLE IF NOT EXISTS prefix_refs (
+    run_id TEXT NOT NULL,
+    request_id TEXT NOT NULL,
+    pos_start INTEGER NOT NULL,
+    pos_end INTEGER NOT NULL,
+    source_request_id TEXT NOT NULL,
+    PRIMARY KEY (run_id, request_id, pos_start, pos_end, source_request_id)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS prefix_refs_by_source ON prefix_refs (run_id, source_request_id, pos_start);
 """
 # Index files are brought up to date on open: user_version 0 named num_moe_layers num_layers (renamed);
-# before 2, runs had no num_hidden_layers (added as 0: unknown, read as max(moe_layers) + 1).
-SCHEMA_VERSION = 2
-RUNS_COLUMNS = "PRAGMA table_info(runs)"
+# before 2, runs had no num_hidden_layers (added as 0: unknown, read as max(moe_layers) + 1); before 3,
+# spans had no span_id (rebuilt in segment order, which is the order their rows were served in) and
+# requests no referenced_rows (0: nothing was referenced); prefix_refs is new (created by SCHEMA).
+SCHEMA_VERSION = 3
+TABLE_COLUMNS = "SELECT name FROM pragma_table_info(?)"
 RENAME_NUM_LAYERS = "ALTER TABLE runs RENAME COLUMN num_layers TO num_moe_layers"
 ADD_NUM_HIDDEN_LAYERS = "ALTER TABLE runs ADD COLUMN num_hidden_layers INTEGER NOT NULL DEFAULT 0"
+ADD_REFERENCED_ROWS = "ALTER TABLE requests ADD COLUMN referenced_rows INTEGER NOT NULL DEFAULT 0"
+REBUILD_SPANS = (
+    f"CREATE TABLE spans_v3 ({SPANS_COLUMNS})",
+    f"INSERT INTO spans_v3 ({SPAN_FIELDS}) SELECT {SPAN_FIELDS} FROM spans ORDER BY segment_id, rowid",
+    "DROP TABLE spans",  # drops spans_by_request too; SCHEMA creates it again
+    "ALTER TABLE spans_v3 RENAME TO spans",
+)
 GET_SCHEMA_VERSION = "PRAGMA user_version"
 SET_SCHEMA_VERSION = f"PRAGMA user_version = {SCHEMA_VERSION}"
 
@@ -118,7 +148,8 @@ ADD_RUN_TOTALS = "UPDATE runs SET bytes = bytes + ?, load = ? WHERE run_id = ?"
 RUN_AGGREGATE = (
     "SELECT COUNT(*) AS requests, COALESCE(SUM(rows), 0) AS rows,"
     f" COALESCE(SUM(status != '{RequestStatus.OPEN}'), 0) AS ended,"
-    f" COALESCE(SUM(MAX({EXPECTED_ROWS} - rows, 0)), 0) AS gap, "
+    f" COALESCE(SUM(MAX({EXPECTED_ROWS} - rows, 0)), 0) AS gap,"
+    " COALESCE(SUM(referenced_rows), 0) AS referenced_rows, "
     + ", ".join(f"COALESCE(SUM({c}), 0) AS {c}" for c in COUNT_COLUMNS)
     + " FROM requests WHERE run_id = ?"
 )
@@ -129,21 +160,41 @@ INSERT_SEGMENT = (
     "INSERT INTO segments (run_id, writer_id, seq, path, rows, bytes, digest) VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
 SELECT_PATHS = "SELECT path FROM segments"
-INSERT_SPAN = (
-    "INSERT INTO spans (run_id, request_id, segment_id, row_start, row_count, pos_min, pos_max)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?)"
-)
-# Oldest segment first: among rows at one position, the first stored is the one served.
+INSERT_SPAN = f"INSERT INTO spans ({SPAN_FIELDS}) VALUES (?, ?, ?, ?, ?, ?, ?)"
+# In the order the request came to hold them (span_id): among rows at one position, the first held is served.
 SPANS_OVERLAPPING = (
-    "SELECT s.row_start, s.row_count, g.path FROM spans s JOIN segments g USING (segment_id)"
-    " WHERE s.run_id = ? AND s.request_id = ? AND s.pos_max >= ? AND s.pos_min <= ? ORDER BY s.segment_id"
+    "SELECT s.segment_id, s.row_start, s.row_count, s.pos_min, s.pos_max, g.path FROM spans s"
+    " JOIN segments g USING (segment_id)"
+    " WHERE s.run_id = ? AND s.request_id = ? AND s.pos_max >= ? AND s.pos_min <= ? ORDER BY s.span_id"
 )
+# Rows of one segment a request already holds near some positions (a mirror never inserts them twice).
+HELD_IN_SEGMENT = (
+    "SELECT row_start, row_count FROM spans"
+    " WHERE run_id = ? AND request_id = ? AND pos_min <= ? AND pos_max >= ? AND segment_id = ?"
+)
+
+# ---- prefix-cache references (references.py)
+INSERT_REFERENCE = (
+    "INSERT INTO prefix_refs (run_id, request_id, pos_start, pos_end, source_request_id) VALUES (?, ?, ?, ?, ?)"
+    " ON CONFLICT DO NOTHING"
+)
+# For each piece of a JSON array [[source, lo, hi], ...]: the references naming that source whose range meets
+# positions [lo, hi]. One statement per commit, not one per request (a decode batch holds hundreds).
+REFERENCES_FROM = (
+    "SELECT j.key AS piece, p.request_id, p.pos_start, p.pos_end FROM json_each(?) AS j"
+    " JOIN prefix_refs AS p ON p.run_id = ? AND p.source_request_id = j.value ->> 0"
+    " AND p.pos_start <= j.value ->> 2 AND p.pos_end > j.value ->> 1 ORDER BY j.key, p.request_id, p.pos_start"
+)
+COUNT_REFERENCES = "SELECT COUNT(*) AS n FROM prefix_refs WHERE run_id = ?"
+# A referenced range says the request has those positions: until resolved, an open request reads them as GAP.
+EXPECT_POSITION = "UPDATE requests SET pos_max = MAX(pos_max, ?) WHERE run_id = ? AND request_id = ?"
 
 # ---- requests
 SELECT_REQUEST = "SELECT * FROM requests WHERE run_id = ? AND request_id = ?"
 ENSURE_REQUEST = "INSERT INTO requests (run_id, request_id) VALUES (?, ?) ON CONFLICT DO NOTHING"
 ADD_TO_REQUEST = (
-    "UPDATE requests SET rows = rows + :rows, pos_max = MAX(pos_max, :pos_max), flag_bits = flag_bits | :flag_bits,"
+    "UPDATE requests SET rows = rows + :rows, referenced_rows = referenced_rows + :referenced,"
+    " pos_max = MAX(pos_max, :pos_max), flag_bits = flag_bits | :flag_bits,"
     " first_flagged = CASE WHEN :first_flagged IS NULL THEN first_flagged"
     " ELSE MIN(COALESCE(first_flagged, :first_flagged), :first_flagged) END, "
     + ", ".join(f"{c} = {c} + :{c}" for c in COUNT_COLUMNS)
@@ -188,14 +239,30 @@ class Index:
         self.lock = threading.RLock()
 
     def _migrate(self) -> None:
+        """Bring an older index file up to SCHEMA_VERSION, in one transaction (a crash leaves the old file)."""
         if self.conn.execute(GET_SCHEMA_VERSION).fetchone()[0] >= SCHEMA_VERSION:
             return
-        columns = {row["name"] for row in self.conn.execute(RUNS_COLUMNS)}
-        if "num_layers" in columns:
-            self.conn.execute(RENAME_NUM_LAYERS)
-        if columns and "num_hidden_layers" not in columns:  # no columns: a new file, SCHEMA creates the table
-            self.conn.execute(ADD_NUM_HIDDEN_LAYERS)
-        self.conn.execute(SET_SCHEMA_VERSION)
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            # A table without columns does not exist yet (a new file): SCHEMA creates it as it is now.
+            runs, requests, spans = (self._columns(t) for t in ("runs", "requests", "spans"))
+            if "num_layers" in runs:
+                self.conn.execute(RENAME_NUM_LAYERS)
+            if runs and "num_hidden_layers" not in runs:
+                self.conn.execute(ADD_NUM_HIDDEN_LAYERS)
+            if requests and "referenced_rows" not in requests:
+                self.conn.execute(ADD_REFERENCED_ROWS)
+            if spans and "span_id" not in spans:
+                for statement in REBUILD_SPANS:
+                    self.conn.execute(statement)
+            self.conn.execute(SET_SCHEMA_VERSION)
+            self.conn.execute("COMMIT")
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+
+    def _columns(self, table: str) -> set[str]:
+        return {row["name"] for row in self.conn.execute(TABLE_COLUMNS, (table,))}
 
     # ---- generic access (the comparison store keeps its own statements beside its table)
 
@@ -249,8 +316,17 @@ class Index:
         return {row["path"] for row in self.query(SELECT_PATHS)}
 
     def spans(self, run_id: str, request_id: str, pos_lo: int, pos_hi: int) -> list[sqlite3.Row]:
-        """(row_start, row_count, path) of a request's spans touching positions `[pos_lo, pos_hi]`, oldest first."""
+        """A request's spans touching positions `[pos_lo, pos_hi]`, in the order it came to hold them.
+
+        Each: segment_id, row_start, row_count, pos_min, pos_max, path. Inside a transaction (same thread)
+        this sees the transaction's own writes.
+        """
         return self.query(SPANS_OVERLAPPING, (run_id, request_id, pos_lo, pos_hi))
+
+    def count_references(self, run_id: str) -> int:
+        """How many distinct prefix-cache references a run received."""
+        row = self.one(COUNT_REFERENCES, (run_id,))
+        return int(row["n"]) if row else 0
 
     def request(self, run_id: str, request_id: str) -> sqlite3.Row | None:
         """The `requests` row of a request."""
@@ -310,13 +386,31 @@ class IndexTransaction:
         self.conn.execute(INSERT_SPAN, (run_id, request_id, segment_id, row_start, row_count, pos_min, pos_max))
 
     def add_to_request(self, run_id: str, request_id: str, rows: int, pos_max: int, flag_bits: int,
-                       first_flagged: int | None, counts: dict[Flag, int]) -> None:
-        """Add a batch's served rows (and flag counts) to a request's counters, creating its row."""
+                       first_flagged: int | None, counts: dict[Flag, int], referenced: int = 0) -> None:
+        """Add served rows (and flag counts) to a request's counters, creating its row.
+
+        `referenced`: how many of `rows` are served through a prefix-cache reference (stored by another request).
+        """
         self.conn.execute(ENSURE_REQUEST, (run_id, request_id))
         params: dict[str, Any] = {"run_id": run_id, "request_id": request_id, "rows": rows, "pos_max": pos_max,
-                                  "flag_bits": flag_bits, "first_flagged": first_flagged}
+                                  "flag_bits": flag_bits, "first_flagged": first_flagged, "referenced": referenced}
         params.update({count_column(f): int(counts.get(f, 0)) for f in COUNTED_FLAGS})
         self.conn.execute(ADD_TO_REQUEST, params)
+
+    def add_served(self, run_id: str, request_id: str, positions: np.ndarray, flags: np.ndarray, pos_max: int,
+                   padding: int = 0, referenced: int = 0) -> None:
+        """Add rows newly served at sorted `positions` (with their `flags`) to a request's counters, creating its row.
+
+        `pos_max`: the last position the rows' span reaches (served or not); `padding`: writer padding rows
+        dropped; `referenced`: how many of the rows are served through a prefix-cache reference.
+        """
+        counts: dict[Flag, int] = {f: int(np.count_nonzero(flags & f)) for f in COUNTED_FLAGS if f != Flag.PADDING}
+        counts[Flag.PADDING] = padding
+        flagged = positions[flags != 0]
+        self.add_to_request(run_id, request_id, rows=len(positions), pos_max=pos_max,
+                            flag_bits=int(np.bitwise_or.reduce(flags)) if flags.size else 0,
+                            first_flagged=int(flagged[0]) if flagged.size else None, counts=counts,
+                            referenced=referenced)
 
     def mark_conflict(self, run_id: str, request_id: str, position: int) -> bool:
         """CONFLICT on an already stored row (a later batch disagreed), counted once; False when already marked."""
@@ -326,6 +420,34 @@ class IndexTransaction:
         self.conn.execute(OR_ROW_FLAGS, (run_id, request_id, position, int(Flag.CONFLICT)))
         self.conn.execute(COUNT_CONFLICT, (position, position, run_id, request_id))
         return True
+
+    def spans(self, run_id: str, request_id: str, pos_lo: int, pos_hi: int) -> list[sqlite3.Row]:
+        """`Index.spans`, read inside this transaction."""
+        return self.conn.execute(SPANS_OVERLAPPING, (run_id, request_id, pos_lo, pos_hi)).fetchall()
+
+    def held_in_segment(self, run_id: str, request_id: str, segment_id: int, pos_lo: int,
+                        pos_hi: int) -> list[tuple[int, int]]:
+        """`(row_start, row_count)` of one segment's rows a request holds at positions meeting `[pos_lo, pos_hi]`."""
+        return [(r["row_start"], r["row_count"]) for r in
+                self.conn.execute(HELD_IN_SEGMENT, (run_id, request_id, pos_hi, pos_lo, segment_id))]
+
+    def insert_reference(self, run_id: str, request_id: str, start: int, end: int, source_request_id: str) -> bool:
+        """Record a prefix-cache reference; False when it was recorded before (a retry or a replayed spill).
+
+        The referencing request's row is created and its positions expected up to `end - 1`.
+        """
+        cur = self.conn.execute(INSERT_REFERENCE, (run_id, request_id, start, end, source_request_id))
+        if cur.rowcount != 1:
+            return False
+        self.conn.execute(ENSURE_REQUEST, (run_id, request_id))
+        self.conn.execute(EXPECT_POSITION, (end - 1, run_id, request_id))
+        return True
+
+    def references_from(self, run_id: str, pieces: list[tuple[str, int, int]]) -> list[tuple[int, str, int, int]]:
+        """References naming the source of a piece `(source_request_id, pos_lo, pos_hi)` whose range meets its
+        positions: `(piece index, request_id, start, end)`, by piece."""
+        return [(r["piece"], r["request_id"], r["pos_start"], r["pos_end"]) for r in
+                self.conn.execute(REFERENCES_FROM, (json.dumps(pieces), run_id))]
 
     def add_run_totals(self, run_id: str, size: int, load: np.ndarray) -> None:
         """Add a segment's bytes to its run and store the run's new expert load."""

@@ -1,7 +1,8 @@
 """Reading stored rows back: one request's route, and the row served at a position.
 
-The served row at a position is the first one stored there (oldest segment, then row order);
-later rows at that position are kept on disk and never served. Whether they disagreed
+The served row at a position is the first one the request came to hold there (span order: its
+own rows in segment order, rows resolved from a prefix-cache reference from when it resolved, by
+`store/references.py`); later rows at that position are kept on disk and never served. Whether they disagreed
 (CONFLICT) was decided at ingest (`replay_service.ingest.check`) and recorded then: in the
 served row's flags, or in the index's late flags when the disagreeing row came later. A read
 only picks rows; it decides no flag except GAP (a position nobody sent: ids zero, never clean).
@@ -106,7 +107,7 @@ class RowReader:
         self.cache = cache
 
     def _spans(self, run_id: str, request_id: str, lo: int, hi: int) -> list[pa.RecordBatch]:
-        """The request's stored rows in spans touching positions `[lo, hi]`, oldest segment first."""
+        """The request's stored rows in spans touching positions `[lo, hi]`, in the order it came to hold them."""
         return [self.cache.get(s["path"]).slice(s["row_start"], s["row_count"])
                 for s in self.index.spans(run_id, request_id, lo, hi)]
 
@@ -131,7 +132,7 @@ class RowReader:
 
 def assemble_route(request_id: str, shape: RunShape, spans: list[pa.RecordBatch], start: int, end: int,
                    late_flags: dict[int, int]) -> RouteRows:
-    """One request's stored spans (oldest first) as a dense route over `[start, end)`, with `late_flags` added."""
+    """A request's spans (in the order it came to hold them) as a dense route over `[start, end)` with `late_flags`."""
     rows = _concat([_piece(span, shape.row_width) for span in spans], shape)
     if len(spans) == 1:
         lo, hi = np.searchsorted(rows.positions, [start, end])  # a span's rows are sorted by position

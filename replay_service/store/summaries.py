@@ -29,6 +29,7 @@ def request_summary(request: sqlite3.Row) -> dict:
         "status": request["status"],
         "num_tokens": request["final_tokens"],
         "rows": request["rows"],
+        "referenced_rows": request["referenced_rows"],
         "expected_rows": expected,
         "first_flagged_position": request["first_flagged"],
         "flagged": flagged,
@@ -36,8 +37,8 @@ def request_summary(request: sqlite3.Row) -> dict:
     }
 
 
-def run_summary(run: sqlite3.Row, totals: sqlite3.Row) -> dict:
-    """A `runs` row and the sums over its requests (`Index.run_aggregate`) as a RunSummary record."""
+def run_summary(run: sqlite3.Row, totals: sqlite3.Row, references: int) -> dict:
+    """A `runs` row, the sums over its requests (`Index.run_aggregate`) and its reference count as a RunSummary."""
     shape = shape_of(run)
     flagged = {str(f.name): totals[count_column(f)] for f in COUNTED_FLAGS}
     flagged[str(Flag.GAP.name)] = totals["gap"]
@@ -54,6 +55,8 @@ def run_summary(run: sqlite3.Row, totals: sqlite3.Row) -> dict:
         "requests": totals["requests"],
         "requests_ended": totals["ended"],
         "rows": totals["rows"],
+        "referenced_rows": totals["referenced_rows"],
+        "references": references,
         "bytes": run["bytes"],
         "flagged": flagged,
     }

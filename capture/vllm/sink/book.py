@@ -14,6 +14,9 @@ Pure Python/numpy (no vLLM import), so it is tested directly.
 - Preemption/recompute: a resumed request runs its positions again; the rows are sent
   again and the service stores identical re-writes once and flags a differing one
   `CONFLICT` (never silently overwritten).
+- Prefix caching: positions a request took from the prefix cache never ran in it; the engine
+  core says which request computed them (a `Reference`), sent on in stored ids for the service
+  to resolve (`reference`).
 - Finish: the total token count is what the scheduler reports when available, else the
   highest position seen + 2 (the last sampled token never ran through the model).
 """
@@ -125,6 +128,18 @@ class StepBook:
                 st.max_position = max(st.max_position, int(top))
                 st.rows_sent += int(kept[i])
         return [st.external for st in states], index, keep
+
+    def reference(self, internal: str, start: int, end: int, source: str) -> tuple[str, int, int, str] | None:
+        """A prefix-cache hit in stored ids `(request, start, end, source)`; None when either id cannot be stored.
+
+        A request resumed after preemption can hit blocks it computed itself: its own rows are stored
+        already, so such a hit is no reference.
+        """
+        st = self._state(internal)
+        src = self.requests[source].external if source in self.requests else external_id(source)
+        if not st.storable or src == st.external or not valid_id(src):
+            return None
+        return st.external, int(start), int(end), src
 
     def finish(self, internal: str, num_tokens: int | None = None,
                status: FinishStatus | None = None) -> tuple[str, int, FinishStatus] | None:

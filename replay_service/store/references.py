@@ -1,0 +1,174 @@
+"""Prefix-cache references: a request's positions served by the rows another request stored, stored once.
+
+A reference says "request R's positions `[start, end)` hold the rows that request S stored at the
+same positions": vLLM served them from S's KV blocks (prefix cache), so R never routed them. Block
+hashes chain from position 0, so the positions are the same in both requests.
+
+Resolving a reference copies no row. It *mirrors* S's spans into R: a `spans` row of R that points
+at S's segment rows, sliced exactly to `[start, end)`, and R's counters grow by the positions R did
+not serve yet. Every read path (route reads, batch reads, trainer slices, summaries, the CONFLICT
+check of R's own later rows) goes through spans, so it works unchanged.
+
+Resolution happens at whichever of the two comes second, in the index transaction that stores it:
+- a reference arriving after S's rows mirrors S's spans overlapping its range (`Resolver.add`);
+- rows of S arriving after the reference are mirrored as their commit inserts S's spans
+  (`Resolver.propagate`, called by `ingest/commit.py`).
+A mirrored span can itself be a source (T references R, which references S): both paths run a
+worklist until nothing new is mirrored. A request never holds the same segment rows twice, which
+also ends reference cycles. Commits and reference inserts of one run are serialised (the run's
+lock, then one SQLite transaction), so each piece is mirrored exactly once, whatever the order.
+
+Which row is served where a request holds several at a position: the first it came to hold (the
+span order, `index.SPANS_OVERLAPPING`). So R's own rows stored before the reference was resolved
+keep being served; a mirrored row at such a position follows the one CONFLICT rule
+(`ingest.check.repeat_conflicts`): identical is a resend, different flags CONFLICT on R's served row,
+exactly as R's own later rows at a mirrored position do. A reference whose source never arrives
+leaves R's positions GAP: nothing but S's rows is ever mirrored into them.
+
+Run totals: a run's `bytes` stay the bytes of its segments (a reference adds none) and its expert
+load counts rows as computed (referenced rows are not counted again); requests count referenced
+rows in `rows` and, separately, in `referenced_rows`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from replay_format import RunShape
+from replay_service.ingest.check import repeat_conflicts
+from replay_service.store.index import IndexTransaction
+from replay_service.store.reads import RowReader
+
+
+@dataclass(frozen=True)
+class Reference:
+    """Positions `[start, end)` of `request_id` are the rows `source_request_id` stored at the same positions."""
+
+    request_id: str
+    start: int
+    end: int
+    source_request_id: str
+
+
+@dataclass(frozen=True)
+class HeldRows:
+    """Rows `[row_start, row_start + row_count)` of one segment, held by a request at positions pos_min..pos_max."""
+
+    request_id: str
+    segment_id: int
+    path: str
+    row_start: int
+    row_count: int
+    pos_min: int
+    pos_max: int
+
+
+@dataclass
+class Resolution:
+    """What one call resolved: references new to the store, rows newly served through references."""
+
+    new: int = 0
+    rows_resolved: int = 0
+
+
+class Resolver:
+    """Mirrors sources' rows into referencing requests, inside one index transaction of one run."""
+
+    def __init__(self, tx: IndexTransaction, reader: RowReader, run_id: str, shape: RunShape) -> None:
+        self.tx = tx
+        self.reader = reader  # its index reads run on the transaction's connection: they see its writes
+        self.run_id = run_id
+        self.shape = shape
+
+    def add(self, references: list[Reference]) -> Resolution:
+        """Record references (a known one is a no-op) and mirror what their sources already hold."""
+        done = Resolution()
+        for ref in references:
+            if not self.tx.insert_reference(self.run_id, ref.request_id, ref.start, ref.end, ref.source_request_id):
+                continue
+            done.new += 1
+            for span in self.tx.spans(self.run_id, ref.source_request_id, ref.start, ref.end - 1):
+                held = HeldRows(ref.source_request_id, span["segment_id"], span["path"], span["row_start"],
+                                span["row_count"], span["pos_min"], span["pos_max"])
+                mirrored, rows = self._mirror(held, ref)
+                done.rows_resolved += rows + self.propagate(mirrored)
+        return done
+
+    def propagate(self, held: list[HeldRows]) -> int:
+        """Mirror rows a request just came to hold into every request referencing it (chains included).
+
+        Returns the rows newly served through references.
+        """
+        resolved = 0
+        work = list(held)
+        while work:  # in rounds: one query finds the references of every piece of a round
+            found = self.tx.references_from(self.run_id, [(p.request_id, p.pos_min, p.pos_max) for p in work])
+            pieces, work = work, []
+            for i, request_id, start, end in found:
+                mirrored, rows = self._mirror(pieces[i], Reference(request_id, start, end, pieces[i].request_id))
+                work += mirrored
+                resolved += rows
+        return resolved
+
+    def _mirror(self, held: HeldRows, ref: Reference) -> tuple[list[HeldRows], int]:
+        """`held`'s rows at the reference's positions, as spans of the referencing request (those it lacks)."""
+        rows = self.reader.cache.get(held.path).slice(held.row_start, held.row_count)
+        positions = rows.column("position").to_numpy()  # a span's rows are sorted by position
+        lo, hi = (int(i) for i in np.searchsorted(positions, [ref.start, ref.end]))
+        if lo >= hi:
+            return [], 0
+        mirrored, resolved = [], 0
+        already = self.tx.held_in_segment(self.run_id, ref.request_id, held.segment_id, int(positions[lo]),
+                                          int(positions[hi - 1]))
+        for a, b in _subtract((held.row_start + lo, held.row_start + hi), already):
+            piece = rows.slice(a - held.row_start, b - a)
+            resolved += self._serve(ref.request_id, held.segment_id, a, piece)
+            span_positions = positions[a - held.row_start : b - held.row_start]
+            mirrored.append(HeldRows(ref.request_id, held.segment_id, held.path, a, b - a,
+                                     int(span_positions[0]), int(span_positions[-1])))
+        return mirrored, resolved
+
+    def _serve(self, request_id: str, segment_id: int, row_start: int, rows: pa.RecordBatch) -> int:
+        """Insert one mirrored span and count its rows at positions the request did not serve yet."""
+        positions = rows.column("position").to_numpy()
+        experts = rows.column("experts").flatten().to_numpy(zero_copy_only=True).reshape(len(positions), -1)
+        flags = rows.column("flags").to_numpy()
+        first = np.concatenate(([True], positions[1:] != positions[:-1]))  # the row served per position
+        positions, experts, flags = positions[first], experts[first], flags[first]
+        served_positions, served_experts = self.reader.served_rows(self.run_id, request_id, self.shape, positions)
+        repeat = np.zeros(len(positions), np.bool_)
+        conflicts: list[int] = []
+        if len(served_positions):
+            slot = np.minimum(np.searchsorted(served_positions, positions), len(served_positions) - 1)
+            repeat = served_positions[slot] == positions
+            differs = repeat_conflicts(experts[repeat], served_experts[slot[repeat]])
+            conflicts = positions[repeat][differs].tolist()
+        new = ~repeat
+        n_new = int(np.count_nonzero(new))
+        self.tx.insert_span(self.run_id, request_id, segment_id, row_start, rows.num_rows, int(positions[0]),
+                            int(positions[-1]))
+        self.tx.add_served(self.run_id, request_id, positions[new], flags[new], pos_max=int(positions[-1]),
+                           referenced=n_new)
+        for position in conflicts:
+            self.tx.mark_conflict(self.run_id, request_id, int(position))
+        return n_new
+
+
+def _subtract(span: tuple[int, int], taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of row range `[lo, hi)` outside every `(row_start, row_count)` of `taken`."""
+    parts = [span]
+    for start, count in taken:
+        cut = []
+        for a, b in parts:
+            if start + count <= a or start >= b:
+                cut.append((a, b))
+                continue
+            if a < start:
+                cut.append((a, start))
+            if start + count < b:
+                cut.append((start + count, b))
+        parts = cut
+    return parts
