@@ -13,10 +13,12 @@ while none is free is new and is dropped on return when the pool is full.
 
 from __future__ import annotations
 
+import asyncio
 import mmap
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
 PAGE = mmap.PAGESIZE
 _GRANULE = 1 << 20  # sizes round up to whole MiB so near-equal requests share buffers
@@ -62,3 +64,51 @@ class BufferPool:
             yield memoryview(buffer)[:size]
         finally:
             self.give(buffer)
+
+
+class ByteBudget:
+    """Bytes of request bodies held at once (asyncio, one event loop): a body reserves its size, or waits.
+
+    Ingest bodies are bounded by this rather than by the processing slots, so a body that
+    arrives slowly holds only its own size, never a slot another writer needs. Waiters are
+    served in order (a large body is not starved by small ones); a reservation larger than the
+    whole budget is cut to it. Release is synchronous, so a cancelled request always gives back.
+    """
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.free = total
+        self._waiting: deque[tuple[int, asyncio.Future]] = deque()
+
+    @asynccontextmanager
+    async def reserved(self, size: int) -> AsyncIterator[None]:
+        """Hold `size` bytes of the budget for the block, waiting until they are free."""
+        size = min(size, self.total)
+        if self._waiting or self.free < size:
+            granted = asyncio.get_running_loop().create_future()
+            self._waiting.append((size, granted))
+            try:
+                await granted
+            except asyncio.CancelledError:
+                if granted.done() and not granted.cancelled():
+                    self._release(size)  # granted just as it was cancelled
+                else:
+                    self._waiting.remove((size, granted))
+                    self._grant()
+                raise
+        else:
+            self.free -= size
+        try:
+            yield
+        finally:
+            self._release(size)
+
+    def _release(self, size: int) -> None:
+        self.free += size
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiting and self._waiting[0][0] <= self.free:
+            size, granted = self._waiting.popleft()
+            self.free -= size
+            granted.set_result(None)

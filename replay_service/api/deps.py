@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Path, Request
 
 from replay_format import ID_RULE, valid_id
-from replay_service.buffers import BufferPool
-from replay_service.errors import InvalidInput, TooLarge
+from replay_service.buffers import BufferPool, ByteBudget
+from replay_service.errors import BodyTimeout, InvalidInput, TooLarge
 from replay_service.metrics import ServiceMetrics
 from replay_service.settings import ServiceSettings
 from replay_service.store import RouteStore
@@ -49,12 +52,75 @@ RunId = Annotated[str, Depends(run_id_param)]
 RequestId = Annotated[str, Depends(request_id_param)]
 
 
+@dataclass(frozen=True)
+class BodyLimits:
+    """How large a request body may be and how fast it must arrive (settings)."""
+
+    max_bytes: int
+    timeout_s: float  # to start, and the lag allowed behind the minimum rate
+    min_bytes_per_s: int
+
+    @classmethod
+    def of(cls, settings: ServiceSettings) -> BodyLimits:
+        """The limits the settings give."""
+        return cls(settings.max_body_bytes, settings.body_timeout_s, settings.body_min_bytes_per_s)
+
+
+def get_body_budget(request: Request) -> ByteBudget:
+    """The app's budget of body bytes held at once (made on first use, in the event loop)."""
+    state = request.app.state
+    if getattr(state, "body_budget", None) is None:
+        state.body_budget = ByteBudget(state.settings.max_body_bytes_in_flight)
+    return state.body_budget
+
+
+class _TimedBody:
+    """A request body's chunks, each awaited no longer than the minimum rate allows.
+
+    By the time `received` bytes have arrived, at most `timeout_s + received / min_bytes_per_s`
+    seconds may have passed since the clock started; a slower body is a BodyTimeout (408), so a
+    stalled upload holds its connection and its bytes for seconds, not for ever.
+    """
+
+    def __init__(self, request: Request, limits: BodyLimits) -> None:
+        self.stream = request.stream()
+        self.limits = limits
+        self.loop = asyncio.get_running_loop()
+        self.received = 0
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        """Count from now, crediting what has arrived (a wait the service imposed is not the sender's)."""
+        self.started = self.loop.time() - self.received / self.limits.min_bytes_per_s
+
+    async def next(self) -> bytes | None:
+        """The next chunk, None at the end of the body."""
+        deadline = self.started + self.limits.timeout_s + self.received / self.limits.min_bytes_per_s
+        try:
+            async with asyncio.timeout_at(deadline):
+                chunk = await anext(self.stream)
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            raise BodyTimeout(
+                f"the body arrived too slowly: {self.received} bytes in {self.loop.time() - self.started:.1f} s; "
+                f"a body must start within {self.limits.timeout_s:g} s (REPLAY_BODY_TIMEOUT_S) and then arrive at "
+                f"{self.limits.min_bytes_per_s} bytes/s (REPLAY_BODY_MIN_BYTES_PER_S)") from None
+        self.received += len(chunk)
+        return chunk
+
+
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing (413) past `limit` bytes before reading it all."""
+    """The request body, refusing (413) past `limit` bytes before reading it all, 408 when it arrives too slowly."""
+    limits = dataclasses.replace(BodyLimits.of(request.app.state.settings), max_bytes=limit)
     declared = _declared_length(request, limit)
-    chunks = []
-    size = 0
-    async for chunk in request.stream():
+    return await _read_rest(_TimedBody(request, limits), b"", declared, limit)
+
+
+async def _read_rest(body: _TimedBody, first: bytes, declared: int | None, limit: int) -> bytes:
+    chunks = [first]
+    size = len(first)
+    while (chunk := await body.next()) is not None:
         size += len(chunk)
         if size > limit:
             raise TooLarge(f"body exceeds the limit of {limit} bytes (REPLAY_MAX_BODY_BYTES)")
@@ -65,27 +131,37 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 @asynccontextmanager
-async def pooled_body(request: Request, limit: int, pool: BufferPool) -> AsyncIterator[memoryview | bytes]:
-    """The request body, read into a reused buffer when its length is declared.
+async def arriving_body(request: Request, limits: BodyLimits, budget: ByteBudget,
+                        pool: BufferPool | None = None) -> AsyncIterator[memoryview | bytes]:
+    """The whole request body, read once it starts arriving and while it holds its bytes of `budget`.
 
-    Views into it are valid inside the block only (buffers.py says why bodies
-    are not freshly allocated). Without content-length it is `read_body`.
+    Nothing is held while the body has not started (an idle or stalled upload costs no one
+    else anything); then the body reserves its declared size (the limit without one) and is
+    read under the minimum rate. With `pool` and a content-length it is read into a reused
+    buffer, whose views are valid inside the block only (buffers.py says why bodies are not
+    freshly allocated).
     """
-    declared = _declared_length(request, limit)
-    if declared is None:
-        yield await read_body(request, limit)
-        return
-    with pool.borrowed(declared) as view:
-        size = 0
-        async for chunk in request.stream():
-            end = size + len(chunk)
-            if end > declared:
-                raise InvalidInput(f"body longer than its content-length of {declared} bytes")
-            view[size:end] = chunk
-            size = end
-        if size != declared:
-            raise InvalidInput(f"body of {size} bytes, but content-length said {declared}")
-        yield view
+    declared = _declared_length(request, limits.max_bytes)
+    body = _TimedBody(request, limits)
+    first = (await body.next() or b"") if declared != 0 else b""
+    async with budget.reserved(limits.max_bytes if declared is None else declared):
+        body.restart_clock()
+        if pool is None or not declared:
+            yield await _read_rest(body, first, declared, limits.max_bytes)
+            return
+        with pool.borrowed(declared) as view:
+            size = 0
+            chunk: bytes | None = first
+            while chunk is not None:
+                end = size + len(chunk)
+                if end > declared:
+                    raise InvalidInput(f"body longer than its content-length of {declared} bytes")
+                view[size:end] = chunk
+                size = end
+                chunk = await body.next()
+            if size != declared:
+                raise InvalidInput(f"body of {size} bytes, but content-length said {declared}")
+            yield view
 
 
 def _declared_length(request: Request, limit: int) -> int | None:

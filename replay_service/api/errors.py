@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import json
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from replay_format import FormatError, UndecodableError
 from replay_service.errors import (
+    BodyTimeout,
     Conflict,
+    DamagedSegment,
     InvalidInput,
     NotFound,
     ServiceError,
+    StorageFull,
     StrictRefusal,
     TooLarge,
     UnsupportedMediaType,
 )
+
+log = logging.getLogger("replay_service")
 
 # Most specific first: the first class an error is an instance of decides its status.
 STATUS: tuple[tuple[type[Exception], int], ...] = (
@@ -27,6 +35,11 @@ STATUS: tuple[tuple[type[Exception], int], ...] = (
     (TooLarge, 413),
     (UnsupportedMediaType, 415),
     (InvalidInput, 422),
+    (BodyTimeout, 408),  # the connection is closed after it: the rest of the body is never read
+    (StorageFull, 507),  # nothing stored; a sender spills the batch and retries it (any 5xx)
+    # Stored rows failed their checksum: never served; 503 (not 500) because restoring the segment from a
+    # backup makes the same request succeed, and a sender spills and retries its batch meanwhile.
+    (DamagedSegment, 503),
 )
 
 
@@ -43,17 +56,22 @@ def error_body(exc: Exception) -> dict:
     body: dict = {"detail": exc.message if isinstance(exc, ServiceError) else str(exc)}
     if isinstance(exc, StrictRefusal):
         body["bad_rows"] = exc.bad_rows
+    if isinstance(exc, DamagedSegment):
+        body["segment"] = exc.path
     return body
 
 
 def install_error_handlers(app: FastAPI) -> None:
     """Answer every domain error and every request-validation error as JSON."""
 
-    async def domain_error(_: Request, exc: Exception) -> JSONResponse:
+    async def domain_error(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, DamagedSegment):  # counted here: every damaged read reaches this one handler
+            request.app.state.metrics.count_damaged(exc.newly_found)
         return JSONResponse(error_body(exc), status_code=status_of(exc))
 
     for cls in (ServiceError, FormatError):
         app.add_exception_handler(cls, domain_error)
+    app.add_middleware(UnexpectedErrors)  # innermost of the middleware added so far: latency still sees the 500
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -64,6 +82,46 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def jsonable(errors) -> list:
-    """Validation errors with every value made JSON-safe."""
-    return [{k: (v if isinstance(v, (str, int, float, list, type(None))) else str(v)) for k, v in e.items()}
-            for e in errors]
+    """Validation errors with every value made JSON-safe (an echoed `[Infinity]` or NaN input included)."""
+    return [{k: _json_safe(v) for k, v in e.items()} for e in errors]
+
+
+def _json_safe(value):
+    # strict JSON (what JSONResponse writes) has no Infinity or NaN: such an input is echoed as text
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return str(value)
+    return value
+
+
+class UnexpectedErrors:
+    """Answer an unexpected exception as a JSON 500, keeping the connection open (plain ASGI).
+
+    Starlette's own 500 handler re-raises after answering, and uvicorn then closes the keep-alive
+    connection; this sits inside it and does not. A response already started cannot be replaced:
+    that error is re-raised (the connection must close, its body is cut).
+    """
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def noting_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, noting_send)
+        except Exception as exc:
+            if started:
+                raise
+            log.exception("unexpected error answering %s %s", scope.get("method"), scope.get("path"))
+            detail = f"internal error ({type(exc).__name__}); the service log has its traceback"
+            await JSONResponse({"detail": detail}, status_code=500)(scope, receive, send)

@@ -13,8 +13,18 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from replay_format import ARROW_STREAM_MEDIA_TYPE, JSON_MEDIA_TYPE, NPY_MEDIA_TYPE, FormatError
-from replay_service.api.deps import Metrics, RequestId, RunId, Settings, Store, pooled_body, read_body
-from replay_service.api.models import BODY_LIMITS, CONFLICT, ERRORS, RequestSummary
+from replay_format.rows import POSITION_MAX
+from replay_service.api.deps import (
+    BodyLimits,
+    Metrics,
+    RequestId,
+    RunId,
+    Settings,
+    Store,
+    arriving_body,
+    get_body_budget,
+)
+from replay_service.api.models import BODY_LIMITS, CONFLICT, ERRORS, STORAGE_FULL, RequestSummary
 from replay_service.errors import ServiceError
 from replay_service.ingest.commit import IngestOutcome, IngestResult
 from replay_service.ingest.decode import UploadOptions, decode_batch, decode_route, parse_moe_layers
@@ -38,7 +48,8 @@ class IngestAnswer(BaseModel):
 class FinishBody(BaseModel):
     """A request's end."""
 
-    num_tokens: int = Field(ge=0, description="final token count T (prompt + generated); the route has T-1 rows")
+    num_tokens: int = Field(ge=0, le=POSITION_MAX + 2,
+                            description="final token count T (prompt + generated); the route has T-1 rows")
     status: Literal[RequestStatus.FINISHED, RequestStatus.ABORTED] = RequestStatus.FINISHED
 
 
@@ -55,21 +66,22 @@ def _answer(metrics: ServiceMetrics, result: IngestResult) -> IngestAnswer:
 
 
 @router.post("/ingest", summary="Store a batch of rows (Arrow IPC stream, idempotent on run_id, writer_id, seq)",
-             response_model=IngestAnswer, responses={**CONFLICT, **BODY_LIMITS},
+             response_model=IngestAnswer, responses={**CONFLICT, **BODY_LIMITS, **STORAGE_FULL},
              openapi_extra={"requestBody": {"required": True, "content": {ARROW_STREAM_MEDIA_TYPE: {}}}})
 async def ingest(request: Request, store: Store, settings: Settings, metrics: Metrics) -> IngestAnswer:
     """The body is a row batch (replay_format/rows.md); a retry of a stored batch is answered `duplicate`."""
     content_type = request.headers.get("content-type", "")
-    # The slot is held until the rows are stored: bodies in memory stay bounded, and
-    # the body's buffer goes back to the pool only when nothing reads it any more.
-    async with request.app.state.ingest_slots, pooled_body(
-        request, settings.max_body_bytes, request.app.state.body_buffers
-    ) as body:
-        try:
-            result = await run_in_threadpool(lambda: store.ingest(decode_batch(content_type, body)))
-        except (ServiceError, FormatError):
-            metrics.batches.labels(IngestOutcome.REJECTED.value).inc()
-            raise
+    # Bodies in memory are bounded by the byte budget, held from the body's first byte; the slot
+    # bounds the work, taken once the whole body is here, so a slow upload never holds one. The
+    # body's buffer goes back to the pool only when nothing reads it any more.
+    async with arriving_body(request, BodyLimits.of(settings), get_body_budget(request),
+                             request.app.state.body_buffers) as body:
+        async with request.app.state.ingest_slots:
+            try:
+                result = await run_in_threadpool(lambda: store.ingest(decode_batch(content_type, body)))
+            except (ServiceError, FormatError):
+                metrics.batches.labels(IngestOutcome.REJECTED.value).inc()
+                raise
     return _answer(metrics, result)
 
 
@@ -84,7 +96,7 @@ def finish(run: RunId, request: RequestId, body: FinishBody, store: Store) -> di
     "/runs/{run}/requests/{request}/routes",
     summary="Store a whole route, or one turn of it from `start`: .npy (rows, layers, K), SGLang base64 JSON, or Arrow",
     response_model=IngestAnswer,
-    responses={**CONFLICT, **BODY_LIMITS},
+    responses={**CONFLICT, **BODY_LIMITS, **STORAGE_FULL},
     openapi_extra={"requestBody": {"required": True, "content": {
         NPY_MEDIA_TYPE: {}, JSON_MEDIA_TYPE: {}, ARROW_STREAM_MEDIA_TYPE: {}}}},
 )
@@ -114,8 +126,6 @@ async def upload_route(
     """
     content_type = http.headers.get("content-type", "")
     options = UploadOptions(num_experts, parse_moe_layers(moe_layers), num_hidden_layers, start)
-    async with http.app.state.ingest_slots:  # bounds bodies held in memory
-        body = await read_body(http, settings.max_body_bytes)
 
     def store_route() -> IngestResult:
         run_shape = store.run_shape(run) if store.has_run(run) else None
@@ -125,9 +135,12 @@ async def upload_route(
         store.end_upload(run, request, upload.start, upload.num_tokens, finish)
         return result
 
-    try:
-        result = await run_in_threadpool(store_route)
-    except (ServiceError, FormatError):
-        metrics.batches.labels(IngestOutcome.REJECTED.value).inc()
-        raise
+    # as for a batch: the body holds its bytes of the budget from its first byte, a slot once it is whole
+    async with arriving_body(http, BodyLimits.of(settings), get_body_budget(http)) as body:
+        async with http.app.state.ingest_slots:
+            try:
+                result = await run_in_threadpool(store_route)
+            except (ServiceError, FormatError):
+                metrics.batches.labels(IngestOutcome.REJECTED.value).inc()
+                raise
     return _answer(metrics, result)

@@ -50,6 +50,15 @@ CONFLICT: Responses = {
 BODY_LIMITS: Responses = {
     413: {"model": ErrorBody, "description": "body over REPLAY_MAX_BODY_BYTES"},
     415: {"model": ErrorBody, "description": "body in a media type the endpoint does not take"},
+    408: {"model": ErrorBody, "description": "body slower than REPLAY_BODY_MIN_BYTES_PER_S (after "
+                                              "REPLAY_BODY_TIMEOUT_S); the connection is closed"},
+}
+STORAGE_FULL: Responses = {
+    507: {"model": ErrorBody, "description": "the data directory's disk is full: nothing stored, retry later"},
+}
+LAYOUT_LIMITS: Responses = {
+    413: {"model": ErrorBody, "description": "layout over REPLAY_MAX_LAYOUT_TOKENS, or a rank's slice over "
+                                              "REPLAY_MAX_READ_ROWS; refused before anything is allocated"},
 }
 
 

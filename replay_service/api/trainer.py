@@ -6,6 +6,8 @@ plan (`layouts.MegatronSpec`, a convention's padding from `conventions.py`) and 
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -14,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from replay_format import ARROW_STREAM_MEDIA_TYPE, LayerAxis
 from replay_format.trainer_slice import Convention, CpSplit, MissingPolicy, Packing, TotalPad
 from replay_service.api.deps import Settings, Store
-from replay_service.api.models import CONFLICT, ERRORS, binary_answer
+from replay_service.api.models import CONFLICT, ERRORS, LAYOUT_LIMITS, binary_answer
 from replay_service.settings import ServiceSettings
 from replay_service.trainer import layouts
 from replay_service.trainer.conventions import ThdPadding, resolve_padding
@@ -29,8 +31,14 @@ from replay_service.trainer.reads import (
 
 router = APIRouter(prefix="/v1/trainer", tags=["trainer"], responses=ERRORS)
 
+# Static bounds on every number of a body: each fits int32 (positions do), so no value reaches numpy or
+# SQLite that they cannot hold; what a size may allocate is then bounded by the settings (`_check_size`).
+INT32_MAX = 2**31 - 1
+MAX_PARALLEL = 1 << 16  # TP and CP sizes and ranks
+Int32 = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
 SLICE_ANSWER = {200: binary_answer(ARROW_STREAM_MEDIA_TYPE, description="a trainer slice: one row per router token "
-                                   "of this rank (replay_format/trainer_slice.md)"), **CONFLICT}
+                                   "of this rank (replay_format/trainer_slice.md)"), **CONFLICT, **LAYOUT_LIMITS}
 
 
 class Sequence(BaseModel):
@@ -40,9 +48,9 @@ class Sequence(BaseModel):
 
     run: str = Field(description="run id")
     request: str = Field(description="request id")
-    start: int = Field(0, ge=0, description="first position fed (multi-turn: only rows from here on)")
+    start: int = Field(0, ge=0, le=INT32_MAX, description="first position fed (multi-turn: only rows from here on)")
     num_tokens: int | None = Field(
-        None, ge=1, description="tokens fed from start; default: the whole request (rows + 1)"
+        None, ge=1, le=INT32_MAX, description="tokens fed from start; default: the whole request (rows + 1)"
     )
 
 
@@ -51,9 +59,9 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     sequences: list[Sequence] = Field(min_length=1, description="the micro-batch, in order")
-    moe_ordinals: list[int] | None = Field(None, description="MoE ordinals of this pipeline stage (default: all; "
+    moe_ordinals: list[Int32] | None = Field(None, description="MoE ordinals of this pipeline stage (default: all; "
                                            "moe axis only)")
-    model_layer_range: tuple[int, int] | None = Field(
+    model_layer_range: tuple[Int32, Int32] | None = Field(
         None, description="or: this stage's model layers [lo, hi); the MoE layers among them (model axis: all of "
         "them, dense ones zero)")
     layer_axis: LayerAxis = Field(LayerAxis.MOE, description="moe: the MoE layers only; model: every model layer, "
@@ -82,24 +90,25 @@ class MegatronQuery(_Common):
     convention: Convention | None = Field(
         None, description="THD: pad as this trainer does (verl, slime, miles); fixes pad_multiple, total_multiple "
         "and total_pad, which are then refused")
-    pad_multiple: int | None = Field(None, ge=1, description="pad each sequence to this multiple (default tp*cp*2 "
-                                     "with CP, else tp: verl's rule; BSHD: the default seq_length's)")
-    total_multiple: int | None = Field(None, ge=1, description="THD: pad the whole micro-batch (all CP ranks) to "
-                                       "a multiple of this (default 1)")
+    pad_multiple: int | None = Field(None, ge=1, le=INT32_MAX, description="pad each sequence to this multiple "
+                                     "(default tp*cp*2 with CP, else tp: verl's rule; BSHD: the default seq_length's)")
+    total_multiple: int | None = Field(None, ge=1, le=INT32_MAX, description="THD: pad the whole micro-batch (all CP "
+                                       "ranks) to a multiple of this (default 1)")
     total_pad: TotalPad | None = Field(None, description="THD: where those tokens go: last_sequence (default; verl "
                                        "fp8, NeMo-RL) or tail (after the CP split, each rank's stream: slime/miles)")
     cp_split: CpSplit = Field(CpSplit.ZIGZAG, description="zigzag: each sequence in 2*cp chunks, rank r keeps r "
                               "and 2cp-1-r; contiguous: the padded stream in cp parts (slime/miles --allgather-cp)")
-    data_pad_size_multiplier: int | None = Field(None, ge=1, description="convention slime/miles: their "
+    data_pad_size_multiplier: int | None = Field(None, ge=1, le=INT32_MAX, description="convention slime/miles: their "
                                                  "--data-pad-size-multiplier (default 128)")
     fp8_padding: bool | None = Field(None, description="convention verl: tf_config.fp8 is e4m3 or hybrid "
                                      "(use_fp8_padding)")
-    seq_length: int | None = Field(None, ge=1, description="BSHD: padded sequence length (default: longest, "
-                                   "rounded up)")
-    cp_size: int = Field(1, ge=1)
-    cp_rank: int = Field(0, ge=0)
-    tp_size: int = Field(1, ge=1, description="TP size; the tokens are split over it when sequence_parallel")
-    tp_rank: int = Field(0, ge=0)
+    seq_length: int | None = Field(None, ge=1, le=INT32_MAX, description="BSHD: padded sequence length (default: "
+                                   "longest, rounded up)")
+    cp_size: int = Field(1, ge=1, le=MAX_PARALLEL)
+    cp_rank: int = Field(0, ge=0, le=MAX_PARALLEL)
+    tp_size: int = Field(1, ge=1, le=MAX_PARALLEL, description="TP size; the tokens are split over it when "
+                         "sequence_parallel")
+    tp_rank: int = Field(0, ge=0, le=MAX_PARALLEL)
     sequence_parallel: bool = Field(True, description="split this CP rank's tokens over TP (megatron-core's SP "
                                     "scatter; verl always does)")
 
@@ -120,9 +129,14 @@ class MegatronQuery(_Common):
 class VerlQuery(_Common):
     """A verl micro-batch, dense."""
 
-    prompt_lengths: list[int] = Field(description="prompt tokens of each sequence (before left padding)")
-    prompt_width: int = Field(ge=1, description="padded prompt length (left-padded)")
-    response_width: int = Field(ge=0, description="padded response length (right-padded)")
+    prompt_lengths: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(
+        description="prompt tokens of each sequence (before left padding)")
+    prompt_width: int = Field(ge=1, le=INT32_MAX, description="padded prompt length (left-padded)")
+    response_width: int = Field(ge=0, le=INT32_MAX, description="padded response length (right-padded)")
+
+
+def _check_size(size: layouts.LayoutSize, settings: ServiceSettings) -> None:
+    layouts.check_size(size, settings.max_layout_tokens, settings.max_read_rows)
 
 
 def _limits(settings: ServiceSettings) -> SliceLimits:
@@ -144,9 +158,13 @@ def _streamed(answer: SliceAnswer) -> StreamingResponse:
 )
 async def megatron(body: MegatronQuery, store: Store, settings: Settings) -> StreamingResponse:
     spec = body.spec()
+    # refused before the store is read when even the given (else 1-token) sequences make it too large
+    _check_size(layouts.megatron_size([s.num_tokens or 1 for s in body.sequences], spec), settings)
 
     def make_plan(specs: list[layouts.SequenceSpec]) -> layouts.TokenPlan:
-        return layouts.megatron_plan([s.num_tokens for s in specs], spec)
+        lengths = [s.num_tokens for s in specs]
+        _check_size(layouts.megatron_size(lengths, spec), settings)  # before the plan's arrays exist
+        return layouts.megatron_plan(lengths, spec)
 
     return _streamed(await run_in_threadpool(read_rank_slice, store, body.query(), make_plan, _limits(settings)))
 
@@ -158,6 +176,8 @@ async def megatron(body: MegatronQuery, store: Store, settings: Settings) -> Str
     responses=SLICE_ANSWER,
 )
 async def verl(body: VerlQuery, store: Store, settings: Settings) -> StreamingResponse:
+    _check_size(layouts.verl_size(len(body.sequences), body.prompt_width, body.response_width), settings)
+
     def make_plan(specs: list[layouts.SequenceSpec]) -> layouts.TokenPlan:
         return layouts.verl_plan(body.prompt_lengths, [s.num_tokens for s in specs], body.prompt_width,
                                  body.response_width)

@@ -66,6 +66,9 @@ def choose_layers(route: np.ndarray, moe_layers: tuple[int, ...] | None, num_hid
     """
     if route.ndim != 3:
         raise InvalidInput(f"a route is (rows, layers, top_k); got shape {route.shape}")
+    if 0 in route.shape:
+        raise InvalidInput(f"a route of shape {route.shape} holds no ids: it needs at least one row, layer and "
+                           "top-k slot (a request with a single token has no rows: send only its finish)")
     width = route.shape[1]
     if moe_layers:
         layers = tuple(moe_layers)
@@ -164,6 +167,8 @@ def decode_sglang_json(body: bytes | memoryview) -> EngineRoute:
         doc = json.loads(bytes(body))
     except (ValueError, UnicodeDecodeError) as exc:
         raise UndecodableError(f"body is not JSON: {exc}") from None
+    except RecursionError:  # json.loads recurses once per nesting level: a deep body would reach the stack's end
+        raise UndecodableError("body is JSON nested too deeply to decode") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("routed_experts"), str):
         raise InvalidInput("JSON route needs 'routed_experts': a base64 string of int32 ids")
     try:

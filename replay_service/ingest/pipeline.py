@@ -9,7 +9,13 @@ known then) and goes no further.
 
 from __future__ import annotations
 
+import errno
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from replay_format.rows import Rows
+from replay_service.errors import StorageFull
 from replay_service.ingest.check import check, check_stale, content_check_applies
 from replay_service.ingest.commit import Committer, IngestResult
 from replay_service.ingest.kernels import RecentRows, warm_up
@@ -38,5 +44,26 @@ class IngestPipeline:
             return duplicate
         if content_check_applies(run.shape, self.stale_min_entropy_bits):
             check_stale(checked, self.recent)
-        segment = self.segments.write(checked)
-        return self.committer.commit(segment, run)
+        with storage_full_refused():
+            segment = self.segments.write(checked)
+            return self.committer.commit(segment, run)  # deletes the segment itself when the commit fails
+
+
+# A full disk or quota: the segment's write or the index's commit failed, nothing is acknowledged.
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+
+
+@contextmanager
+def storage_full_refused() -> Iterator[None]:
+    """Turn a full disk into `StorageFull` (507): the writer keeps the batch and retries once space returns."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in _FULL_ERRNOS:
+            raise
+        raise StorageFull(f"the data directory's disk is full ({exc.strerror}): nothing was stored; retry once "
+                          "space is freed") from exc
+    except sqlite3.OperationalError as exc:
+        if getattr(exc, "sqlite_errorcode", None) != sqlite3.SQLITE_FULL:
+            raise
+        raise StorageFull(f"the index's disk is full ({exc}): nothing was stored; retry once space is freed") from exc

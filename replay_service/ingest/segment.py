@@ -4,20 +4,28 @@ The file is written before the run's lock is taken, so concurrent ingests overla
 writes and fsyncs; only the commit stage is serialised per run. A segment is acknowledged
 once the commit stage's index rows name it (store/files.py says what start-up does with
 files no row names).
+
+A segment carries what its index rows say (rows.md, "Segment files"): the batch's run, writer, seq,
+shape, digest, when it was written and the padding dropped per request, and a CRC32C over all of it
+and the rows (`store/integrity.py`), checked whenever the segment is opened for reading.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 
+from replay_format.rows import SegmentMeta
 from replay_service.buffers import PAGE, BufferPool
 from replay_service.ingest.check import CheckedRows
 from replay_service.store.files import TMP_SUFFIX, fsync_dir, new_segment_path
+from replay_service.store.integrity import seal
 
 
 @dataclass
@@ -41,13 +49,20 @@ class SegmentWriter:
     def write(self, checked: CheckedRows) -> Segment:
         """The batch's rows with the service's flags, as a new segment file."""
         path = new_segment_path(checked.rows.meta.run_id)
-        batch = checked.rows.to_record_batch(checked.flags)
+        batch = seal(checked.rows.to_record_batch(checked.flags, segment_meta(checked).to_metadata()))
         size = write_segment(self.root / path, batch, self.staging, fsync=self.fsync, direct=self.direct)
         return Segment(checked, path, size)
 
     def discard(self, segment: Segment) -> None:
         """Delete a segment the index will not name (a concurrent retry won, or the commit failed)."""
         (self.root / segment.path).unlink(missing_ok=True)
+
+
+def segment_meta(checked: CheckedRows) -> SegmentMeta:
+    """What the segment of `checked` says beside its rows (everything its index rows record)."""
+    rows = checked.rows
+    padding = {rows.request_ids[i]: int(checked.padding_dropped[i]) for i in np.flatnonzero(checked.padding_dropped)}
+    return SegmentMeta(rows.meta, checked.digest, time.time_ns(), padding)
 
 
 def write_segment(path: Path, batch: pa.RecordBatch, staging: BufferPool, fsync: bool = True,
@@ -66,25 +81,29 @@ def write_segment(path: Path, batch: pa.RecordBatch, staging: BufferPool, fsync:
     _write_ipc_file(counter, batch)
     size = counter.size()
     padded = -(-size // PAGE) * PAGE  # O_DIRECT writes whole aligned blocks; truncated back below
-    with staging.borrowed(padded) as image:
-        _write_ipc_file(pa.FixedSizeBufferWriter(pa.py_buffer(image)), batch)
-        fd, direct = _open_new(tmp, direct)
-        try:
+    try:
+        with staging.borrowed(padded) as image:
+            _write_ipc_file(pa.FixedSizeBufferWriter(pa.py_buffer(image)), batch)
+            fd, direct = _open_new(tmp, direct)
             try:
-                _write_all(fd, image if direct else image[:size])
-            except OSError as exc:
-                if not direct or exc.errno != errno.EINVAL:
-                    raise
-                os.close(fd)  # the filesystem took O_DIRECT at open but not on write
-                fd, direct = _open_new(tmp, direct=False)
-                _write_all(fd, image[:size])
-            if direct:
-                os.ftruncate(fd, size)
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-    os.replace(tmp, path)
+                try:
+                    _write_all(fd, image if direct else image[:size])
+                except OSError as exc:
+                    if not direct or exc.errno != errno.EINVAL:
+                        raise
+                    os.close(fd)  # the filesystem took O_DIRECT at open but not on write
+                    fd, direct = _open_new(tmp, direct=False)
+                    _write_all(fd, image[:size])
+                if direct:
+                    os.ftruncate(fd, size)
+                if fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write (ENOSPC) leaves no partial file; the API answers 507
+        raise
     if fsync:
         fsync_dir(path.parent)
     return size

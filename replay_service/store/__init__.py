@@ -31,8 +31,9 @@ from replay_service.errors import Conflict, InvalidInput, NotFound
 from replay_service.settings import ServiceSettings
 from replay_service.store.compares import CompareStore
 from replay_service.store.ends import upload_end
-from replay_service.store.files import SegmentCache, sweep_unindexed
+from replay_service.store.files import QUARANTINE_DIR, SegmentCache, require_index, sweep_unindexed
 from replay_service.store.index import Index, RequestStatus, count_column
+from replay_service.store.journal import RunJournal
 from replay_service.store.reads import RouteRows, RowReader
 from replay_service.store.runs import RunRegistry
 from replay_service.store.summaries import expected_rows, request_summary, run_summary
@@ -61,8 +62,18 @@ class RouteStore:
         self.root = Path(settings.data_dir)
         self.segments_root = self.root / "runs"
         self.segments_root.mkdir(parents=True, exist_ok=True)
-        self.index = Index(self.root / "index.sqlite", fsync=settings.fsync)
-        self.swept = sweep_unindexed(self.segments_root, self.index.indexed_paths())
+        index_path = self.root / "index.sqlite"
+        if not index_path.exists():
+            require_index(self.segments_root, set(), self.root)  # refused before an empty index file is made
+        self.index = Index(index_path, fsync=settings.fsync)
+        indexed = self.index.indexed_paths()
+        try:
+            require_index(self.segments_root, indexed, self.root)  # an index naming no segment beside segments
+        except Exception:
+            self.index.close()
+            raise
+        self.swept = sweep_unindexed(self.segments_root, indexed, self.root / QUARANTINE_DIR)
+        self.journal = RunJournal(self.segments_root, fsync=settings.fsync)  # what reindex replays (journal.py)
         self.cache = SegmentCache(self.segments_root, settings.open_segment_cache)
         self.reader = RowReader(self.index, self.cache)
         self.registry = RunRegistry(self.index)
@@ -80,7 +91,13 @@ class RouteStore:
 
     def ingest(self, rows: Rows) -> IngestResult:
         """Store one decoded batch (the ingest pipeline); idempotent on (run_id, writer_id, seq)."""
-        return self.pipeline.ingest(rows)
+        new_run = not self.has_run(rows.meta.run_id)
+        result = self.pipeline.ingest(rows)
+        if new_run:
+            run = self.index.run(rows.meta.run_id)
+            if run is not None:
+                self.journal.run_created(rows.meta.run_id, run["created_at"])
+        return result
 
     def finish(self, run_id: str, request_id: str, num_tokens: int, status: RequestStatus | str) -> dict:
         """Record a request's end with T = `num_tokens`; the request summary. Conflict when it ended otherwise."""
@@ -95,6 +112,7 @@ class RouteStore:
                     f"request {request_id!r} was already {row['status']} with {row['final_tokens']} tokens; "
                     f"got {status} with {num_tokens}")
             tx.set_final(run_id, request_id, num_tokens, status)
+        self.journal.request_end(run_id, request_id, num_tokens, status)
         return self.request_summary(run_id, request_id)
 
     def add_references(self, run_id: str, references: list[Reference]) -> Resolution:
@@ -107,7 +125,9 @@ class RouteStore:
 
         run = self.registry.require(run_id)
         with run.lock, self.index.transaction() as tx:
-            return Resolver(tx, self.reader, run_id, run.shape).add(references)
+            resolution = Resolver(tx, self.reader, run_id, run.shape).add(references)
+        self.journal.references(run_id, references)
+        return resolution
 
     def check_upload(self, run_id: str, request_id: str, start: int, num_tokens: int, finish: bool) -> None:
         """Conflict, before anything is stored, when an upload of rows `start .. num_tokens-2` cannot land (ends.py)."""
@@ -120,6 +140,8 @@ class RouteStore:
             end = upload_end(tx.request(run_id, request_id), request_id, start, num_tokens, finish)
             if end is not None:
                 tx.set_final(run_id, request_id, end, RequestStatus.FINISHED)
+        if end is not None:
+            self.journal.request_end(run_id, request_id, end, RequestStatus.FINISHED)
 
     # ---- runs
 

@@ -2,22 +2,39 @@
 
 Segments are written by the ingest pipeline (`replay_service.ingest.segment`): to `<name>.tmp`,
 fsynced, renamed into place and the directory fsynced, before the index row that names them
-commits. So a crash leaves at worst a `.tmp` file or a renamed file no index row names;
-start-up deletes both (neither was acknowledged, the writer retries).
+commits. So a crash leaves at worst a `.tmp` file or a renamed file no index row names.
+Start-up deletes `.tmp` files (never complete, never acknowledged) and *quarantines* a complete
+segment no index row names: moved to `<data>/quarantine/runs/...`, logged, never deleted. Usually it
+is a batch the crash kept from being acknowledged (its writer retries), but it may be the only copy of
+acknowledged rows when the index was lost or an older one restored: `replay-service reindex` rebuilds
+the index from segments (and can take quarantined ones back).
+
+Every segment opened for reading is checked whole against its checksum (`integrity.py`) before any
+of it is served; a damaged one is remembered and refused without reading it again until its file
+changes (restored from a backup).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import threading
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
 
+from replay_service.errors import DamagedSegment, IndexNeedsRebuild
+from replay_service.store.integrity import open_segment
+
+log = logging.getLogger("replay_service")
+
 TMP_SUFFIX = ".tmp"
 SEGMENT_SUFFIX = ".arrow"
+QUARANTINE_DIR = "quarantine"  # under the data directory, beside `runs/`
 
 
 def fsync_dir(path: Path) -> None:
@@ -34,40 +51,112 @@ def new_segment_path(run_id: str) -> str:
     return f"{run_id}/{uuid.uuid4().hex}{SEGMENT_SUFFIX}"
 
 
-def sweep_unindexed(root: Path, indexed: set[str]) -> list[Path]:
-    """Delete `.tmp` files and segments no index row names (never acknowledged)."""
-    removed: list[Path] = []
+def segment_files(root: Path) -> list[str]:
+    """Every complete segment under the segment root, as paths relative to it, sorted."""
     if not root.exists():
-        return removed
-    for path in root.rglob("*"):
+        return []
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*" + SEGMENT_SUFFIX) if p.is_file())
+
+
+def require_index(root: Path, indexed: set[str], data_dir: Path) -> None:
+    """IndexNeedsRebuild when segments lie under `root` but the index names none of them (missing or empty).
+
+    Starting would make every segment look unacknowledged; the index is rebuilt from them instead.
+    """
+    if indexed or not segment_files(root):
+        return
+    raise IndexNeedsRebuild(
+        f"the index {data_dir / 'index.sqlite'} is missing or empty, but {root} holds segments: the service does "
+        f"not start on it (every stored row would look unacknowledged). Rebuild the index from the segments "
+        f"with `replay-service reindex --data {data_dir}`, then start again.")
+
+
+@dataclass
+class Sweep:
+    """What the start-up sweep did: `.tmp` files deleted, unindexed segments moved to quarantine (old -> new)."""
+
+    removed: list[Path] = field(default_factory=list)
+    quarantined: list[tuple[Path, Path]] = field(default_factory=list)
+
+
+def sweep_unindexed(root: Path, indexed: set[str], quarantine: Path) -> Sweep:
+    """Delete `.tmp` files; move complete segments no index row names into `quarantine` (never delete them)."""
+    done = Sweep()
+    if not root.exists():
+        return done
+    for path in sorted(root.rglob("*")):
         if not path.is_file():
             continue
         rel = path.relative_to(root).as_posix()
-        if path.name.endswith(TMP_SUFFIX) or (path.suffix == SEGMENT_SUFFIX and rel not in indexed):
+        if path.name.endswith(TMP_SUFFIX):
             path.unlink()
-            removed.append(path)
-    return removed
+            done.removed.append(path)
+        elif path.suffix == SEGMENT_SUFFIX and rel not in indexed:
+            done.quarantined.append((path, quarantine_segment(path, quarantine / root.name / rel)))
+    for path in done.removed:
+        log.warning("start-up: deleted unfinished segment write %s", path)
+    for path, target in done.quarantined:
+        log.warning("start-up: segment %s is named by no index row (a batch a crash kept from being acknowledged, "
+                    "or the index is older than the segments): moved to %s; `replay-service reindex "
+                    "--restore-quarantine` takes it back", path, target)
+    return done
+
+
+def quarantine_segment(path: Path, target: Path) -> Path:
+    """Move `path` to `target` (a free name beside it when taken), durably; returns where it went."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    while target.exists():
+        n += 1
+        target = target.with_name(f"{target.stem}.{n}{target.suffix}")
+    shutil.move(path, target)  # one filesystem (both under the data directory): a rename
+    fsync_dir(target.parent)
+    fsync_dir(path.parent)
+    return target
 
 
 class SegmentCache:
-    """LRU of memory-mapped segments; reads are zero-copy views into the page cache."""
+    """LRU of memory-mapped, checked segments; reads are zero-copy views into the page cache."""
 
     def __init__(self, root: Path, capacity: int) -> None:
         self.root = root
         self.capacity = max(1, capacity)
         self._open: OrderedDict[str, pa.RecordBatch] = OrderedDict()
+        self._damaged: dict[str, tuple[tuple[int, int] | None, str]] = {}  # path -> (file stat when found, why)
         self._lock = threading.Lock()
 
+    def _stat(self, rel_path: str) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.root / rel_path)
+        except FileNotFoundError:
+            return None
+        return st.st_mtime_ns, st.st_size
+
     def get(self, rel_path: str) -> pa.RecordBatch:
-        """The segment at `rel_path` (its one record batch), mapped on first use."""
+        """The segment at `rel_path` (its one record batch), mapped and checked on first use.
+
+        DamagedSegment when it fails its checksum: refused again, unread, until its file changes.
+        """
         with self._lock:
             batch = self._open.get(rel_path)
             if batch is not None:
                 self._open.move_to_end(rel_path)
                 return batch
-        source = pa.memory_map(str(self.root / rel_path), "r")
-        batch = pa.ipc.open_file(source).get_batch(0)
+            known = self._damaged.get(rel_path)
+        if known is not None and known[0] == self._stat(rel_path):
+            raise DamagedSegment(known[1], rel_path)
+        stat = self._stat(rel_path)
+        try:
+            batch = open_segment(self.root, rel_path)
+        except DamagedSegment as exc:
+            with self._lock:
+                exc.newly_found = rel_path not in self._damaged
+                self._damaged[rel_path] = (stat, exc.message)
+            if exc.newly_found:
+                log.error("%s", exc.message)
+            raise
         with self._lock:
+            self._damaged.pop(rel_path, None)
             self._open[rel_path] = batch
             while len(self._open) > self.capacity:
                 self._open.popitem(last=False)

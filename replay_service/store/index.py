@@ -141,6 +141,7 @@ INSERT_RUN = (
     " VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 )
 SET_NUM_HIDDEN_LAYERS = "UPDATE runs SET num_hidden_layers = ? WHERE run_id = ?"
+SET_CREATED_AT = "UPDATE runs SET created_at = ? WHERE run_id = ?"  # reindex restores a run's creation time
 SELECT_RUN = "SELECT * FROM runs WHERE run_id = ?"
 SELECT_RUNS = "SELECT * FROM runs ORDER BY run_id"
 COUNT_RUNS = "SELECT COUNT(*) AS n FROM runs"
@@ -352,6 +353,11 @@ class Index:
         """Record the model's layer count a run learnt (it had only the count derived from its MoE layers)."""
         with self.transaction() as tx:
             tx.execute(SET_NUM_HIDDEN_LAYERS, (num_hidden_layers, run_id))
+
+    def set_created_at(self, run_id: str, created_at: float) -> None:
+        """Set a run's creation time (reindex: the time its journal recorded, not when it was rebuilt)."""
+        with self.transaction() as tx:
+            tx.execute(SET_CREATED_AT, (created_at, run_id))
 
 
 class IndexTransaction:

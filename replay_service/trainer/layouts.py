@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from replay_format.trainer_slice import Convention, CpSplit, LayoutKind, Packing, SliceLayout, TotalPad
-from replay_service.errors import InvalidInput
+from replay_service.errors import InvalidInput, TooLarge
 from replay_service.trainer.conventions import ThdPadding, default_pad_multiple
 
 
@@ -208,6 +208,53 @@ class MegatronSpec:
                            cp_split=self.cp_split, pad_multiple=pad.pad_multiple,
                            total_multiple=pad.total_multiple, total_pad=pad.total_pad, convention=self.convention,
                            **fields)
+
+
+@dataclass(frozen=True)
+class LayoutSize:
+    """How many tokens a layout would hold, worked out in Python integers before any array is made."""
+
+    total: int  # the whole layout: every rank of the micro-batch, padding included
+    rank: int  # this rank's slice (the answer's rows)
+    sized_by: str  # the parameters that make it this large, for a refusal
+
+
+def megatron_size(lengths: list[int], spec: MegatronSpec) -> LayoutSize:
+    """The size `megatron_plan` would lay out for sequences of `lengths` tokens (never smaller).
+
+    Grows with every length, so lengths of 1 give a lower bound before the store is read.
+    """
+    if spec.packing is Packing.THD:
+        pad = spec.padding
+        assert pad is not None
+        whole = sum(_round_up(n, pad.pad_multiple) for n in lengths)
+        total = _round_up(whole, pad.total_multiple)
+        sized_by = (f"{len(lengths)} sequences padded to pad_multiple={pad.pad_multiple}, the micro-batch to "
+                    f"total_multiple={pad.total_multiple}")
+    else:
+        multiple = spec.padding.pad_multiple if spec.padding else 1
+        s_len = spec.seq_length if spec.seq_length is not None else _round_up(max(lengths, default=1), multiple)
+        total = s_len * len(lengths)
+        sized_by = (f"seq_length={s_len}" + ("" if spec.seq_length is not None else f" (pad_multiple={multiple})")
+                    + f" x {len(lengths)} sequences")
+    return LayoutSize(total, -(-total // (spec.cp_size * spec.sp_size)), sized_by)
+
+
+def verl_size(batch: int, prompt_width: int, response_width: int) -> LayoutSize:
+    """The size `verl_plan` lays out: the dense batch, all of it on this rank."""
+    total = batch * (prompt_width + response_width)
+    return LayoutSize(total, total, f"{batch} sequences x (prompt_width={prompt_width} + "
+                                    f"response_width={response_width})")
+
+
+def check_size(size: LayoutSize, max_layout_tokens: int, max_rank_tokens: int) -> None:
+    """TooLarge (413) when a layout is over the settings' bounds; called before any of it is allocated."""
+    if size.total > max_layout_tokens:
+        raise TooLarge(f"the layout is {size.total} tokens ({size.sized_by}), more than "
+                       f"REPLAY_MAX_LAYOUT_TOKENS={max_layout_tokens}; use smaller micro-batches or padding")
+    if size.rank > max_rank_tokens:
+        raise TooLarge(f"this rank's slice is {size.rank} tokens ({size.sized_by}), more than one read returns "
+                       f"(REPLAY_MAX_READ_ROWS={max_rank_tokens}); use smaller micro-batches")
 
 
 def megatron_plan(lengths: list[int], spec: MegatronSpec) -> TokenPlan:

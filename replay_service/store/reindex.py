@@ -1,0 +1,246 @@
+"""`replay-service reindex`: rebuild the index from the segments (and the run journals), with the service stopped.
+
+Each segment says what its index rows say (rows.md, "Segment files"), so the index is rebuilt by committing
+every segment again through the ingest pipeline's own commit stage (`ingest/commit.py`), a run's segments in
+the order they were written, merged by time with the run's journal (`journal.py`: creation time, request ends,
+prefix-cache references). What that restores: runs (shape, source, creation time, bytes, expert load),
+requests (rows, counters, ends), spans, segments with their digests (idempotent retries keep working), flags
+(the stored verdicts, STALE included), late CONFLICT flags and padding counts, prefix-cache references and
+the rows they resolve.
+
+What it cannot restore: stored comparisons' index rows (`compares/` files stay; their listing is empty until
+compared again); segments that fail their checksum or were written before rows 2.2 (listed, left in place:
+the next start quarantines them); and, where two batches held different rows at one position of one request
+(a CONFLICT) and their commits raced in the other order than their writes, which of the two is served (both
+are flagged CONFLICT either way). A journal line not yet appended when the service crashed is lost too (the
+writer's retry appends it again).
+
+The rebuilt index is written beside the old one and renamed into place; an old index is kept as
+`index.sqlite.before-reindex-<time>`, never deleted.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from replay_format import FormatError
+from replay_format.core import decode_metadata
+from replay_format.rows import SegmentMeta, read_rows
+from replay_service.buffers import BufferPool
+from replay_service.errors import Conflict, DamagedSegment
+from replay_service.ingest.check import check
+from replay_service.ingest.commit import Committer
+from replay_service.ingest.segment import Segment, SegmentWriter
+from replay_service.settings import ServiceSettings
+from replay_service.store.files import (
+    QUARANTINE_DIR,
+    SegmentCache,
+    fsync_dir,
+    quarantine_segment,
+    segment_files,
+)
+from replay_service.store.index import Index, RequestStatus
+from replay_service.store.integrity import open_segment
+from replay_service.store.journal import JOURNAL_NAME, read_journal
+from replay_service.store.reads import RowReader
+from replay_service.store.runs import RunRegistry
+
+INDEX_NAME = "index.sqlite"
+SIDE_FILES = ("", "-wal", "-shm")  # SQLite's files of one database
+
+
+@dataclass
+class ReindexReport:
+    """What a rebuild did."""
+
+    runs: int = 0
+    segments: int = 0  # committed
+    rows: int = 0
+    duplicates: list[str] = field(default_factory=list)  # segments repeating a stored (run, writer, seq): not indexed
+    damaged: list[tuple[str, str]] = field(default_factory=list)  # (segment, why): not indexed
+    unusable: list[tuple[str, str]] = field(default_factory=list)  # (segment, why): written before 2.2, or refused
+    events: int = 0  # journal events replayed
+    restored: list[str] = field(default_factory=list)  # quarantined segments taken back
+    old_index: Path | None = None  # where the replaced index was kept
+
+
+class _KeepFiles(SegmentWriter):
+    """The commit stage's segment writer for a rebuild: a segment the index does not take is left on disk."""
+
+    def discard(self, segment: Segment) -> None:
+        """Keep the file (in a rebuild it is the only copy of its rows)."""
+
+
+@dataclass
+class _Item:
+    t: int
+    order: tuple
+    segment: tuple[str, SegmentMeta, int] | None = None  # (path, meta, size)
+    event: dict | None = None
+
+
+def restore_quarantine(data_dir: Path) -> list[str]:
+    """Move quarantined segments back under `runs/` (their own names where free); returns their new paths."""
+    quarantine = data_dir / QUARANTINE_DIR / "runs"
+    root = data_dir / "runs"
+    back = []
+    for rel in segment_files(quarantine):
+        back.append(quarantine_segment(quarantine / rel, root / rel).relative_to(root).as_posix())
+    return back
+
+
+def scan(root: Path, report: ReindexReport, progress: Callable[[str], None]) -> dict[str, list[_Item]]:
+    """Every usable segment under `root`, checked, grouped by run (damaged and pre-2.2 ones go to the report)."""
+    runs: dict[str, list[_Item]] = {}
+    for rel in segment_files(root):
+        progress(rel)
+        try:
+            batch = open_segment(root, rel)
+            meta = SegmentMeta.from_metadata(decode_metadata(batch.schema.metadata, "segment"))
+        except DamagedSegment as exc:
+            report.damaged.append((rel, exc.message))
+            continue
+        except FormatError as exc:
+            report.unusable.append((rel, str(exc)))
+            continue
+        size = os.stat(root / rel).st_size
+        runs.setdefault(meta.rows.run_id, []).append(
+            _Item(meta.written_ns, (0, meta.rows.writer_id, meta.rows.seq, rel), segment=(rel, meta, size)))
+    return runs
+
+
+def reindex(data_dir: Path, settings: ServiceSettings | None = None, restore: bool = False,
+            progress: Callable[[str], None] | None = None) -> ReindexReport:
+    """Rebuild `data_dir`'s index from its segments and journals; the old index is kept aside.
+
+    `restore`: first take quarantined segments back. `progress` is called once per segment scanned and once per
+    segment committed.
+    """
+    settings = settings or ServiceSettings(data_dir=data_dir)
+    progress = progress or (lambda _: None)
+    report = ReindexReport()
+    if restore:
+        report.restored = restore_quarantine(data_dir)
+    root = data_dir / "runs"
+    runs = scan(root, report, progress)
+    for run_id, items in runs.items():
+        journal = read_journal(root / run_id / JOURNAL_NAME)
+        items += [_Item(e["t"], (1, n), event=e) for n, e in enumerate(journal)]
+        items.sort(key=lambda item: (item.t, item.order))
+
+    building = data_dir / (INDEX_NAME + ".rebuild")
+    for suffix in SIDE_FILES:
+        Path(f"{building}{suffix}").unlink(missing_ok=True)  # a rebuild that did not finish
+    index = Index(building, fsync=False)  # made durable once, at the end
+    try:
+        cache = SegmentCache(root, settings.open_segment_cache)
+        committer = Committer(index, RowReader(index, cache), _KeepFiles(root, BufferPool(keep=1), fsync=False))
+        rebuild = _Rebuild(index, cache, committer, report, progress)
+        for run_id in sorted(runs):
+            rebuild.run(run_id, runs[run_id])
+        index.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    finally:
+        index.close()
+    with open(building, "rb+") as f:
+        os.fsync(f.fileno())
+    report.old_index = _put_in_place(data_dir, building)
+    return report
+
+
+def _put_in_place(data_dir: Path, building: Path) -> Path | None:
+    """Rename the rebuilt index into place, keeping an old one (and its WAL) aside; where the old one went."""
+    current = data_dir / INDEX_NAME
+    kept = None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for suffix in SIDE_FILES:
+        old = Path(f"{current}{suffix}")
+        if old.exists():
+            aside = Path(f"{current}.before-reindex-{stamp}{suffix}")
+            os.replace(old, aside)
+            kept = kept or Path(f"{current}.before-reindex-{stamp}")
+    for suffix in SIDE_FILES[1:]:
+        Path(f"{building}{suffix}").unlink(missing_ok=True)  # checkpointed and closed: nothing left in them
+    os.replace(building, current)
+    fsync_dir(data_dir)
+    return kept
+
+
+class _Rebuild:
+    """Commits one run's segments and journal events, in order, into the new index."""
+
+    def __init__(self, index: Index, cache: SegmentCache, committer: Committer, report: ReindexReport,
+                 progress: Callable[[str], None]) -> None:
+        self.index = index
+        self.cache = cache
+        self.committer = committer
+        self.registry = RunRegistry(index)
+        self.report = report
+        self.progress = progress
+
+    def run(self, run_id: str, items: list[_Item]) -> None:
+        """Rebuild one run from its items (sorted by time)."""
+        created_at: float | None = None
+        waiting: list[dict] = []  # events met before the run's first segment (its run row) was committed
+        for item in items:
+            if item.segment is not None:
+                self._segment(*item.segment)
+                for event in waiting:
+                    self._event(run_id, event)
+                waiting = []
+            elif item.event is not None:
+                if item.event.get("event") == "run":
+                    created_at = float(item.event["created_at"])
+                elif self.registry.get(run_id) is None:
+                    waiting.append(item.event)
+                else:
+                    self._event(run_id, item.event)
+        if self.registry.get(run_id) is None:
+            return  # no segment of it could be committed
+        self.report.runs += 1
+        first = min(i.t for i in items if i.segment is not None)
+        self.index.set_created_at(run_id, created_at if created_at is not None else first / 1e9)
+
+    def _segment(self, rel: str, meta: SegmentMeta, size: int) -> None:
+        self.progress(rel)
+        batch = self.cache.get(rel)
+        try:
+            run = self.registry.for_batch(meta.rows)
+            rows = read_rows(pa.Table.from_batches([batch]), meta.rows)
+            checked = check(rows, run.shape)
+        except (FormatError, Conflict) as exc:
+            self.report.unusable.append((rel, str(exc)))
+            return
+        checked.flags = np.array(batch.column("flags").to_numpy(zero_copy_only=False), np.uint16)  # as stored
+        checked.digest = meta.digest
+        checked.padding_dropped = np.array([meta.padding.get(r, 0) for r in rows.request_ids], np.int64)
+        try:
+            result = self.committer.commit(Segment(checked, rel, size), run)
+        except Conflict as exc:  # the same (run, writer, seq) with other rows: a writer bug kept on disk
+            self.report.unusable.append((rel, exc.message))
+            return
+        if result.stored:
+            self.report.segments += 1
+            self.report.rows += result.rows
+        else:
+            self.report.duplicates.append(rel)
+
+    def _event(self, run_id: str, event: dict) -> None:
+        from replay_service.store.references import Reference, Resolver
+
+        self.report.events += 1
+        kind = event.get("event")
+        if kind == "end":
+            with self.index.transaction() as tx:
+                tx.set_final(run_id, event["request_id"], int(event["num_tokens"]), RequestStatus(event["status"]))
+        elif kind == "references":
+            run = self.registry.require(run_id)
+            refs = [Reference(r[0], int(r[1]), int(r[2]), r[3]) for r in event["references"]]
+            with run.lock, self.index.transaction() as tx:
+                Resolver(tx, self.committer.reader, run_id, run.shape).add(refs)
