@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,8 @@ from replay_client.trainer import TrainerBatch, compare_body, megatron_query, ve
 from replay_client.transport import NotFoundError, ReplayError, StrictReadError, Transport
 from replay_format import ARROW_STREAM_MEDIA_TYPE, NPY_MEDIA_TYPE, Flag, LayerAxis, RunShape, flag_names
 from replay_format.route import read_routes
+
+TOKEN_ENV = "ROUTING_REPLAY_TOKEN"  # the bearer token, when none is given (the vLLM sink reads the same variable)
 
 __all__ = ["NotFoundError", "ReplayClient", "ReplayError", "Route", "StrictReadError", "routes_from_stream"]
 
@@ -82,8 +85,11 @@ def routes_from_stream(backing: bytearray) -> list[Route]:
 class ReplayClient:
     """Write rows, read routes and trainer slices, post comparisons. Thread-safe for reads."""
 
-    def __init__(self, base_url: str, timeout: float = 120.0, http: httpx.Client | None = None) -> None:
-        self._transport = Transport(base_url, timeout, http)
+    def __init__(self, base_url: str, timeout: float = 120.0, http: httpx.Client | None = None,
+                 token: str | None = None) -> None:
+        """`token`: the service's bearer token; default: ROUTING_REPLAY_TOKEN (the variable the vLLM sink reads)."""
+        token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        self._transport = Transport(base_url, timeout, http, token)
         self.http = self._transport.http
 
     def close(self) -> None:

@@ -52,9 +52,12 @@ def raise_for(response: httpx.Response) -> None:
 class Transport:
     """One httpx client for small calls, plus a stdlib connection per thread for large answers."""
 
-    def __init__(self, base_url: str, timeout: float, http: httpx.Client | None) -> None:
+    def __init__(self, base_url: str, timeout: float, http: httpx.Client | None, token: str | None = None) -> None:
         self.own_http = http is None
+        # the service's bearer token (REPLAY_TOKENS_FILE on its side), sent on every call
+        self.auth = {"authorization": f"Bearer {token}"} if token else {}
         self.http = http or httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout)
+        self.http.headers.update(self.auth)
         self.timeout = timeout
         self._bulk = threading.local()  # per-thread stdlib connection for large bodies
 
@@ -88,7 +91,7 @@ class Transport:
             self._bulk.conn = conn
         path = base.raw_path.decode().rstrip("/") + url
         payload = json.dumps(doc).encode()
-        headers = {"content-type": "application/json", "accept": ARROW_STREAM_MEDIA_TYPE}
+        headers = {"content-type": "application/json", "accept": ARROW_STREAM_MEDIA_TYPE, **self.auth}
         try:
             conn.request(method, path, body=payload, headers=headers)
             response = conn.getresponse()

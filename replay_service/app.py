@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from replay_service.api import compares, ingest, ops, references, requests, runs, trainer
+from replay_service.api.auth import Authenticator, authorize
 from replay_service.api.errors import install_error_handlers
+from replay_service.api.models import AUTH
 from replay_service.buffers import BufferPool
 from replay_service.metrics import ServiceMetrics
 from replay_service.settings import ServiceSettings
@@ -53,6 +56,22 @@ class LatencyMiddleware:
             )
 
 
+async def retention_loop(store: RouteStore, settings: ServiceSettings) -> None:
+    """Retention passes every `retention_interval_s` while a limit is set (store/retention.py logs each run removed)."""
+    from starlette.concurrency import run_in_threadpool
+
+    from replay_service.store.retention import collect
+
+    if not (settings.retention_max_bytes or settings.retention_max_age_s):
+        return
+    while True:
+        try:
+            await run_in_threadpool(collect, store, settings.retention_max_bytes, settings.retention_max_age_s)
+        except Exception:  # a failed pass is logged and tried again next time, never ends the loop
+            logging.getLogger("replay_service").exception("retention pass failed")
+        await asyncio.sleep(settings.retention_interval_s)
+
+
 def create_app(settings: ServiceSettings | None = None, store: RouteStore | None = None) -> FastAPI:
     """The service: `settings` (default: from REPLAY_* variables), a store opened at start-up unless given."""
     settings = settings or ServiceSettings()
@@ -62,9 +81,11 @@ def create_app(settings: ServiceSettings | None = None, store: RouteStore | None
         app.state.store = store or RouteStore(settings)
         app.state.ingest_slots = asyncio.Semaphore(settings.max_concurrent_ingests)
         app.state.body_buffers = BufferPool(keep=settings.max_concurrent_ingests)
+        retention = asyncio.create_task(retention_loop(app.state.store, settings))
         try:
             yield
         finally:
+            retention.cancel()
             if store is None:
                 app.state.store.close()
 
@@ -77,8 +98,10 @@ def create_app(settings: ServiceSettings | None = None, store: RouteStore | None
     app.state.settings = settings
     app.state.metrics = ServiceMetrics()
     install_error_handlers(app)
+    app.state.auth = Authenticator.from_file(settings.tokens_file)
     for module in (ingest, references, runs, requests, compares, trainer, ops):
-        app.include_router(module.router)
+        # every API route passes the token gate (its role: api/auth.py ROUTE_NEEDS); docs and web files do not
+        app.include_router(module.router, dependencies=[Depends(authorize)], responses=AUTH)
 
     app.add_middleware(LatencyMiddleware, metrics=app.state.metrics)
 

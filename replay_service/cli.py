@@ -29,14 +29,30 @@ def serve(
         None, "--keep-alive-timeout", help="seconds an idle connection stays open (REPLAY_KEEP_ALIVE_TIMEOUT_S)"),
     max_connections: int | None = typer.Option(
         None, "--max-connections", help="open connections at most (REPLAY_MAX_CONNECTIONS)"),
+    tokens_file: Path | None = typer.Option(
+        None, "--tokens-file", help="bearer tokens, `token role [run-prefix]` per line (REPLAY_TOKENS_FILE)"),
+    insecure: bool = typer.Option(
+        False, "--insecure", help="without a tokens file, listen on a non-loopback address anyway: anyone who "
+        "reaches the port can read, write and delete everything"),
 ) -> None:
     """Serve the store in DATA over HTTP."""
+    from replay_service.api.auth import Authenticator, listen_refusal
     from replay_service.app import create_app
     from replay_service.errors import IndexNeedsRebuild
     from replay_service.store import RouteStore
 
-    overrides: dict = {"keep_alive_timeout_s": keep_alive_timeout, "max_connections": max_connections}
+    overrides: dict = {"keep_alive_timeout_s": keep_alive_timeout, "max_connections": max_connections,
+                       "tokens_file": tokens_file}
     settings = ServiceSettings(data_dir=data, **{k: v for k, v in overrides.items() if v is not None})
+    refusal = listen_refusal(host, settings.tokens_file, insecure)
+    if refusal is not None:
+        typer.echo(f"replay-service: {refusal}", err=True)
+        raise typer.Exit(2)
+    try:
+        Authenticator.from_file(settings.tokens_file)  # a bad tokens file stops the start, naming its line
+    except (OSError, ValueError) as exc:
+        typer.echo(f"replay-service: tokens file: {exc}", err=True)
+        raise typer.Exit(2) from None
     try:
         store = RouteStore(settings)
     except IndexNeedsRebuild as exc:
@@ -52,6 +68,8 @@ def serve(
         summary = load_demo(store)
         typer.echo(f"demo run {summary['run_id']!r}: {summary['requests']} requests, {summary['rows']} rows")
     typer.echo(f"routing-replay on http://{host}:{port}  (data: {data.resolve()}, API docs: /docs)")
+    if settings.tokens_file is None and insecure:
+        logging.getLogger("replay_service").warning("--insecure: no tokens file, every caller may do anything")
     from replay_service.connections import BoundedH11Protocol
 
     uvicorn.run(create_app(settings, store), host=host, port=port, log_level=log_level, http=BoundedH11Protocol,
@@ -122,6 +140,83 @@ def verify(
     typer.echo(f"{checked} segments checked, {len(damaged)} damaged")
     if damaged:
         raise typer.Exit(1)
+
+
+# delete, gc and export work on the data directory, not through the API: they need no token and no running
+# service, and use the service's own code (store/retention.py, export.py). delete and gc change the index:
+# run them with the service stopped (on a running one: DELETE /v1/runs/{run}, and REPLAY_RETENTION_* settings).
+
+
+@app.command()
+def delete(
+    run: str = typer.Argument(..., help="run id"),
+    data: Path = typer.Option(Path("replay-data"), "--data", help="directory of the Arrow store"),
+) -> None:
+    """Delete RUN's rows and files from DATA (with the service stopped; on a running one: DELETE /v1/runs/RUN)."""
+    from replay_service.errors import NotFound
+    from replay_service.store import RouteStore
+
+    store = RouteStore(ServiceSettings(data_dir=data))
+    try:
+        removed = store.delete_run(run)
+    except NotFound as exc:
+        typer.echo(f"replay-service: {exc.message}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        store.close()
+    typer.echo(f"deleted run {run!r}: {removed.rows} index rows, {removed.files} files, {removed.bytes} bytes")
+
+
+@app.command()
+def gc(
+    data: Path = typer.Option(Path("replay-data"), "--data", help="directory of the Arrow store"),
+    max_bytes: int | None = typer.Option(None, "--max-bytes", help="default: REPLAY_RETENTION_MAX_BYTES (0: off)"),
+    max_age_s: float | None = typer.Option(None, "--max-age-s", help="default: REPLAY_RETENTION_MAX_AGE_S (0: off)"),
+) -> None:
+    """Delete the least recently written unpinned runs of DATA until under the limits (with the service stopped)."""
+    from replay_service.store import RouteStore
+    from replay_service.store.retention import delete_run, due
+
+    settings = ServiceSettings(data_dir=data)
+    cap = settings.retention_max_bytes if max_bytes is None else max_bytes
+    age = settings.retention_max_age_s if max_age_s is None else max_age_s
+    store = RouteStore(settings)
+    try:
+        import time
+
+        chosen = due(store.index.runs(), cap, age, time.time())
+        freed = 0
+        with _progress() as progress:
+            task = progress.add_task("deleting runs", total=len(chosen))
+            for run_id, reason in chosen:
+                removed = delete_run(store, run_id, reason)
+                freed += removed.bytes
+                progress.console.print(f"deleted run {run_id!r}: {reason}; {removed.bytes} bytes")
+                progress.advance(task)
+    finally:
+        store.close()
+    typer.echo(f"{len(chosen)} runs deleted, {freed} bytes freed")
+
+
+@app.command()
+def export(
+    run: str = typer.Argument(..., help="run id"),
+    to: Path = typer.Option(..., "--to", help="the Parquet file to write"),
+    data: Path = typer.Option(Path("replay-data"), "--data", help="directory of the Arrow store"),
+) -> None:
+    """Write RUN's rows (request, position, token, experts, flags) to a Parquet file. Read-only: safe while serving."""
+    from replay_service.errors import NotFound
+    from replay_service.export import export_run
+
+    with _progress() as progress:
+        task = progress.add_task("exporting requests", total=None)
+        try:
+            rows = export_run(data, run, to, progress=lambda done, total: progress.update(task, completed=done,
+                                                                                          total=total))
+        except NotFound as exc:
+            typer.echo(f"replay-service: {exc.message}", err=True)
+            raise typer.Exit(1) from None
+    typer.echo(f"exported {rows} rows of run {run!r} to {to}")
 
 
 if __name__ == "__main__":

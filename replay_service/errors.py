@@ -20,6 +20,10 @@ class NotFound(ServiceError):
     """A run, request or comparison that does not exist."""
 
 
+class RunDeleted(NotFound):
+    """A run deleted while a read or a write of it was under way (store/retention.py): nothing of it is served."""
+
+
 class InvalidInput(ServiceError):
     """A parameter or body that is well-formed but not acceptable (a bad range, an unknown format name, ...)."""
 
@@ -34,6 +38,14 @@ class StrictRefusal(Conflict):
     def __init__(self, message: str, bad_rows: list[dict]) -> None:
         super().__init__(message)
         self.bad_rows = bad_rows
+
+
+class Unauthenticated(ServiceError):
+    """No bearer token, or one the tokens file does not list (api/auth.py)."""
+
+
+class Forbidden(ServiceError):
+    """A known token without the role a route needs, outside its run prefix, or writing another writer's request."""
 
 
 class TooLarge(ServiceError):

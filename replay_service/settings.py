@@ -17,6 +17,9 @@ class ServiceSettings(BaseSettings):
 
     # Defaults are passed as `default=`: type checkers read a positional one as "required".
     data_dir: Path = Field(default=Path("replay-data"), description="directory of the Arrow store")
+    tokens_file: Path | None = Field(
+        default=None, description="bearer tokens, one `token role [run-prefix]` per line (roles read, write, "
+        "admin); without it nothing is authenticated and `serve` listens on loopback only (api/auth.py)")
     max_body_bytes: int = Field(default=512 * 2**20, description="largest accepted request body; larger answers 413")
     max_concurrent_ingests: int = Field(
         default=4, description="ingests decoded, checked and written at once (taken once the body has arrived)")
@@ -51,5 +54,12 @@ class ServiceSettings(BaseSettings):
     direct_io: bool = Field(
         default=True,
         description="write segments with O_DIRECT (skips filling fresh page cache; falls back where unsupported)")
+    retention_max_bytes: int = Field(
+        default=0, ge=0,
+        description="segment bytes kept at most; past it the oldest unpinned runs are deleted (0: off)")
+    retention_max_age_s: float = Field(
+        default=0, ge=0, description="an unpinned run not written for this many seconds is deleted (0: off)")
+    retention_interval_s: float = Field(
+        default=60.0, gt=0, description="seconds between two retention passes (when a limit is set)")
     fsync: bool = Field(
         default=True, description="fsync data and index before acknowledging (turn off only for throwaway data)")

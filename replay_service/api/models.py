@@ -44,6 +44,11 @@ ERRORS: Responses = {
     404: {"model": ErrorBody, "description": "no such run, request or comparison"},
     422: {"model": ErrorBody, "description": "a parameter or body breaks a rule; `detail` names it"},
 }
+AUTH: Responses = {
+    401: {"model": ErrorBody, "description": "no bearer token, or an unknown one (with REPLAY_TOKENS_FILE set)"},
+    403: {"model": ErrorBody, "description": "the token lacks the role, the run is outside its prefix, or the "
+                                              "request belongs to another writer"},
+}
 CONFLICT: Responses = {
     409: {"model": ErrorBody, "description": "contradicts what is stored, or a strict read met flagged rows"},
 }
@@ -95,6 +100,19 @@ class RunSummary(BaseModel):
     references: int = Field(0, description="distinct prefix-cache references received (POST .../references)")
     bytes: int = Field(description="bytes of segment files (references add none)")
     flagged: FlagCounts = Field(description="rows per flag (GAP: rows expected but never received)")
+    pinned: bool = Field(False, description="retention never deletes a pinned run (PUT/DELETE .../pin)")
+    last_write: float | None = Field(None, description="Unix time of the run's last stored batch (created_at when "
+                                                       "none): retention's age of the run counts from it")
+
+
+class RunDeleteAnswer(BaseModel):
+    """What deleting a run freed."""
+
+    run_id: str
+    deleted: bool = True
+    rows: int = Field(description="index rows deleted (runs, requests, spans, segments, flags, references, compares)")
+    bytes: int = Field(description="bytes of files removed (segments, journal, comparison files)")
+    files: int = Field(description="files removed")
 
 
 class RunList(BaseModel):

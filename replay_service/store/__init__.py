@@ -5,6 +5,7 @@ Layout under the data directory:
     index.sqlite                      spans, counters, idempotency keys (WAL)   index.py
     runs/<run_id>/<uuid>.arrow        one segment per acknowledged ingest batch files.py
     compares/<run_id>/<id>.npz        stored comparisons                        compares.py
+    trash/                            folders of runs being deleted             retention.py
 
 `RouteStore` is the service's one handle on it. Batches come in through the ingest pipeline
 (`replay_service.ingest`: decode -> check -> segment -> commit); an ingest is acknowledged
@@ -28,6 +29,7 @@ from replay_format import Flag, RunShape
 from replay_format.rows import Rows
 from replay_service.buffers import BufferPool
 from replay_service.errors import Conflict, InvalidInput, NotFound
+from replay_service.ownership import current_actor, require_owner
 from replay_service.settings import ServiceSettings
 from replay_service.store.compares import CompareStore
 from replay_service.store.ends import upload_end
@@ -35,6 +37,7 @@ from replay_service.store.files import QUARANTINE_DIR, SegmentCache, require_ind
 from replay_service.store.index import Index, RequestStatus, count_column
 from replay_service.store.journal import RunJournal
 from replay_service.store.reads import RouteRows, RowReader
+from replay_service.store.retention import Removed, delete_run, empty_trash, retention_fields
 from replay_service.store.runs import RunRegistry
 from replay_service.store.summaries import expected_rows, request_summary, run_summary
 
@@ -73,6 +76,7 @@ class RouteStore:
             self.index.close()
             raise
         self.swept = sweep_unindexed(self.segments_root, indexed, self.root / QUARANTINE_DIR)
+        empty_trash(self.root)  # what a delete interrupted by a crash left (retention.py)
         self.journal = RunJournal(self.segments_root, fsync=settings.fsync)  # what reindex replays (journal.py)
         self.cache = SegmentCache(self.segments_root, settings.open_segment_cache)
         self.reader = RowReader(self.index, self.cache)
@@ -91,7 +95,12 @@ class RouteStore:
 
     def ingest(self, rows: Rows) -> IngestResult:
         """Store one decoded batch (the ingest pipeline); idempotent on (run_id, writer_id, seq)."""
+        actor = current_actor()
+        if actor is not None:  # an ingest body names its run inside: checked once decoded, before anything is stored
+            actor.require_run(rows.meta.run_id)
         new_run = not self.has_run(rows.meta.run_id)
+        if new_run:
+            self.cache.revive_run(rows.meta.run_id)  # a run of a deleted run's id: a missing segment is damage again
         result = self.pipeline.ingest(rows)
         if new_run:
             run = self.index.run(rows.meta.run_id)
@@ -100,17 +109,30 @@ class RouteStore:
         return result
 
     def finish(self, run_id: str, request_id: str, num_tokens: int, status: RequestStatus | str) -> dict:
-        """Record a request's end with T = `num_tokens`; the request summary. Conflict when it ended otherwise."""
+        """Record a request's end with T = `num_tokens`; the request summary.
+
+        Conflict when it ended otherwise, or when T contradicts its stored rows (a finish never cuts rows);
+        Forbidden when another writer owns the request (ownership.py); the caller claims an unowned one.
+        """
         status = RequestStatus(status)
         self.registry.require(run_id)
+        actor = current_actor()
         with self.index.transaction() as tx:
             row = tx.request(run_id, request_id)
+            require_owner(run_id, request_id, row["owner"] if row is not None else None)
             if row is not None and row["final_tokens"] is not None and (
                 row["final_tokens"] != num_tokens or row["status"] != status
             ):
                 raise Conflict(
                     f"request {request_id!r} was already {row['status']} with {row['final_tokens']} tokens; "
                     f"got {status} with {num_tokens}")
+            if row is not None and row["pos_max"] > num_tokens - 2:  # pos_max: stored (or referenced) rows
+                raise Conflict(
+                    f"request {request_id!r} has rows up to position {row['pos_max']}, so at least "
+                    f"{row['pos_max'] + 2} tokens; a finish with num_tokens={num_tokens} would leave "
+                    f"{max(num_tokens - 1, 0)} rows of {row['pos_max'] + 1}: refused, stored rows are never cut")
+            if actor is not None:
+                tx.claim(run_id, request_id, actor.owner)
             tx.set_final(run_id, request_id, num_tokens, status)
         self.journal.request_end(run_id, request_id, num_tokens, status)
         return self.request_summary(run_id, request_id)
@@ -159,15 +181,27 @@ class RouteStore:
 
     def runs(self) -> list[dict]:
         """Every run's summary, by run id."""
-        return [run_summary(run, self.index.run_aggregate(run["run_id"]), self.index.count_references(run["run_id"]))
+        return [{**run_summary(run, self.index.run_aggregate(run["run_id"]),
+                               self.index.count_references(run["run_id"])), **retention_fields(run)}
                 for run in self.index.runs()]
+
+    def delete_run(self, run_id: str) -> Removed:
+        """Delete a run's rows and files, safely beside reads and writes (retention.py); NotFound when none."""
+        return delete_run(self, run_id)
+
+    def pin(self, run_id: str, pinned: bool) -> dict:
+        """Pin (retention never deletes it) or unpin a run; its summary. NotFound when it does not exist."""
+        if not self.index.set_pinned(run_id, pinned):
+            raise NotFound(f"run {run_id!r} not found")
+        return self.run_summary(run_id)
 
     def run_summary(self, run_id: str) -> dict:
         """One run's summary (api.models.RunSummary fields)."""
         run = self.index.run(run_id)
         if run is None:
             raise NotFound(f"run {run_id!r} not found")
-        return run_summary(run, self.index.run_aggregate(run_id), self.index.count_references(run_id))
+        return {**run_summary(run, self.index.run_aggregate(run_id), self.index.count_references(run_id)),
+                **retention_fields(run)}
 
     def expert_load(self, run_id: str) -> tuple[RunShape, np.ndarray]:
         """A run's shape and its served clean rows' expert counts `(num_moe_layers, num_experts)`."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from replay_format.compare import CompareFileMeta, RequestMismatch, encode_compare_file, read_compare_file
 from replay_service.errors import NotFound
 from replay_service.store.files import fsync_dir
-from replay_service.store.index import Index
+from replay_service.store.index import Index, IndexTransaction
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS compares (
@@ -32,6 +32,7 @@ CREATE INDEX IF NOT EXISTS compares_by_run ON compares (run_id, created_at);
 INSERT = "INSERT INTO compares (compare_id, run_id, created_at, path, requests, doc) VALUES (?, ?, ?, ?, ?, ?)"
 LIST_BY_RUN = "SELECT doc FROM compares WHERE run_id = ? ORDER BY created_at DESC, rowid DESC"
 ONE = "SELECT * FROM compares WHERE run_id = ? AND compare_id = ?"
+DELETE_BY_RUN = "DELETE FROM compares WHERE run_id = ?"
 
 
 class CompareNotFound(NotFound):
@@ -68,6 +69,10 @@ class CompareStore:
         with self.index.transaction() as tx:
             tx.execute(INSERT, (doc["compare_id"], doc["run_id"], doc["created_at"], rel, json.dumps(names),
                                 json.dumps(doc)))
+
+    def delete_rows(self, tx: IndexTransaction, run_id: str) -> int:
+        """Delete a run's comparison rows inside `tx` (retention.py removes their files after it commits)."""
+        return tx.execute(DELETE_BY_RUN, (run_id,)).rowcount
 
     def list(self, run_id: str) -> list[dict]:
         """The stored answers of a run's comparisons, newest first."""

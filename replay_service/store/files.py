@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from replay_service.errors import DamagedSegment, IndexNeedsRebuild
+from replay_service.errors import DamagedSegment, IndexNeedsRebuild, RunDeleted
 from replay_service.store.integrity import open_segment
 
 log = logging.getLogger("replay_service")
@@ -115,6 +115,11 @@ def quarantine_segment(path: Path, target: Path) -> Path:
     return target
 
 
+def _run_of(rel_path: str) -> str:
+    """The run a segment path (relative to the segment root) belongs to."""
+    return rel_path.split("/", 1)[0]
+
+
 class SegmentCache:
     """LRU of memory-mapped, checked segments; reads are zero-copy views into the page cache."""
 
@@ -123,7 +128,26 @@ class SegmentCache:
         self.capacity = max(1, capacity)
         self._open: OrderedDict[str, pa.RecordBatch] = OrderedDict()
         self._damaged: dict[str, tuple[tuple[int, int] | None, str]] = {}  # path -> (file stat when found, why)
+        self._deleted: set[str] = set()  # runs deleted (retention.py): a missing segment of one is not damage
         self._lock = threading.Lock()
+
+    def forget_run(self, run_id: str) -> None:
+        """A run is being deleted: unmap its segments and answer RunDeleted for those a read still names.
+
+        A read already holding a segment keeps its mapping (an unlinked file stays readable on Linux).
+        """
+        prefix = run_id + "/"
+        with self._lock:
+            self._deleted.add(run_id)
+            for path in [p for p in self._open if p.startswith(prefix)]:
+                del self._open[path]
+            for path in [p for p in self._damaged if p.startswith(prefix)]:
+                del self._damaged[path]
+
+    def revive_run(self, run_id: str) -> None:
+        """A run of this id was created again: a missing segment of it is damage again."""
+        with self._lock:
+            self._deleted.discard(run_id)
 
     def _stat(self, rel_path: str) -> tuple[int, int] | None:
         try:
@@ -143,6 +167,9 @@ class SegmentCache:
                 self._open.move_to_end(rel_path)
                 return batch
             known = self._damaged.get(rel_path)
+            deleted = _run_of(rel_path) in self._deleted
+        if deleted and self._stat(rel_path) is None:
+            raise RunDeleted(f"run {_run_of(rel_path)!r} was deleted while this read was under way")
         if known is not None and known[0] == self._stat(rel_path):
             raise DamagedSegment(known[1], rel_path)
         stat = self._stat(rel_path)
@@ -150,6 +177,9 @@ class SegmentCache:
             batch = open_segment(self.root, rel_path)
         except DamagedSegment as exc:
             with self._lock:
+                if _run_of(rel_path) in self._deleted and self._stat(rel_path) is None:
+                    # unlinked between the check above and the open: not damage
+                    raise RunDeleted(f"run {_run_of(rel_path)!r} was deleted while this read was under way") from None
                 exc.newly_found = rel_path not in self._damaged
                 self._damaged[rel_path] = (stat, exc.message)
             if exc.newly_found:
@@ -157,6 +187,8 @@ class SegmentCache:
             raise
         with self._lock:
             self._damaged.pop(rel_path, None)
+            if _run_of(rel_path) in self._deleted:
+                return batch  # served to this read only: kept mapped, a deleted file's space would not be freed
             self._open[rel_path] = batch
             while len(self._open) > self.capacity:
                 self._open.popitem(last=False)

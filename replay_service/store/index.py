@@ -58,6 +58,9 @@ SPANS_COLUMNS = """
 """
 SPAN_FIELDS = "run_id, request_id, segment_id, row_start, row_count, pos_min, pos_max"
 
+# A segment is indexed only while its run exists: a batch whose run was deleted while it was being written
+# (retention.py) is refused at commit with this message, never left as rows of no run.
+RUN_DELETED = "run deleted while this batch was stored"
 SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY,
@@ -69,7 +72,9 @@ CREATE TABLE IF NOT EXISTS runs (
     source TEXT NOT NULL,
     created_at REAL NOT NULL,
     bytes INTEGER NOT NULL DEFAULT 0,
-    load BLOB
+    load BLOB,
+    pinned INTEGER NOT NULL DEFAULT 0,
+    last_write REAL
 );
 CREATE TABLE IF NOT EXISTS requests (
     run_id TEXT NOT NULL,
@@ -82,6 +87,7 @@ CREATE TABLE IF NOT EXISTS requests (
     first_flagged INTEGER,
     {", ".join(f"{c} INTEGER NOT NULL DEFAULT 0" for c in COUNT_COLUMNS)},
     referenced_rows INTEGER NOT NULL DEFAULT 0,
+    owner TEXT,
     PRIMARY KEY (run_id, request_id)
 );
 CREATE TABLE IF NOT EXISTS segments (
@@ -113,22 +119,30 @@ CREATE TABLE IF NOT EXISTS prefix_refs (
     PRIMARY KEY (run_id, request_id, pos_start, pos_end, source_request_id)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS prefix_refs_by_source ON prefix_refs (run_id, source_request_id, pos_start);
+CREATE TRIGGER IF NOT EXISTS segments_of_a_run BEFORE INSERT ON segments
+    WHEN NOT EXISTS (SELECT 1 FROM runs WHERE run_id = NEW.run_id)
+    BEGIN SELECT RAISE(ABORT, '{RUN_DELETED}'); END;
 """
 # Index files are brought up to date on open: user_version 0 named num_moe_layers num_layers (renamed);
 # before 2, runs had no num_hidden_layers (added as 0: unknown, read as max(moe_layers) + 1); before 3,
 # spans had no span_id (rebuilt in segment order, which is the order their rows were served in) and
 # requests no referenced_rows (0: nothing was referenced); prefix_refs is new (created by SCHEMA).
-SCHEMA_VERSION = 3
+# Before 4, runs had no pinned (0: retention may delete it) nor last_write (NULL: read as created_at).
+# Before 5, requests had no owner (NULL: not owned; the next authenticated writer claims it, ownership.py).
+SCHEMA_VERSION = 5
 TABLE_COLUMNS = "SELECT name FROM pragma_table_info(?)"
 RENAME_NUM_LAYERS = "ALTER TABLE runs RENAME COLUMN num_layers TO num_moe_layers"
 ADD_NUM_HIDDEN_LAYERS = "ALTER TABLE runs ADD COLUMN num_hidden_layers INTEGER NOT NULL DEFAULT 0"
 ADD_REFERENCED_ROWS = "ALTER TABLE requests ADD COLUMN referenced_rows INTEGER NOT NULL DEFAULT 0"
+ADD_OWNER = "ALTER TABLE requests ADD COLUMN owner TEXT"
 REBUILD_SPANS = (
     f"CREATE TABLE spans_v3 ({SPANS_COLUMNS})",
     f"INSERT INTO spans_v3 ({SPAN_FIELDS}) SELECT {SPAN_FIELDS} FROM spans ORDER BY segment_id, rowid",
     "DROP TABLE spans",  # drops spans_by_request too; SCHEMA creates it again
     "ALTER TABLE spans_v3 RENAME TO spans",
 )
+ADD_PINNED = "ALTER TABLE runs ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0"
+ADD_LAST_WRITE = "ALTER TABLE runs ADD COLUMN last_write REAL"
 GET_SCHEMA_VERSION = "PRAGMA user_version"
 SET_SCHEMA_VERSION = f"PRAGMA user_version = {SCHEMA_VERSION}"
 
@@ -145,7 +159,15 @@ SET_CREATED_AT = "UPDATE runs SET created_at = ? WHERE run_id = ?"  # reindex re
 SELECT_RUN = "SELECT * FROM runs WHERE run_id = ?"
 SELECT_RUNS = "SELECT * FROM runs ORDER BY run_id"
 COUNT_RUNS = "SELECT COUNT(*) AS n FROM runs"
-ADD_RUN_TOTALS = "UPDATE runs SET bytes = bytes + ?, load = ? WHERE run_id = ?"
+# last_write: Unix time of the run's last stored segment (retention's age of a run still being written).
+ADD_RUN_TOTALS = (
+    "UPDATE runs SET bytes = bytes + ?, load = ?, last_write = (julianday('now') - 2440587.5) * 86400.0"
+    " WHERE run_id = ?"
+)
+SET_PINNED = "UPDATE runs SET pinned = ? WHERE run_id = ?"
+# ---- deleting a run (retention.py): every table holding its rows, in one transaction
+DELETE_RUN_ROWS = tuple(f"DELETE FROM {table} WHERE run_id = ?"
+                        for table in ("spans", "row_flags", "prefix_refs", "requests", "segments", "runs"))
 RUN_AGGREGATE = (
     "SELECT COUNT(*) AS requests, COALESCE(SUM(rows), 0) AS rows,"
     f" COALESCE(SUM(status != '{RequestStatus.OPEN}'), 0) AS ended,"
@@ -202,6 +224,12 @@ ADD_TO_REQUEST = (
     + " WHERE run_id = :run_id AND request_id = :request_id"
 )
 SET_FINAL = "UPDATE requests SET final_tokens = ?, status = ? WHERE run_id = ? AND request_id = ?"
+# Writer ownership (replay_service/ownership.py): the first authenticated writer of a request owns it.
+SELECT_OWNERS = (
+    "SELECT request_id, owner FROM requests WHERE run_id = ? AND owner IS NOT NULL"
+    " AND request_id IN (SELECT value FROM json_each(?))"
+)
+CLAIM_REQUEST = "UPDATE requests SET owner = ? WHERE run_id = ? AND request_id = ? AND owner IS NULL"
 _LIST_BASE = "SELECT * FROM requests WHERE run_id = ? AND request_id > ?"
 _LIST_ORDER = " ORDER BY request_id LIMIT ?"
 # One statement per filter (every request, or those with a flag); the cursor "" starts at the first id.
@@ -251,8 +279,14 @@ class Index:
                 self.conn.execute(RENAME_NUM_LAYERS)
             if runs and "num_hidden_layers" not in runs:
                 self.conn.execute(ADD_NUM_HIDDEN_LAYERS)
+            if runs and "pinned" not in runs:
+                self.conn.execute(ADD_PINNED)
+            if runs and "last_write" not in runs:
+                self.conn.execute(ADD_LAST_WRITE)
             if requests and "referenced_rows" not in requests:
                 self.conn.execute(ADD_REFERENCED_ROWS)
+            if requests and "owner" not in requests:
+                self.conn.execute(ADD_OWNER)
             if spans and "span_id" not in spans:
                 for statement in REBUILD_SPANS:
                     self.conn.execute(statement)
@@ -354,6 +388,11 @@ class Index:
         with self.transaction() as tx:
             tx.execute(SET_NUM_HIDDEN_LAYERS, (num_hidden_layers, run_id))
 
+    def set_pinned(self, run_id: str, pinned: bool) -> bool:
+        """Pin (retention never deletes it) or unpin a run; False when the run does not exist."""
+        with self.transaction() as tx:
+            return tx.execute(SET_PINNED, (int(pinned), run_id)).rowcount == 1
+
     def set_created_at(self, run_id: str, created_at: float) -> None:
         """Set a run's creation time (reindex: the time its journal recorded, not when it was rebuilt)."""
         with self.transaction() as tx:
@@ -378,6 +417,16 @@ class IndexTransaction:
         """Record a request's end (creating its row when no rows arrived yet)."""
         self.conn.execute(ENSURE_REQUEST, (run_id, request_id))
         self.conn.execute(SET_FINAL, (num_tokens, str(status), run_id, request_id))
+
+    def owners(self, run_id: str, request_ids: list[str]) -> dict[str, str]:
+        """The owners of those of `request_ids` that have one (request id -> owner)."""
+        return {r["request_id"]: r["owner"] for r in
+                self.conn.execute(SELECT_OWNERS, (run_id, json.dumps(request_ids)))}
+
+    def claim(self, run_id: str, request_id: str, owner: str) -> None:
+        """Make `owner` the request's owner when it has none (creating its row)."""
+        self.conn.execute(ENSURE_REQUEST, (run_id, request_id))
+        self.conn.execute(CLAIM_REQUEST, (owner, run_id, request_id))
 
     def insert_segment(self, run_id: str, writer_id: str, seq: int, path: str, rows: int, size: int,
                        digest: str) -> int:
@@ -454,6 +503,10 @@ class IndexTransaction:
         positions: `(piece index, request_id, start, end)`, by piece."""
         return [(r["piece"], r["request_id"], r["pos_start"], r["pos_end"]) for r in
                 self.conn.execute(REFERENCES_FROM, (json.dumps(pieces), run_id))]
+
+    def delete_run(self, run_id: str) -> int:
+        """Delete every index row of a run (compares aside: compares.py); how many rows were deleted."""
+        return sum(self.conn.execute(sql, (run_id,)).rowcount for sql in DELETE_RUN_ROWS)
 
     def add_run_totals(self, run_id: str, size: int, load: np.ndarray) -> None:
         """Add a segment's bytes to its run and store the run's new expert load."""

@@ -37,6 +37,7 @@ class RunState:
     shape: RunShape
     load: np.ndarray  # (num_moe_layers, num_experts) int64: served clean rows' expert counts
     lock: threading.Lock = field(default_factory=threading.Lock)  # held by the commit stage
+    deleted: bool = False  # set (under `lock`) when the run was deleted: this state is stale
 
 
 class RunRegistry:
@@ -83,6 +84,11 @@ class RunRegistry:
                 self.index.set_num_hidden_layers(meta.run_id, hidden)
                 state.shape = dataclasses.replace(have, num_hidden_layers=hidden)
         return state
+
+    def forget(self, run_id: str) -> None:
+        """Drop a deleted run's state: the next batch of this id creates a fresh run."""
+        with self._lock:
+            self._runs.pop(run_id, None)
 
     def _load(self, run_id: str) -> RunState | None:
         row = self.index.run(run_id)

@@ -21,7 +21,8 @@ def free_port() -> int:
 
 class ServiceProcess:
     def __init__(self, data_dir: Path, port: int | None = None, env: dict[str, str] | None = None,
-                 log_path: Path | None = None, demo: bool = False, cpus: set[int] | None = None, nice: int = 0) -> None:
+                 log_path: Path | None = None, demo: bool = False, cpus: set[int] | None = None, nice: int = 0,
+                 args: list[str] | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.env = {**os.environ, **(env or {})}
@@ -29,6 +30,7 @@ class ServiceProcess:
         self.demo = demo
         self.cpus = cpus  # pin the service to these CPUs (benchmarks: keep it off the measured cores)
         self.nice = nice  # benchmarks: below the measured processes, as if on another machine
+        self.args = list(args or [])  # more `serve` options (e.g. --host 0.0.0.0 --insecure)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -40,6 +42,7 @@ class ServiceProcess:
                "--port", str(self.port), "--log-level", "warning"]
         if self.demo:
             cmd.append("--demo")
+        cmd += self.args
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
                                      preexec_fn=self._place if self.cpus or self.nice else None)

@@ -22,13 +22,50 @@ async function check(response, url) {
   throw new ApiError(response.status, detail, url);
 }
 
+// A service started with REPLAY_TOKENS_FILE answers 401 without a bearer token: the page asks for a read
+// token once and keeps it for this tab (sessionStorage: gone when the tab closes, never sent elsewhere).
+export const TOKEN_KEY = "routing-replay-token";
+let asking = null; // one prompt for the 401s of calls made at the same time
+
+function withToken(headers) {
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  return token ? { ...headers, Authorization: `Bearer ${token}` } : headers;
+}
+
+function askToken(refused) {
+  if (!asking) {
+    asking = Promise.resolve().then(() => {
+      const message = refused
+        ? "The service refused the token. Enter a read token for routing-replay:"
+        : "This routing-replay service needs a read token (ask its operator):";
+      const token = (window.prompt(message) || "").trim();
+      if (token) sessionStorage.setItem(TOKEN_KEY, token);
+      else sessionStorage.removeItem(TOKEN_KEY);
+      asking = null;
+      return Boolean(token);
+    });
+  }
+  return asking;
+}
+
+// fetch with the tab's token; on a 401 ask for one (once) and try again with it.
+async function authorizedFetch(url, headers, signal) {
+  const sent = sessionStorage.getItem(TOKEN_KEY);
+  const response = await fetch(url, { headers: withToken(headers), signal });
+  if (response.status !== 401) return response;
+  const current = sessionStorage.getItem(TOKEN_KEY);
+  if (current && current !== sent) return fetch(url, { headers: withToken(headers), signal }); // asked meanwhile
+  if (!(await askToken(Boolean(sent)))) return response;
+  return fetch(url, { headers: withToken(headers), signal });
+}
+
 export async function getJSON(url, options = {}) {
-  const response = await fetch(url, { headers: { Accept: "application/json" }, signal: options.signal });
+  const response = await authorizedFetch(url, { Accept: "application/json" }, options.signal);
   return (await check(response, url)).json();
 }
 
 export async function getArrow(url, options = {}) {
-  const response = await fetch(url, { headers: { Accept: "application/vnd.apache.arrow.stream" }, signal: options.signal });
+  const response = await authorizedFetch(url, { Accept: "application/vnd.apache.arrow.stream" }, options.signal);
   const buffer = await (await check(response, url)).arrayBuffer();
   return readStream(buffer);
 }

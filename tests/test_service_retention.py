@@ -1,0 +1,208 @@
+"""Deleting runs, pinning, retention and export (issue 13, item 7), through a real server.
+
+- DELETE /v1/runs/{run} frees its rows and files; a later batch of the same id starts a fresh run.
+- Delete while readers stream the same run and a writer writes it: every read is the stored data or a JSON
+  404, every ingest 200 or 404, never a 5xx, and no index row outlives its run.
+- Retention's size cap deletes the least recently written unpinned run (logged); `gc` does it offline;
+  a pinned run stays.
+- `export RUN --to FILE.parquet` reads back equal (pandas and pyarrow) to what the API serves.
+"""
+
+from __future__ import annotations
+
+import io
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import httpx
+import numpy as np
+import pytest
+
+from replay_format import RunShape
+from replay_service.client import ReplayClient
+from tests.support.data import batch_bytes, routes
+from tests.support.service import ServiceProcess
+
+SHAPE = RunShape(num_moe_layers=4, top_k=2, num_experts=16)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "replay_service.cli", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def _store(url: str, run: str, requests: int = 4, rows: int = 32, seq: int = 0, seed: int = 1) -> dict:
+    """`requests` finished requests of `rows` rows each in one batch; their ids `(rows, L, K)` by request."""
+    client = ReplayClient(url)
+    rng = np.random.default_rng(seed)
+    full = {f"r{i}": routes(rng, rows, SHAPE) for i in range(requests)}
+    ids = [rid for rid in full for _ in range(rows)]
+    positions = np.tile(np.arange(rows, dtype=np.int32), requests)
+    experts = np.concatenate(list(full.values())).reshape(len(ids), -1)
+    assert client.ingest(batch_bytes(run, "w", seq, ids, positions, experts, shape=SHAPE))["stored"]
+    for rid in full:
+        client.finish(run, rid, rows + 1)
+    return full
+
+
+def _runs(url: str) -> dict[str, dict]:
+    return {r["run_id"]: r for r in httpx.get(f"{url}/v1/runs", timeout=30).json()["runs"]}
+
+
+def test_delete_frees_rows_and_files(shared_service):
+    url, run, other = shared_service.url, f"del-{uuid.uuid4().hex[:6]}", f"keep-{uuid.uuid4().hex[:6]}"
+    _store(url, run)
+    kept = _store(url, other, seed=2)
+    listed = _runs(url)[run]
+    assert listed["bytes"] > 0 and listed["pinned"] is False and listed["last_write"] >= listed["created_at"]
+    folder = shared_service.data_dir / "runs" / run
+    assert folder.exists()
+
+    answer = httpx.delete(f"{url}/v1/runs/{run}", timeout=30)
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["run_id"] == run and body["rows"] >= 1 + 4 + 1 and body["bytes"] >= listed["bytes"]
+    assert not folder.exists()
+    assert httpx.get(f"{url}/v1/runs/{run}", timeout=30).status_code == 404
+    assert httpx.get(f"{url}/v1/runs/{run}/requests/r0/routes?format=npy", timeout=30).status_code == 404
+    again = httpx.delete(f"{url}/v1/runs/{run}", timeout=30)
+    assert again.status_code == 404 and "detail" in again.json()
+    assert run not in _runs(url) and other in _runs(url)
+    got = np.load(io.BytesIO(httpx.get(f"{url}/v1/runs/{other}/requests/r1/routes?format=npy", timeout=30).content))
+    assert np.array_equal(got, kept["r1"])
+
+    fresh = _store(url, run, requests=1, rows=5, seed=3)  # seq 0 again: a fresh run, not a duplicate
+    summary = httpx.get(f"{url}/v1/runs/{run}", timeout=30).json()
+    assert summary["requests"] == 1 and summary["rows"] == 5
+    got = np.load(io.BytesIO(httpx.get(f"{url}/v1/runs/{run}/requests/r0/routes?format=npy", timeout=30).content))
+    assert np.array_equal(got, fresh["r0"])
+
+
+def test_pin(shared_service):
+    url, run = shared_service.url, f"pin-{uuid.uuid4().hex[:6]}"
+    _store(url, run, requests=1, rows=3)
+    assert httpx.put(f"{url}/v1/runs/{run}/pin", timeout=30).json()["pinned"] is True
+    assert _runs(url)[run]["pinned"] is True
+    assert httpx.delete(f"{url}/v1/runs/{run}/pin", timeout=30).json()["pinned"] is False
+    assert httpx.put(f"{url}/v1/runs/nope-{uuid.uuid4().hex[:6]}/pin", timeout=30).status_code == 404
+
+
+def test_delete_while_reading_and_writing(shared_service):
+    url, run = shared_service.url, f"race-{uuid.uuid4().hex[:6]}"
+    stop = threading.Event()
+    answers: dict[str, list] = {"read": [], "ingest": []}
+    seq = iter(range(1, 1 << 30))
+    stored: dict = {}
+
+    def reader() -> None:
+        with httpx.Client(timeout=30) as client:
+            while not stop.is_set():
+                rid = f"r{np.random.randint(4)}"
+                r = client.get(f"{url}/v1/runs/{run}/requests/{rid}/routes?format=npy")
+                ok = None
+                if r.status_code == 200:
+                    got = np.load(io.BytesIO(r.content))
+                    ok = any(np.array_equal(got, full[rid]) for full in list(stored.values()))
+                answers["read"].append((r.status_code, ok, r.headers.get("content-type")))
+
+    def writer() -> None:
+        rng = np.random.default_rng(9)
+        with httpx.Client(timeout=30) as client:
+            while not stop.is_set():
+                body = batch_bytes(run, "w2", next(seq), ["x"] * 4, np.arange(4, dtype=np.int32),
+                                   routes(rng, 4, SHAPE).reshape(4, -1), shape=SHAPE)
+                r = client.post(f"{url}/v1/ingest", content=body,
+                                headers={"content-type": "application/vnd.apache.arrow.stream"})
+                answers["ingest"].append((r.status_code, r.headers.get("content-type")))
+
+    for round_ in range(6):
+        stored[round_] = _store(url, run, seq=0, seed=round_)
+        threads = [threading.Thread(target=reader) for _ in range(3)] + [threading.Thread(target=writer)]
+        for t in threads:
+            t.start()
+        time.sleep(0.2)
+        assert httpx.delete(f"{url}/v1/runs/{run}", timeout=30).status_code == 200
+        time.sleep(0.1)
+        stop.set()
+        for t in threads:
+            t.join()
+        stop.clear()
+        httpx.delete(f"{url}/v1/runs/{run}", timeout=30)  # a batch written after the delete made a fresh run
+
+    reads, ingests = answers["read"], answers["ingest"]
+    assert reads and ingests
+    assert {code for code, _, _ in reads} <= {200, 404}, sorted({code for code, _, _ in reads})
+    assert all(ok for code, ok, _ in reads if code == 200)  # never garbage
+    assert all(kind == "application/json" for code, _, kind in reads if code == 404)
+    assert {code for code, _ in ingests} <= {200, 404}, sorted({code for code, _ in ingests})
+    print(f"reads: {len(reads)} ({sum(c == 404 for c, _, _ in reads)} 404); ingests: {len(ingests)} "
+          f"({sum(c == 404 for c, _ in ingests)} 404)")
+    with sqlite3.connect(f"file:{shared_service.data_dir / 'index.sqlite'}?mode=ro", uri=True) as db:
+        for table in ("requests", "segments", "spans"):
+            orphans = db.execute(f"SELECT COUNT(*) FROM {table} WHERE run_id NOT IN (SELECT run_id FROM runs)")
+            assert orphans.fetchone()[0] == 0, table
+
+
+def test_retention_cap_and_gc(tmp_path):
+    data = tmp_path / "data"
+    with ServiceProcess(data) as probe:  # one run's size on disk, to set the cap from
+        _store(probe.url, "probe")
+        size = _runs(probe.url)["probe"]["bytes"]
+    env = {"REPLAY_RETENTION_MAX_BYTES": str(int(size * 2.5)), "REPLAY_RETENTION_INTERVAL_S": "0.1"}
+    with ServiceProcess(tmp_path / "data2", env=env) as service:
+        _store(service.url, "r1")
+        assert httpx.put(f"{service.url}/v1/runs/r1/pin", timeout=30).status_code == 200
+        _store(service.url, "r2")
+        _store(service.url, "r3")
+        deadline = time.monotonic() + 30
+        while "r2" in _runs(service.url) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert set(_runs(service.url)) == {"r1", "r3"}
+    assert "deleted run 'r2'" in service.log_path.read_text()
+    assert not (tmp_path / "data2" / "runs" / "r2").exists()
+
+    done = _cli("gc", "--data", str(tmp_path / "data2"), "--max-bytes", "1")
+    assert done.returncode == 0, done.stderr
+    assert "deleted run 'r3'" in done.stdout and "1 runs deleted" in done.stdout
+    assert _cli("delete", "r1", "--data", str(tmp_path / "data2")).returncode == 0  # pinned: only by name
+    assert _cli("delete", "r1", "--data", str(tmp_path / "data2")).returncode == 1
+    with ServiceProcess(tmp_path / "data2") as service:
+        assert _runs(service.url) == {}
+
+
+def test_export_parquet(shared_service, tmp_path):
+    pd = pytest.importorskip("pandas")
+    import pyarrow.parquet as pq
+
+    url, run = shared_service.url, f"exp-{uuid.uuid4().hex[:6]}"
+    full = _store(url, run, requests=3, rows=20)
+    ReplayClient(url).finish(run, "gappy", 4, status="aborted")  # 3 GAP rows
+    target = tmp_path / "run.parquet"
+    done = _cli("export", run, "--to", str(target), "--data", str(shared_service.data_dir))
+    assert done.returncode == 0, done.stderr
+    table = pq.read_table(target)
+    frame = pd.read_parquet(target)
+    assert table.num_rows == len(frame) == 3 * 20 + 3
+    assert frame.equals(table.to_pandas())
+    for rid in [*full, "gappy"]:
+        api = httpx.get(f"{url}/v1/runs/{run}/requests/{rid}/routes?format=json", timeout=30).json()
+        rows = frame[frame["request"] == rid]
+        assert rows["position"].tolist() == [r["position"] for r in api["rows"]]
+        assert [bool(f) for f in rows["flags"]] == [bool(r["flags"]) for r in api["rows"]]
+        experts = np.stack([np.stack(list(e)) for e in rows["experts"]])
+        assert np.array_equal(experts, np.asarray([r["experts"] for r in api["rows"]]))
+        if rid in full:
+            assert np.array_equal(experts, full[rid])
+    for module in ("duckdb", "polars"):
+        try:
+            lib = __import__(module)
+        except ImportError:
+            continue
+        if module == "duckdb":
+            assert lib.sql(f"SELECT COUNT(*) FROM '{target}'").fetchone()[0] == len(frame)
+        else:
+            assert lib.read_parquet(target).height == len(frame)
