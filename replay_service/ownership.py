@@ -14,8 +14,12 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from replay_service.errors import Forbidden
+
+if TYPE_CHECKING:
+    from replay_service.store.index import IndexTransaction
 
 
 @dataclass(frozen=True)
@@ -48,3 +52,20 @@ def require_owner(run_id: str, request_id: str, owner: str | None) -> None:
         return
     raise Forbidden(f"request {request_id!r} of run {run_id!r} was written by another token; only that writer "
                     "(or an admin token) may add rows to it or finish it")
+
+
+def claim_requests(tx: IndexTransaction, run_id: str, request_ids: list[str]) -> None:
+    """Forbidden when any of the requests is another writer's; else the caller claims the unowned ones.
+
+    Runs in the transaction that writes to them, so of two writers racing for a new request exactly
+    one owns it. Nothing to do without an authenticated caller (no tokens file, or the store in process).
+    """
+    actor = current_actor()
+    if actor is None:
+        return
+    owners = tx.owners(run_id, request_ids)
+    for request_id, owner in owners.items():
+        require_owner(run_id, request_id, owner)
+    for request_id in dict.fromkeys(request_ids):
+        if request_id not in owners:
+            tx.claim(run_id, request_id, actor.owner)

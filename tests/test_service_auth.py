@@ -142,6 +142,10 @@ def test_a_request_takes_rows_and_its_finish_from_its_writer_only(secured):
     # another request of the same run is the second writer's to claim
     assert secured.post("/v1/ingest", content=rows("owned", "s", 2, writer="x", seq=2), headers=other).status_code \
         == 200
+    refs = {"references": [{"request_id": "r", "start": 0, "end": 2, "source_request_id": "s"}]}
+    refused = secured.post("/v1/runs/owned/references", json=refs, headers=bearer(WRITE2))  # into another's request
+    assert refused.status_code == 403 and "another token" in refused.json()["detail"]
+    assert secured.get("/v1/runs/owned/requests/r", headers=bearer(READ)).json()["referenced_rows"] == 0
     assert secured.post(finish, json={"num_tokens": 7}, headers=bearer(WRITE)).status_code == 200
     assert secured.post("/v1/runs/owned/requests/s/finish", json={"num_tokens": 3},
                         headers=bearer(ADMIN)).status_code == 200  # an admin may end anyone's request

@@ -20,7 +20,7 @@ from replay_format import Flag, RunShape
 from replay_service.errors import Conflict
 from replay_service.ingest.check import CheckedRows, repeat_conflicts
 from replay_service.ingest.segment import Segment, SegmentWriter
-from replay_service.ownership import current_actor, require_owner
+from replay_service.ownership import claim_requests
 from replay_service.store.index import COUNTED_FLAGS, Index, IndexTransaction
 from replay_service.store.reads import RowReader
 from replay_service.store.references import HeldRows, Resolver
@@ -84,7 +84,8 @@ class Committer:
                 conflicts = self._settle_stored_repeats(checked, run.shape, shadowed)
                 load = checked.served_load(shadowed)
                 with self.index.transaction() as tx:
-                    self._claim(tx, checked)  # another writer's request refuses the batch (403): nothing kept
+                    # another writer's request refuses the batch (403): nothing kept
+                    claim_requests(tx, checked.rows.meta.run_id, list(checked.rows.request_ids))
                     held = self._record(tx, segment, shadowed, conflicts, run.load + load)
                     Resolver(tx, self.reader, run.run_id, run.shape).propagate(held)
                 run.load += load
@@ -96,25 +97,6 @@ class Committer:
         flagged[str(Flag.CONFLICT.name)] += len(conflicts)
         return IngestResult(IngestOutcome.STORED, checked.num_rows, int(checked.padding_dropped.sum()),
                             {k: v for k, v in flagged.items() if v}, segment.size)
-
-    @staticmethod
-    def _claim(tx: IndexTransaction, checked: CheckedRows) -> None:
-        """Check the batch's requests are the acting writer's (or unowned), then claim the unowned ones.
-
-        In the commit's transaction, so of two writers racing for a new request exactly one owns it.
-        Nothing to do without an authenticated caller (no tokens file, or the store used in process).
-        """
-        actor = current_actor()
-        if actor is None:
-            return
-        meta = checked.rows.meta
-        request_ids = list(checked.rows.request_ids)
-        owners = tx.owners(meta.run_id, request_ids)
-        for request_id, owner in owners.items():
-            require_owner(meta.run_id, request_id, owner)
-        for request_id in request_ids:
-            if request_id not in owners:
-                tx.claim(meta.run_id, request_id, actor.owner)
 
     def _settle_stored_repeats(self, checked: CheckedRows, shape: RunShape,
                                shadowed: np.ndarray) -> list[tuple[str, int]]:

@@ -29,7 +29,7 @@ from replay_format import Flag, RunShape
 from replay_format.rows import Rows
 from replay_service.buffers import BufferPool
 from replay_service.errors import Conflict, InvalidInput, NotFound
-from replay_service.ownership import current_actor, require_owner
+from replay_service.ownership import claim_requests, current_actor, require_owner
 from replay_service.settings import ServiceSettings
 from replay_service.store.compares import CompareStore
 from replay_service.store.ends import upload_end
@@ -147,6 +147,7 @@ class RouteStore:
 
         run = self.registry.require(run_id)
         with run.lock, self.index.transaction() as tx:
+            claim_requests(tx, run_id, [r.request_id for r in references])  # a reference writes to its request
             resolution = Resolver(tx, self.reader, run_id, run.shape).add(references)
         self.journal.references(run_id, references)
         return resolution
