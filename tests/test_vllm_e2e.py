@@ -51,7 +51,7 @@ def start_engine(model_dir: str, tp: int, env: dict, **kw):
     os.environ.update(env)
     try:
         args = dict(model=model_dir, tensor_parallel_size=tp, enforce_eager=True, dtype="float32",
-                    max_model_len=128, max_num_seqs=8, seed=0, enable_prefix_caching=False)
+                    max_model_len=128, max_num_seqs=8, seed=0)  # prefix caching on: vLLM's default
         args.update(kw)
         return LLM(**args)
     finally:

@@ -32,6 +32,8 @@ from replay_format.step_frame import (
     FinishFrame,
     FinishStatus,
     FrameReader,
+    Reference,
+    ReferencesFrame,
     StepFrame,
     pack,
 )
@@ -94,6 +96,30 @@ def test_steps_land_under_the_users_ids(service, tmp_path):
     _finish_all(handoff, 3, 20)
     assert handoff.close(30.0) and handoff.proc.returncode == 0
     _assert_routes(service.url, "h1", _expected(steps, 3))
+
+
+def test_prefix_cache_hits_read_as_the_computing_requests_rows(service, tmp_path):
+    """A request that took positions from the prefix cache reads the rows of the request that computed them."""
+    steps = list(_steps(4, requests=2))  # user-0 and user-1 compute positions 0..23
+    handoff = _handoff(service, tmp_path, "h-refs")
+    # Sent before any row of the run (as when a group's samples hit each other in an engine's first
+    # step); user-9 reuses user-0's first 12 positions; a resumed request's hit on its own blocks is no reference.
+    handoff.references([Reference("user-9-0123abcd", 0, 12, "user-0-0123abcd"),
+                        Reference("user-1-0123abcd", 0, 6, "user-1-0123abcd")])
+    for step in steps:
+        handoff.step(step)
+    own = StepFrame(req_ids=["user-9-0123abcd"], query_start_loc=np.array([0, 2], np.int32),
+                    positions=np.array([12, 13], np.int32), token_ids=np.array([7, 8], np.int32),
+                    experts=next(_steps(1, requests=1, seed=7)).experts[:2], flags=np.zeros(2, np.uint16))
+    handoff.step(own)
+    _finish_all(handoff, 2, 4)
+    handoff.finish([Ended("user-9-0123abcd", 15, FinishStatus.FINISHED)])
+    assert handoff.close(30.0)
+    expected = _expected(steps, 2)
+    expected["user-9"] = np.concatenate([expected["user-0"][:12], own.experts])
+    _assert_routes(service.url, "h-refs", expected)
+    summary = ReplayClient(service.url).request("h-refs", "user-9")
+    assert summary["referenced_rows"] == 12 and summary["clean"], summary
 
 
 def test_spec_decode_rejected_rows_dropped(service, tmp_path):
@@ -162,7 +188,7 @@ def test_sink_is_quiet_and_summarises_once_at_close(service, tmp_path):
     assert not [line for line in lines if "HTTP Request" in line], lines  # httpx's line per request is off
     summaries = [line for line in lines if "routing-replay sender w0:" in line]
     assert len(summaries) == 1 and "(closed)" in summaries[0], lines
-    assert "and 2 finishes" in summaries[0], summaries
+    assert "2 finishes and 0 reference calls" in summaries[0], summaries
 
 
 def _round_trip(frame, reader: FrameReader):
@@ -211,6 +237,10 @@ def test_control_frames_round_trip_and_bad_frames_are_refused():
     ended = [Ended("a-0123abcd", 7, FinishStatus.ABORTED), Ended("b", None, None)]
     assert _round_trip(FinishFrame(ended), reader) == FinishFrame(ended)
     assert _round_trip(CloseFrame(12.5), reader) == CloseFrame(12.5)
+    hits = ReferencesFrame([Reference("b-0123abcd", 0, 64, "a-0123abcd"), Reference("1_c-0123abcd", 32, 48, "c")])
+    assert _round_trip(hits, reader) == hits
+    with pytest.raises(FormatError, match="references frame: bad entry"):
+        reader.read(b"R" + json.dumps([["b", 5, 5, "a"]]).encode())  # empty range
     step = pack(next(_steps(1, requests=2)))[LENGTH.size:]
     with pytest.raises(FormatError, match="step frame"):
         reader.read(step[:-3])  # cut short

@@ -49,7 +49,9 @@ def service(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def api_server(model_dir, service, tmp_path_factory):
-    """vLLM's API server with the plugin on (its entry point), prefix caching off as the plugin needs today."""
+    """vLLM's API server with the plugin on (its entry point), at its defaults: prefix caching on.
+
+    Block size 32, so that the `n > 1` samples of the 37-token prompt share a cached block (a reference)."""
     tmp = tmp_path_factory.mktemp("api")
     template = tmp / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
@@ -59,7 +61,7 @@ def api_server(model_dir, service, tmp_path_factory):
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
            "--enforce-eager", "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "8",
-           "--seed", "0", "--no-enable-prefix-caching", "--chat-template", str(template),
+           "--seed", "0", "--block-size", "32", "--chat-template", str(template),
            "--uvicorn-log-level", "warning"]
     log_path = tmp / "server.log"
     with open(log_path, "wb") as log:

@@ -25,6 +25,8 @@ REQUIRED = (
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.sample_tokens"),
     ("vllm.v1.core.sched.scheduler", "Scheduler.schedule"),
     ("vllm.v1.core.sched.scheduler", "Scheduler._free_request"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.update_from_output"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.shutdown"),
     ("vllm.v1.core.block_pool", "BlockPool.cache_full_blocks"),
     ("vllm.v1.core.kv_cache_manager", "KVCacheManager.get_computed_blocks"),
     ("vllm.forward_context", "get_forward_context"),

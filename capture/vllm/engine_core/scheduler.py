@@ -7,14 +7,25 @@ notes to the next `SchedulerOutput` as `routing_replay_finished` (it is pickled 
 workers with its instance dict; the status travels as its plain string value, a
 `FinishStatus` value). A worker without the notes falls back to "finished" and its own
 length count.
+
+A note reaches a worker only if vLLM runs one more step after freeing the request, which a stop
+can prevent (`capture/vllm/finish_notes.py` says how). So the notes not yet delivered are also kept
+in this engine core's journal file (`FinishJournal`, under the spill root): `_free_request` adds a
+note, `Scheduler.update_from_output` of the step that carried it (the workers have executed that
+step) removes it, and `Scheduler.shutdown` removes the file when nothing is left in it. A sink whose
+worker ended first reads the notes there.
 """
 
 from __future__ import annotations
 
+from capture.vllm.config import PluginConfig
+from capture.vllm.engine_core import prefix_hits
+from capture.vllm.finish_notes import FinishJournal
 from capture.vllm.patching import is_patched, patch
 from replay_format.step_frame import FinishStatus
 
 ATTR = "routing_replay_finished"
+_JOURNAL = "_routing_replay_journal"  # on the Scheduler instance: its FinishJournal (None: no spill root)
 
 
 def finish_status(status) -> FinishStatus:
@@ -22,24 +33,61 @@ def finish_status(status) -> FinishStatus:
     return FinishStatus.ABORTED if "ABORTED" in str(getattr(status, "name", status)) else FinishStatus.FINISHED
 
 
+def _journal(scheduler, spill_root) -> FinishJournal | None:
+    """This scheduler's journal, made on first use (no file for an engine that never frees a request)."""
+    journal = scheduler.__dict__.get(_JOURNAL)
+    if journal is None and spill_root is not None:
+        journal = scheduler.__dict__[_JOURNAL] = FinishJournal(spill_root)
+    return journal
+
+
 def patch_scheduler() -> None:
-    """Wrap `Scheduler._free_request` and `Scheduler.schedule` (idempotent)."""
+    """Wrap `Scheduler._free_request`, `schedule`, `update_from_output` and `shutdown` (idempotent)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     if is_patched(Scheduler.schedule):
         return
+    prefix_hits.patch_kv_cache()
     orig_free, orig_schedule = Scheduler._free_request, Scheduler.schedule
+    orig_update, orig_shutdown = Scheduler.update_from_output, Scheduler.shutdown
+    config = PluginConfig.from_env()
+    spill_root = config.spill_dir if config is not None else None
 
     def _free_request(self, request, *a, **kw):
         notes = self.__dict__.setdefault("_routing_replay_notes", {})
         try:
-            notes[request.request_id] = (finish_status(request.status).value, int(request.num_tokens))
+            note = notes[request.request_id] = (finish_status(request.status).value, int(request.num_tokens))
+            journal = _journal(self, spill_root)
+            if journal is not None:
+                journal.add(request.request_id, *note)
+            prefix_hits.forget(self, request.request_id)
         except Exception:  # any error: never break the scheduler
             pass
         return orig_free(self, request, *a, **kw)
 
+    def update_from_output(self, scheduler_output, *a, **kw):
+        out = orig_update(self, scheduler_output, *a, **kw)
+        # The workers have executed this step: the notes it carried reached them.
+        carried = getattr(scheduler_output, ATTR, None)
+        journal = self.__dict__.get(_JOURNAL)
+        if carried and journal is not None:
+            journal.delivered(carried)
+        return out
+
+    def shutdown(self, *a, **kw):
+        journal = self.__dict__.get(_JOURNAL)
+        if journal is not None:
+            journal.close()
+        return orig_shutdown(self, *a, **kw)
+
     def schedule(self, *a, **kw):
         out = orig_schedule(self, *a, **kw)
+        try:
+            hits = prefix_hits.take_scheduled(self, out)
+            if hits:
+                setattr(out, prefix_hits.ATTR, hits)
+        except Exception:  # any error: never break the scheduler (those hits then read GAP)
+            pass
         notes = self.__dict__.get("_routing_replay_notes")
         if notes:
             try:
@@ -51,3 +99,5 @@ def patch_scheduler() -> None:
 
     patch(Scheduler, "_free_request", _free_request)
     patch(Scheduler, "schedule", schedule)
+    patch(Scheduler, "update_from_output", update_from_output)
+    patch(Scheduler, "shutdown", shutdown)

@@ -1,8 +1,9 @@
 """The sink process: turns a worker's captured steps into rows for the service.
 
-One per sending worker, started by `capture.vllm.worker.handoff.StepHandoff` as
-`python -m capture.vllm.sink FD` on the CPUs its worker is not bound to. It reads
-frames (`replay_format.step_frame`, spec beside it) from the pipe FD, in order: the
+One per sending worker, started by `capture.vllm.worker.handoff.StepHandoff` (`main(FD, STATUS_FD)`,
+outside vLLM's process tree: `capture/vllm/worker/sink_process.py` says why) on the CPUs its
+worker is not bound to. It reads frames (`replay_format.step_frame`, spec beside it) from the
+pipe FD, in order: the
 configuration (the stream's version, the run shape, the `SenderConfig` settings; the
 token comes in the environment), then steps and finish events, then close (or end of
 input), and does what used to run on the worker's forward thread: map rows to the
@@ -11,6 +12,12 @@ finish events to a `RouteSender` (batching, Arrow encoding, HTTP, spill). Being 
 process, none of it takes the worker's GIL or its cores. End of input (the worker
 exited, even by kill -9) closes the sender like a close frame: what is queued is sent,
 or spilled for the next start.
+
+At the end of the stream (close frame or end of input) the requests it holds rows of but got no
+finish for are finished from the engine cores' journals (`capture.vllm.finish_notes`), where an
+engine core keeps the finish notes its worker never received; the sink waits for them (up to
+`JOURNAL_WAIT_S`) while such an engine core still runs. Its spill directory is claimed in the
+shared spill root (`spill_root.py`), and what stopped sinks left there is sent first.
 
 Its output joins vLLM's log, so it stays quiet: httpx's per-request lines are off, and
 the sender logs its counters in one summary line now and then and once at close.
@@ -23,14 +30,28 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 
 from capture.sender import RouteSender, SenderConfig
 from capture.vllm.config import ENV_SINK_TOKEN
+from capture.vllm.finish_notes import live_writers, read_notes
 from capture.vllm.sink.book import StepBook
+from capture.vllm.sink.spill_root import adopt, claim, release
 from replay_format import FormatError
-from replay_format.step_frame import LENGTH, CloseFrame, ConfigFrame, Ended, FinishFrame, FrameReader, StepFrame
+from replay_format.step_frame import (
+    LENGTH,
+    CloseFrame,
+    ConfigFrame,
+    Ended,
+    FinishFrame,
+    FinishStatus,
+    FrameReader,
+    Reference,
+    ReferencesFrame,
+    StepFrame,
+)
 
 log = logging.getLogger("routing_replay.vllm")
 
@@ -41,6 +62,9 @@ _READ_SIZE = 1 << 20
 _NICE = 10
 # One line per HTTP request (httpx logs each at INFO) would flood the engine's log.
 _QUIET_LOGGERS = ("httpx", "httpcore")
+# At the end of the stream, how long to wait for a running engine core's last finish notes (it
+# aborts the requests still running only as it stops, possibly after this sink's worker is gone).
+JOURNAL_WAIT_S = 10.0
 
 
 def read_frames(fd: int, pause_s: float = 0.02) -> Iterator[bytes | None]:
@@ -97,6 +121,35 @@ class Sink:
             if done is not None:
                 self.sender.finish(*done)
 
+    def finish_from_journals(self, spill_root: Path, wait_s: float = JOURNAL_WAIT_S) -> int:
+        """Finish the requests still open at the end of the stream from the engine cores' journals; how many.
+
+        Reads again every 50 ms, up to `wait_s`, while some are still open and an engine core with a
+        journal under `spill_root` still runs.
+        """
+        self.flush()
+        deadline = time.monotonic() + wait_s
+        finished = 0
+        while self.book.requests:
+            notes = read_notes(spill_root)
+            for internal in [rid for rid in self.book.requests if rid in notes]:
+                status, num_tokens = notes[internal]
+                done = self.book.finish(internal, num_tokens, FinishStatus(status))
+                if done is not None:
+                    self.sender.finish(*done)
+                    finished += 1
+            if not self.book.requests or not live_writers(spill_root) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if finished:
+            log.info("routing-replay sink: %d requests finished from the engine core's journal", finished)
+        return finished
+
+    def references(self, references: list[Reference]) -> None:
+        """Prefix-cache hits, in stored ids, to the sender (the service resolves them in either order with rows)."""
+        mapped = [self.book.reference(*r) for r in references]
+        self.sender.reference([m for m in mapped if m is not None])
+
     def flush(self) -> None:
         """Hand the plain steps held so far to the sender."""
         group, self._plain = self._plain, []
@@ -135,8 +188,26 @@ def _configure_logging() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def main(fd: int) -> int:
-    """Run the sink on pipe `fd` until close or end of input; 2 when the stream cannot be read at all."""
+def main(fd: int, status_fd: int | None = None) -> int:
+    """Run the sink on pipe `fd` until close or end of input; 2 when the stream cannot be read at all.
+
+    `status_fd`: the status pipe of a detached sink (`capture.vllm.worker.sink_process.SinkProcess`); the
+    exit status is written there as a decimal line when the sink is done, and the pipe closed.
+    """
+    code = 1  # an exception: what the interpreter would exit with
+    try:
+        code = _serve(fd)
+    finally:
+        if status_fd is not None:
+            try:
+                os.write(status_fd, b"%d\n" % code)
+                os.close(status_fd)
+            except OSError:
+                pass  # the worker is gone: nobody waits for the status
+    return code
+
+
+def _serve(fd: int) -> int:
     _configure_logging()
     os.nice(_NICE)
     for stop in (signal.SIGINT, signal.SIGTERM):  # the worker's end of the pipe decides when to stop
@@ -152,6 +223,12 @@ def main(fd: int) -> int:
     except FormatError as exc:
         log.error("routing-replay sink: cannot read the worker's frames (%s); exiting, nothing is captured", exc)
         return 2
+    own = Path(sender_config.spill_dir)
+    lock = claim(own.parent, own.name)  # before the sender reads its directory
+    try:
+        adopt(own.parent, own)
+    except OSError as exc:  # what others left stays where it is; this sink's own rows still go
+        log.error("routing-replay sink: cannot take over what stopped writers left in %s: %s", own.parent, exc)
     sender = RouteSender(sender_config)
     sink = Sink(sender)
     close_timeout = 30.0
@@ -167,6 +244,8 @@ def main(fd: int) -> int:
                 sink.step(frame)
             elif isinstance(frame, FinishFrame):
                 sink.finish(frame.ended)
+            elif isinstance(frame, ReferencesFrame):
+                sink.references(frame.references)
             elif isinstance(frame, CloseFrame):
                 close_timeout = frame.timeout_s
                 break
@@ -174,7 +253,9 @@ def main(fd: int) -> int:
             log.exception("routing-replay sink: failed to handle a %s", what)
     try:
         sink.flush()
+        sink.finish_from_journals(own.parent, min(JOURNAL_WAIT_S, close_timeout / 3))
     except Exception:  # any error: the sender still closes (it spills what it cannot send)
         log.exception("routing-replay sink: failed to hand over the last steps")
     sender.close(close_timeout)
+    release(own.parent, own.name, lock)
     return 0

