@@ -144,5 +144,5 @@ class Committer:
                                   first_flagged=None, counts={Flag.PADDING: int(padding[index])})
         for request_id, position in conflicts:
             tx.mark_conflict(meta.run_id, request_id, position)
-        tx.add_run_totals(meta.run_id, segment.size, run_load)
+        tx.add_run_totals(meta.run_id, segment.size, run_load, segment.written_ns)
         return held

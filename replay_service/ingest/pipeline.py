@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from replay_format.rows import Rows
-from replay_service.errors import StorageFull
+from replay_service.errors import RunDeleted, StorageFull
 from replay_service.ingest.check import check, check_stale, content_check_applies
 from replay_service.ingest.commit import Committer, IngestResult
 from replay_service.ingest.kernels import RecentRows, warm_up
@@ -45,7 +45,14 @@ class IngestPipeline:
         if content_check_applies(run.shape, self.stale_min_entropy_bits):
             check_stale(checked, self.recent)
         with storage_full_refused():
-            segment = self.segments.write(checked)
+            try:
+                segment = self.segments.write(checked)
+            except (FileNotFoundError, FileExistsError):
+                if not run.deleted:
+                    raise
+                # Its folder went to the trash under this write (retention.py): the batch of a deleted run.
+                raise RunDeleted(f"run {rows.meta.run_id!r} was deleted while this batch was being stored; "
+                                 "nothing was stored (send it again to start a fresh run)") from None
             return self.committer.commit(segment, run)  # deletes the segment itself when the commit fails
 
 

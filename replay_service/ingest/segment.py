@@ -35,6 +35,7 @@ class Segment:
     rows: CheckedRows
     path: str  # relative to the segment root: `<run_id>/<uuid>.arrow`
     size: int  # bytes
+    written_ns: int = 0  # when written (segment metadata `written_ns`): the run's last write
 
 
 class SegmentWriter:
@@ -49,9 +50,10 @@ class SegmentWriter:
     def write(self, checked: CheckedRows) -> Segment:
         """The batch's rows with the service's flags, as a new segment file."""
         path = new_segment_path(checked.rows.meta.run_id)
-        batch = seal(checked.rows.to_record_batch(checked.flags, segment_meta(checked).to_metadata()))
+        meta = segment_meta(checked)
+        batch = seal(checked.rows.to_record_batch(checked.flags, meta.to_metadata()))
         size = write_segment(self.root / path, batch, self.staging, fsync=self.fsync, direct=self.direct)
-        return Segment(checked, path, size)
+        return Segment(checked, path, size, meta.written_ns)
 
     def discard(self, segment: Segment) -> None:
         """Delete a segment the index will not name (a concurrent retry won, or the commit failed)."""

@@ -28,7 +28,7 @@ import numpy as np
 from replay_format import Flag, RunShape
 from replay_format.rows import Rows
 from replay_service.buffers import BufferPool
-from replay_service.errors import Conflict, InvalidInput, NotFound
+from replay_service.errors import Conflict, InvalidInput, NotFound, RunDeleted
 from replay_service.ownership import claim_requests, current_actor, require_owner
 from replay_service.settings import ServiceSettings
 from replay_service.store.compares import CompareStore
@@ -231,8 +231,12 @@ class RouteStore:
         return {"items": items, "next_cursor": items[-1]["request_id"] if len(rows) > limit else None}
 
     def read_route(self, run_id: str, request_id: str, start: int = 0, end: int | None = None) -> RouteRows:
-        """Rows `[start, end)` of a request, dense by position: a missing position is a GAP row."""
-        shape = self.run_shape(run_id)
+        """Rows `[start, end)` of a request, dense by position: a missing position is a GAP row.
+
+        RunDeleted when the run was deleted while it was read (its spans may have gone: never GAP rows for that).
+        """
+        state = self.registry.require(run_id)
+        shape = state.shape
         request = self._request(run_id, request_id)
         if end is None:
             end = expected_rows(request)
@@ -243,4 +247,7 @@ class RouteStore:
                 f"range {start}..{end} is {end - start} rows, more than one read returns "
                 f"(REPLAY_MAX_READ_ROWS={self.settings.max_read_rows}); read it in pieces with start/end")
         late = self.index.late_flags(run_id, request_id, start, end) if request[count_column(Flag.CONFLICT)] else {}
-        return self.reader.route(run_id, request_id, shape, start, end, late)
+        route = self.reader.route(run_id, request_id, shape, start, end, late)
+        if state.deleted:
+            raise RunDeleted(f"run {run_id!r} was deleted while this read was under way")
+        return route

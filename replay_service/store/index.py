@@ -161,8 +161,7 @@ SELECT_RUNS = "SELECT * FROM runs ORDER BY run_id"
 COUNT_RUNS = "SELECT COUNT(*) AS n FROM runs"
 # last_write: Unix time of the run's last stored segment (retention's age of a run still being written).
 ADD_RUN_TOTALS = (
-    "UPDATE runs SET bytes = bytes + ?, load = ?, last_write = (julianday('now') - 2440587.5) * 86400.0"
-    " WHERE run_id = ?"
+    "UPDATE runs SET bytes = bytes + ?, load = ?, last_write = MAX(COALESCE(last_write, 0), ?) WHERE run_id = ?"
 )
 SET_PINNED = "UPDATE runs SET pinned = ? WHERE run_id = ?"
 # ---- deleting a run (retention.py): every table holding its rows, in one transaction
@@ -508,9 +507,9 @@ class IndexTransaction:
         """Delete every index row of a run (compares aside: compares.py); how many rows were deleted."""
         return sum(self.conn.execute(sql, (run_id,)).rowcount for sql in DELETE_RUN_ROWS)
 
-    def add_run_totals(self, run_id: str, size: int, load: np.ndarray) -> None:
-        """Add a segment's bytes to its run and store the run's new expert load."""
-        self.conn.execute(ADD_RUN_TOTALS, (size, load.astype(np.int64).tobytes(), run_id))
+    def add_run_totals(self, run_id: str, size: int, load: np.ndarray, written_ns: int) -> None:
+        """Add a segment's bytes to its run, store the run's new expert load and its last write (the segment's)."""
+        self.conn.execute(ADD_RUN_TOTALS, (size, load.astype(np.int64).tobytes(), written_ns / 1e9, run_id))
 
 
 class _Transaction:

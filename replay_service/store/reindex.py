@@ -221,7 +221,7 @@ class _Rebuild:
         checked.digest = meta.digest
         checked.padding_dropped = np.array([meta.padding.get(r, 0) for r in rows.request_ids], np.int64)
         try:
-            result = self.committer.commit(Segment(checked, rel, size), run)
+            result = self.committer.commit(Segment(checked, rel, size, meta.written_ns), run)
         except Conflict as exc:  # the same (run, writer, seq) with other rows: a writer bug kept on disk
             self.report.unusable.append((rel, exc.message))
             return

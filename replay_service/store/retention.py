@@ -69,11 +69,16 @@ def delete_run(store: RouteStore, run_id: str, reason: str = "requested") -> Rem
     state = store.registry.require(run_id)
     store.cache.forget_run(run_id)
     with state.lock:
-        with store.index.transaction() as tx:
-            rows = tx.delete_run(run_id) + store.compares.delete_rows(tx, run_id)
-            if rows == 0:
-                raise NotFound(f"run {run_id!r} not found")
+        # Marked before its index rows go: a read that saw them gone sees the mark after (RouteStore.read_route).
         state.deleted = True
+        try:
+            with store.index.transaction() as tx:
+                rows = tx.delete_run(run_id) + store.compares.delete_rows(tx, run_id)
+                if rows == 0:
+                    raise NotFound(f"run {run_id!r} not found")
+        except BaseException:
+            state.deleted = False
+            raise
         trash = store.root / TRASH_DIR / uuid.uuid4().hex
         moved = [_to_trash(folder, trash) for folder in (store.segments_root / run_id, store.compares.root / run_id)]
     store.registry.forget(run_id)
