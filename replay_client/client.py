@@ -75,6 +75,19 @@ class Route:
         return torch.from_numpy(self.experts)
 
 
+def npy_view(body: bytearray) -> np.ndarray:
+    """A `.npy` answer as a writable array viewing `body` (np.load would copy it twice)."""
+    header = io.BytesIO(memoryview(body)[:4096])  # header: magic, version, a padded dict; never near 4 KiB
+    version = np.lib.format.read_magic(header)
+    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, fortran_order, dtype = read_header(header)
+    if dtype.hasobject:
+        raise ValueError(".npy answer holds Python objects")
+    count = int(np.prod(shape, dtype=np.int64))
+    flat = np.frombuffer(body, dtype, count, offset=header.tell())
+    return flat.reshape(shape, order="F" if fortran_order else "C")
+
+
 def routes_from_stream(backing: bytearray) -> list[Route]:
     """A route answer (route.md) as `Route`s whose arrays view `backing`."""
     meta, routes = read_routes(backing)
@@ -105,8 +118,9 @@ class ReplayClient:
     def _json(self, method: str, url: str, **kw) -> Any:
         return self._transport.json(method, url, **kw)
 
-    def _fetch_bulk(self, method: str, url: str, doc: dict) -> bytearray:
-        return self._transport.fetch_bulk(method, url, doc)
+    def _fetch_bulk(self, method: str, url: str, doc: dict | None = None, params: dict | None = None,
+                    accept: str = ARROW_STREAM_MEDIA_TYPE) -> bytearray:
+        return self._transport.fetch_bulk(method, url, doc, params, accept)
 
     def _fetch_stream(self, method: str, url: str, **kw) -> bytearray:
         return self._transport.fetch_stream(method, url, **kw)
@@ -244,10 +258,7 @@ class ReplayClient:
                                   "layer_axis": LayerAxis(layer_axis).value}
         if end is not None:
             params["end"] = end
-        body = self._fetch_stream(
-            "GET", f"/v1/runs/{run_id}/requests/{request_id}/routes", params=params,
-            headers={"accept": ARROW_STREAM_MEDIA_TYPE},
-        )
+        body = self._fetch_bulk("GET", f"/v1/runs/{run_id}/requests/{request_id}/routes", params=params)
         return routes_from_stream(body)[0]
 
     def get_routes(
@@ -267,8 +278,9 @@ class ReplayClient:
                                   "layer_axis": LayerAxis(layer_axis).value}
         if end is not None:
             params["end"] = end
-        body = self._fetch_stream("GET", f"/v1/runs/{run_id}/requests/{request_id}/routes", params=params)
-        return np.load(io.BytesIO(bytes(body)), allow_pickle=False)
+        body = self._fetch_bulk("GET", f"/v1/runs/{run_id}/requests/{request_id}/routes", params=params,
+                                accept=NPY_MEDIA_TYPE)
+        return npy_view(body)
 
     def get_openai_route(
         self, run_id: str, response_id: str, prompt_index: int = 0, choice_index: int = 0,

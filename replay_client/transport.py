@@ -6,6 +6,7 @@ import http.client
 import json
 import threading
 from typing import Any
+from urllib.parse import quote, urlencode
 
 import httpx
 
@@ -74,24 +75,34 @@ class Transport:
         raise_for(response)
         return response.json()
 
-    def fetch_bulk(self, method: str, url: str, doc: dict) -> bytearray:
-        """POST a JSON doc and read a large answer straight into one writable buffer.
+    def fetch_bulk(self, method: str, url: str, doc: dict | None = None, params: dict | None = None,
+                   accept: str = ARROW_STREAM_MEDIA_TYPE) -> bytearray:
+        """A large answer read straight into one writable buffer: POST a JSON `doc`, or GET with `params`.
 
         The stdlib connection `readinto`s the body in a few large reads, where httpx's
-        stream hands it over in 64 KiB chunks (a Python iteration each): ~1.4x faster
-        for a 200 MB training batch. Falls back to httpx for a caller-supplied client.
+        stream hands it over in 64 KiB chunks (a Python iteration each, and a copy): ~1.4x
+        faster for a 200 MB training batch, ~2x for a 1.5 MB route. Falls back to httpx
+        for a caller-supplied client.
         """
         if not self.own_http:
-            return self.fetch_stream(method, url, json=doc)
+            if doc is not None:
+                return self.fetch_stream(method, url, json=doc, params=params, headers={"accept": accept})
+            return self.fetch_stream(method, url, params=params, headers={"accept": accept})
         base = self.http.base_url
         conn = getattr(self._bulk, "conn", None)
         if conn is None:
             cls = http.client.HTTPSConnection if base.scheme == "https" else http.client.HTTPConnection
             conn = cls(base.host, base.port, timeout=self.timeout)
             self._bulk.conn = conn
-        path = base.raw_path.decode().rstrip("/") + url
-        payload = json.dumps(doc).encode()
-        headers = {"content-type": "application/json", "accept": ARROW_STREAM_MEDIA_TYPE, **self.auth}
+        # ids are URL-safe (ID_RULE); one that is not is escaped as httpx would, for the service to refuse
+        path = base.raw_path.decode().rstrip("/") + quote(url, safe="/:@+=")
+        if params:
+            path += "?" + urlencode(params)
+        headers = {"accept": accept, **self.auth}
+        payload = None
+        if doc is not None:
+            payload = json.dumps(doc).encode()
+            headers["content-type"] = "application/json"
         try:
             conn.request(method, path, body=payload, headers=headers)
             response = conn.getresponse()

@@ -24,6 +24,7 @@ from replay_service.api.models import (
     RouteQuery,
     binary_answer,
 )
+from replay_service.api.parts_response import PartsResponse
 from replay_service.errors import InvalidInput
 
 router = APIRouter(prefix="/v1", tags=["requests"], responses=ERRORS)
@@ -53,7 +54,7 @@ def request_summary(run: RunId, request: RequestId, store: Store) -> dict:
     "/runs/{run}/requests/{request}/routes",
     summary="A request's route: Arrow IPC (default; replay_format/route.md), .npy or JSON by Accept or format; "
             "MoE layers or every model layer (layer_axis)",
-    response_class=StreamingResponse,
+    response_class=PartsResponse,
     responses={200: {**binary_answer(*ROUTE_MEDIA_TYPES, description="Arrow: route.md; .npy: (n, layers, K) ids; "
                                      "JSON: RouteJson"), "model": RouteJson}, **CONFLICT},
 )
@@ -68,7 +69,7 @@ async def get_route(
     format: str | None = Query(None, description="arrow | npy | json (overrides Accept)"),
     layer_axis: Annotated[LayerAxis, Query(description=LAYER_AXIS_HELP)] = LayerAxis.MOE,
     accept: str | None = Header(None),
-) -> StreamingResponse:
+) -> PartsResponse:
     kind = encode.pick_format(format, accept)
 
     def work() -> encode.Answer:
@@ -79,8 +80,7 @@ async def get_route(
 
     answer = await run_in_threadpool(work)
     # the parts view the route's arrays: no copy of the ids between the store and the socket
-    return StreamingResponse(_each(answer.parts), media_type=answer.media_type,
-                             headers={**answer.headers, "Content-Length": str(answer.size)})
+    return PartsResponse(answer.parts, answer.media_type, answer.headers)
 
 
 @router.post(
@@ -98,12 +98,6 @@ async def batch_routes(run: RunId, body: RouteQuery, store: Store, settings: Set
     chunks = await run_in_threadpool(encode.batch_answer, store, run, body.requests, body.start, body.end,
                                      body.strict, settings.strict_report_rows, body.layer_axis)
     return StreamingResponse(_streamed(chunks), media_type=ARROW_STREAM_MEDIA_TYPE)
-
-
-async def _each(parts: list[bytes | memoryview]) -> AsyncIterator[bytes | memoryview]:
-    """Parts already built, sent as they are (a sync iterator would cost a thread hop per part)."""
-    for part in parts:
-        yield part
 
 
 async def _streamed(chunks: Iterator[list[memoryview]]) -> AsyncIterator[memoryview]:
