@@ -15,6 +15,13 @@ REQUIRE_ALL = os.environ.get("REPLAY_REQUIRE_ALL") == "1"
 # and the demo run. Keys are test files or `file::test` prefixes; each took seconds to tens of seconds
 # (`--durations`) on the 2-core machine. What is left runs in under a minute.
 SLOW = {
+    # a second service started with a tokens file (the rest of test_service_auth.py stays in the fast loop)
+    "test_service_auth.py::test_the_401_403_matrix": "a service with a tokens file",
+    "test_service_auth.py::test_open_paths_need_no_token": "a service with a tokens file",
+    "test_service_auth.py::test_a_read_token_cannot_write": "a service with a tokens file",
+    "test_service_auth.py::test_a_run_prefix_limits_the_token": "a service with a tokens file",
+    "test_service_auth.py::test_a_request_takes_rows_and_its_finish_from_its_writer_only": "a service with tokens",
+    "test_service_auth.py::test_the_client_sends_its_token": "a service with a tokens file",
     "test_service_checks.py::test_top8_fast_path_equals_general_kernel": "the kernel at nine widths, ~10 s",
     "test_trainer_slices.py::test_slice_of_a_realistic_batch_is_a_fraction_of_the_bytes": "a realistic batch",
     "test_service_integrity.py::test_flipped_byte_is_never_served": "segment surgery and the verify CLI",
