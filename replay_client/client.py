@@ -22,6 +22,7 @@ from replay_client.openai_ids import Endpoint, choice_request_ids, stored_reques
 from replay_client.trainer import TrainerBatch, compare_body, megatron_query, verl_query
 from replay_client.transport import NotFoundError, ReplayError, StrictReadError, Transport
 from replay_format import ARROW_STREAM_MEDIA_TYPE, NPY_MEDIA_TYPE, Flag, LayerAxis, RunShape, flag_names
+from replay_format.core import Backing
 from replay_format.route import read_routes
 
 TOKEN_ENV = "ROUTING_REPLAY_TOKEN"  # the bearer token, when none is given (the vLLM sink reads the same variable)
@@ -75,9 +76,9 @@ class Route:
         return torch.from_numpy(self.experts)
 
 
-def npy_view(body: bytearray) -> np.ndarray:
+def npy_view(body: Backing) -> np.ndarray:
     """A `.npy` answer as a writable array viewing `body` (np.load would copy it twice)."""
-    header = io.BytesIO(memoryview(body)[:4096])  # header: magic, version, a padded dict; never near 4 KiB
+    header = io.BytesIO(bytes(body[:4096]))  # header: magic, version, a padded dict; never near 4 KiB
     version = np.lib.format.read_magic(header)
     read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
     shape, fortran_order, dtype = read_header(header)
@@ -88,7 +89,7 @@ def npy_view(body: bytearray) -> np.ndarray:
     return flat.reshape(shape, order="F" if fortran_order else "C")
 
 
-def routes_from_stream(backing: bytearray) -> list[Route]:
+def routes_from_stream(backing: Backing) -> list[Route]:
     """A route answer (route.md) as `Route`s whose arrays view `backing`."""
     meta, routes = read_routes(backing)
     return [Route(meta.run_id, r.request_id, r.positions, r.experts, r.flags, r.token_ids, meta.shape.num_experts,
@@ -119,7 +120,7 @@ class ReplayClient:
         return self._transport.json(method, url, **kw)
 
     def _fetch_bulk(self, method: str, url: str, doc: dict | None = None, params: dict | None = None,
-                    accept: str = ARROW_STREAM_MEDIA_TYPE) -> bytearray:
+                    accept: str = ARROW_STREAM_MEDIA_TYPE) -> Backing:
         return self._transport.fetch_bulk(method, url, doc, params, accept)
 
     def _fetch_stream(self, method: str, url: str, **kw) -> bytearray:
@@ -268,7 +269,7 @@ class ReplayClient:
         """Many routes in one round trip, in the order asked, on one layer axis."""
         doc = {"requests": list(request_ids), "start": start, "end": end, "strict": strict,
                "layer_axis": LayerAxis(layer_axis).value}
-        body = self._fetch_stream("POST", f"/v1/runs/{run_id}/routes/batch", json=doc)
+        body = self._fetch_bulk("POST", f"/v1/runs/{run_id}/routes/batch", doc)  # one buffer, a few large reads
         return routes_from_stream(body)
 
     def get_route_npy(self, run_id: str, request_id: str, start: int = 0, end: int | None = None,

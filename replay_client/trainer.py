@@ -31,6 +31,7 @@ import numpy as np
 
 from replay_format import LayerAxis, RunShape
 from replay_format.compare import build_compare_body
+from replay_format.core import Backing
 from replay_format.trainer_slice import (
     Convention,
     CpSplit,
@@ -54,7 +55,7 @@ class TrainerBatch(TrainerSlice):
         return cls(piece.meta, piece.experts, piece.valid, piece.sequence, piece.position, piece.fallback)
 
     @classmethod
-    def read(cls, backing: bytearray) -> TrainerBatch:
+    def read(cls, backing: Backing) -> TrainerBatch:
         """A received answer body (`read_slice`), its arrays viewing `backing`."""
         return cls.from_slice(read_slice(backing))
 

@@ -19,6 +19,7 @@ import pyarrow as pa
 from replay_format import rows
 from replay_format.core import (
     NO_TOKEN,
+    Backing,
     FormatError,
     FormatVersion,
     LayerAxis,
@@ -152,7 +153,7 @@ def encode_routes(meta: RouteMeta, routes: Iterable[RequestRoute]) -> Iterator[l
     return ipc_stream_parts(rows.rows_schema(columns, md), batches())
 
 
-def read_routes(backing: bytearray) -> tuple[RouteMeta, list[RequestRoute]]:
+def read_routes(backing: Backing) -> tuple[RouteMeta, list[RequestRoute]]:
     """A received route answer; the arrays are writable views of `backing` (token ids: a copy when any is null).
 
     FormatError names what does not follow route.md (an unknown major version among them).
@@ -166,7 +167,7 @@ def read_routes(backing: bytearray) -> tuple[RouteMeta, list[RequestRoute]]:
     return meta, [_read_batch(batch, meta.column_shape, backing) for batch in batches]
 
 
-def _read_batch(batch: pa.RecordBatch, shape: RunShape, backing: bytearray) -> RequestRoute:
+def _read_batch(batch: pa.RecordBatch, shape: RunShape, backing: Backing) -> RequestRoute:
     """One record batch; `shape` is the `experts` column's (`RouteMeta.column_shape`)."""
     names = batch.schema.names
     for required in rows.COLUMNS:
@@ -185,7 +186,9 @@ def _read_batch(batch: pa.RecordBatch, shape: RunShape, backing: bytearray) -> R
     if ids.type != shape.arrow_type:
         raise FormatError(f"route answer: ids are {ids.type}, but {shape.num_experts} experts means {shape.arrow_type}")
     tokens = batch.column("token_id")
-    if tokens.null_count:
+    if tokens.null_count == len(tokens):  # no token id known (a writer that sends none): no Arrow kernel
+        token_ids = np.full(len(tokens), NO_TOKEN, np.int32)
+    elif tokens.null_count:
         token_ids = np.array(tokens.fill_null(NO_TOKEN).to_numpy(zero_copy_only=False), np.int32)
     else:
         token_ids = writable_view(tokens, backing)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,8 @@ from replay_format.core import (
 )
 
 FORMAT = "routing-replay.rows"
-VERSION = FormatVersion(2, 2)  # 2.1 added the optional num_hidden_layers; 2.2 the segment file's keys
+# 2.1 added the optional num_hidden_layers; 2.2 the segment file's keys; 2.3 segments may be buffer-compressed
+VERSION = FormatVersion(2, 3)
 LEGACY_VERSION = FormatVersion(1, 0)  # no format_version key; `num_layers` where 2.0 says `num_moe_layers`
 COLUMNS = ("request_id", "position", "token_id", "experts", "flags")
 POSITION_MAX = 2**31 - 2
@@ -39,6 +41,20 @@ POSITION_MAX = 2**31 - 2
 SEGMENT_KEYS = ("digest", "written_ns", "padding", "crc32c")
 CHECKSUM_KEY = "crc32c"
 SEGMENT_VERSION = FormatVersion(2, 2)  # the first version whose segments carry what their index rows say
+
+
+class SegmentCompression(StrEnum):
+    """Arrow IPC buffer compression of a segment file (rows.md, "Segment files"); Arrow readers undo it unasked."""
+
+    NONE = "none"  # memory-mapped reads are zero-copy views of the page cache
+    LZ4 = "lz4"  # Arrow's LZ4_FRAME
+    ZSTD = "zstd"  # Arrow's ZSTD, level 1 (bench/compression.py: level 3 saved no byte more on routes)
+
+    def ipc_options(self) -> pa.ipc.IpcWriteOptions:
+        """The IPC write options that apply this compression."""
+        codec = {SegmentCompression.NONE: None, SegmentCompression.LZ4: pa.Codec("lz4"),
+                 SegmentCompression.ZSTD: pa.Codec("zstd", compression_level=1)}[self]
+        return pa.ipc.IpcWriteOptions(compression=codec)
 
 
 def rows_schema(shape: RunShape, metadata: dict[str, str] | None = None) -> pa.Schema:

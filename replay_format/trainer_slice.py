@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from replay_format.core import (
+    Backing,
     FormatError,
     FormatVersion,
     LayerAxis,
@@ -410,7 +411,7 @@ def build_slice(meta: SliceMeta, experts: np.ndarray, valid: np.ndarray, sequenc
     return [part for parts in ipc_stream_parts(schema, [batch]) for part in parts]
 
 
-def read_slice(backing: bytearray) -> TrainerSlice:
+def read_slice(backing: Backing) -> TrainerSlice:
     """A received slice; its arrays are writable views of `backing` (no copy).
 
     UndecodableError when the body is not an Arrow IPC stream; FormatError naming what does not

@@ -70,10 +70,12 @@ def serve(
     typer.echo(f"routing-replay on http://{host}:{port}  (data: {data.resolve()}, API docs: /docs)")
     if settings.tokens_file is None and insecure:
         logging.getLogger("replay_service").warning("--insecure: no tokens file, every caller may do anything")
-    from replay_service.connections import BoundedH11Protocol
+    from replay_service.connections import PROTOCOL
 
-    uvicorn.run(create_app(settings, store), host=host, port=port, log_level=log_level, http=BoundedH11Protocol,
-                timeout_keep_alive=settings.keep_alive_timeout_s, limit_concurrency=settings.max_connections)
+    # httptools + uvloop (uvicorn[standard]): no copy of a body part on its way to the socket (connections.py)
+    uvicorn.run(create_app(settings, store), host=host, port=port, log_level=log_level, http=PROTOCOL,
+                loop="uvloop", timeout_keep_alive=settings.keep_alive_timeout_s,
+                limit_concurrency=settings.max_connections)
 
 
 def _progress():

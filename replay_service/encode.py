@@ -142,19 +142,36 @@ def joined_small(parts: list[memoryview]) -> list[bytes | memoryview]:
     return out
 
 
-def batch_answer(store: RouteStore, run: str, request_ids: list[str], start: int, end: int | None, strict: bool,
-                 report_rows: int, axis: LayerAxis = LayerAxis.MOE) -> Iterator[list[memoryview]]:
-    """Many requests' routes as one Arrow route answer on layer axis `axis`, one record batch per request, streamed.
+HELD_ANSWER_BYTES = 1 << 30  # a batch answer up to this size is built whole (its routes held at once)
 
-    Every request is read once before this returns, so a missing request or a strict refusal is a
-    clean 404/409 instead of a cut stream; the stream then reads each again as it goes out.
+
+def batch_answer(store: RouteStore, run: str, request_ids: list[str], start: int, end: int | None, strict: bool,
+                 report_rows: int, axis: LayerAxis = LayerAxis.MOE) -> Answer | Iterator[list[memoryview]]:
+    """Many requests' routes as one Arrow route answer on layer axis `axis`, one record batch per request.
+
+    Every request is read before this returns, so a missing request or a strict refusal is a
+    clean 404/409 instead of a cut stream. Up to `HELD_ANSWER_BYTES` of ids the answer is built
+    whole, from the routes read (views of the segments where a route is one stored span): an
+    `Answer` with a known length, sent in a few large writes. A larger one is streamed, each
+    request read again as it goes out, so no more than one route is held at a time.
     """
     shape = store.run_shape(run)
+    meta = RouteMeta(run, shape, requests=len(request_ids), start=start, end=end, layer_axis=axis)
+    row_bytes = meta.column_shape.row_width * shape.dtype.itemsize
+    held: list[RouteRows] | None = []
+    size = 0
     for rid in request_ids:
         route = store.read_route(run, rid, start, end)
         if strict:
             refuse_if_flagged(route, report_rows, f"request {rid!r}")
-    meta = RouteMeta(run, shape, requests=len(request_ids), start=start, end=end, layer_axis=axis)
+        size += route.num_rows * row_bytes
+        if held is not None and size <= HELD_ANSWER_BYTES:
+            held.append(route)
+        else:
+            held = None  # past the bound: hold none, stream
+    if held is not None:
+        parts = [p for chunk in encode_routes(meta, [request_route(r, axis) for r in held]) for p in chunk]
+        return Answer(ARROW_STREAM_MEDIA_TYPE, joined_small(parts))
     return encode_routes(meta, (request_route(store.read_route(run, rid, start, end), axis) for rid in request_ids))
 
 

@@ -7,6 +7,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from replay_format.rows import SegmentCompression
+
 DEFAULT_PORT = 8470
 
 
@@ -39,6 +41,9 @@ class ServiceSettings(BaseSettings):
         default=1 << 23, description="largest trainer layout planned (every rank of a micro-batch, padding "
         "included); larger answers 413 before anything is allocated")
     open_segment_cache: int = Field(default=256, description="segment files kept memory-mapped for reads")
+    open_segment_cache_bytes: int = Field(
+        default=1 << 30, ge=0, description="of those, bytes held decompressed in memory at most (compressed segments, "
+        "REPLAY_SEGMENT_COMPRESSION; an uncompressed one is a map of the page cache and counts nothing)")
     stale_table_rows: int = Field(
         default=1 << 21, description="slots of the recent-row table for the STALE content check (24 B each)")
     stale_min_entropy_bits: float = Field(
@@ -51,6 +56,10 @@ class ServiceSettings(BaseSettings):
     max_batch_requests: int = Field(default=4096, description="most requests in one batch read")
     page_limit_max: int = Field(default=1000, description="largest page of a request listing")
     strict_report_rows: int = Field(default=16, description="bad rows named in a strict-read refusal")
+    segment_compression: SegmentCompression = Field(
+        default=SegmentCompression.NONE, description="Arrow IPC buffer compression of new segment files: none "
+        "(reads are zero-copy views of the page cache), lz4 or zstd (fewer bytes per id on disk; a segment is "
+        "decompressed into memory when opened for reading); segments of any codec are read alike")
     direct_io: bool = Field(
         default=True,
         description="write segments with O_DIRECT (skips filling fresh page cache; falls back where unsupported)")

@@ -42,7 +42,9 @@ SLOW = {
     "test_capture_pcp_mask.py": "gloo grids up to 8 ranks",
     "test_capture_recorder.py::test_seed_002": "an 8-rank gloo grid",
     "test_capture_sender.py": "service kill and restart rounds",
+    "test_capture_step_cost.py::test_hook_path": "a stopped sink process and 80 steps through a service",
     "test_service_durability.py": "kill -9 rounds under concurrent writers",
+    "test_service_group_commit.py::test_kill9": "a kill -9 and restart under eight concurrent writers",
     "test_service_ops.py::test_demo": "loads the demo run",
     "test_service_auth.py::test_insecure_serves_a_public_address": "a second service start",
     "test_trainer_compare.py::test_demo": "loads the demo run",
@@ -55,6 +57,8 @@ SLOW = {
     "test_service_retention.py::test_delete_while": "six delete rounds under readers and a writer",
     "test_service_retention.py::test_retention_cap": "three service starts and the gc/delete CLI",
     "test_service_schemathesis.py": "schemathesis: 8 examples of every API operation (~20 s)",
+    "test_service_read_paths.py::test_an_idle_new_connection_is_closed": "waits out a 1 s keep-alive, per protocol",
+    "test_service_compression.py::test_a_run_of_mixed_codecs": "four service starts, verify, export and reindex",
 }
 
 

@@ -10,17 +10,27 @@ from tests.support.data import batch_bytes, routes
 from tests.support.service import ServiceProcess
 
 
-def test_healthz_metrics_docs(service):
+def _metric(text: str, name: str) -> float:
+    """The value of one exposition line `name value` (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_healthz_metrics_docs(shared_service):
+    service = shared_service  # counters are read as differences: other modules use the same service
+    names = ("replay_rows_ingested_total", 'replay_rows_flagged_total{flag="ZERO"}',
+             'replay_http_request_seconds_count{method="POST",route="/v1/ingest",status="200"}')
+    before = httpx.get(f"{service.url}/metrics").text
     client = ReplayClient(service.url)
-    client.ingest(batch_bytes("m", "w", 0, ["a"] * 5, np.arange(5), routes(np.random.default_rng(0), 5)))
+    client.ingest(batch_bytes("ops-m", "w", 0, ["a"] * 5, np.arange(5), routes(np.random.default_rng(90), 5)))
     bad = np.zeros((3, 48, 8), np.uint8)
-    client.ingest(batch_bytes("m", "w", 1, ["b"] * 3, np.arange(3), bad))
+    client.ingest(batch_bytes("ops-m", "w", 1, ["b"] * 3, np.arange(3), bad))
     assert httpx.get(f"{service.url}/healthz").json()["status"] == "ok"
     text = httpx.get(f"{service.url}/metrics").text
-    assert "replay_rows_ingested_total 8.0" in text
-    assert 'replay_rows_flagged_total{flag="ZERO"} 3.0' in text
+    assert [_metric(text, n) - _metric(before, n) for n in names] == [8.0, 3.0, 2.0]
     assert "replay_bytes_stored_total" in text
-    assert 'replay_http_request_seconds_count{method="POST",route="/v1/ingest",status="200"} 2.0' in text
     spec = httpx.get(f"{service.url}/openapi.json").json()
     for path in ("/v1/ingest", "/v1/runs/{run}/requests/{request}/routes", "/v1/runs/{run}/routes/batch",
                  "/v1/runs/{run}/expert-load", "/v1/runs/{run}/requests/{request}/finish"):

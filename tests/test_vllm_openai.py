@@ -10,13 +10,9 @@ is a subprocess (`python -m vllm.entrypoints.openai.api_server`), stopped with S
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
-import time
 
-import httpx
 import pytest
 
 pytest.importorskip("vllm")
@@ -25,8 +21,8 @@ openai = pytest.importorskip("openai")
 
 from replay_client import Endpoint, choice_request_ids  # noqa: E402
 from replay_service.client import ReplayClient  # noqa: E402
-from tests.support.service import ServiceProcess, free_port  # noqa: E402
-from tests.support.vllm_model import CHAT_TEMPLATE, prompts, text_safe, words  # noqa: E402
+from tests.support.service import ServiceProcess  # noqa: E402
+from tests.support.vllm_model import CHAT_TEMPLATE, prompts, start_api_server, text_safe, words  # noqa: E402
 from tests.test_vllm_e2e import (  # noqa: E402
     _engine_env,
     check_against_reference,
@@ -55,31 +51,11 @@ def api_server(model_dir, service, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("api")
     template = tmp / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
-    port = free_port()
-    env = {**os.environ, "ROUTING_REPLAY_URL": service.url, "ROUTING_REPLAY_RUN_ID": RUN_ID,
+    env = {"ROUTING_REPLAY_URL": service.url, "ROUTING_REPLAY_RUN_ID": RUN_ID,
            "ROUTING_REPLAY_SPILL_DIR": str(tmp / "spill"), "VLLM_CPU_KVCACHE_SPACE": "1"}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-           "--enforce-eager", "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "8",
-           "--seed", "0", "--block-size", "32", "--chat-template", str(template),
-           "--uvicorn-log-level", "warning"]
-    log_path = tmp / "server.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_api_server(model_dir, env, tmp / "server.log",
+                                 ("--block-size", "32", "--chat-template", str(template)))
     try:
-        deadline = time.monotonic() + 150
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM API server exited {proc.returncode}: {log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vLLM API server not up in 150 s: {log_path.read_text()[-3000:]}")
-            time.sleep(0.5)
         yield url
     finally:
         proc.send_signal(signal.SIGTERM)  # vLLM's own clean shutdown (engine core and workers)

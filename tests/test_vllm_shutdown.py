@@ -29,7 +29,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
@@ -48,7 +47,7 @@ from replay_format.spill import SUFFIX  # noqa: E402
 from replay_format.step_frame import Ended, FinishStatus, StepFrame  # noqa: E402
 from replay_service.client import ReplayClient  # noqa: E402
 from tests.support.service import ServiceProcess, free_port  # noqa: E402
-from tests.support.vllm_model import prompts  # noqa: E402
+from tests.support.vllm_model import prompts, start_api_server  # noqa: E402
 from tests.test_vllm_e2e import check_against_reference  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -95,29 +94,9 @@ def reference_once():
 
 def _start_server(model_dir: str, service_url: str, run_id: str, spill: Path, log_path: Path) -> tuple:
     """vLLM's OpenAI API server with the plugin on, in a process group of its own; (process, url)."""
-    port = free_port()
-    env = {**os.environ, "ROUTING_REPLAY_URL": service_url, "ROUTING_REPLAY_RUN_ID": run_id,
+    env = {"ROUTING_REPLAY_URL": service_url, "ROUTING_REPLAY_RUN_ID": run_id,
            "ROUTING_REPLAY_SPILL_DIR": str(spill), "VLLM_CPU_KVCACHE_SPACE": "1"}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-           "--enforce-eager", "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "8",
-           "--seed", "0", "--no-enable-prefix-caching", "--uvicorn-log-level", "warning"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, process_group=0)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 150
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"vLLM API server exited {proc.returncode}: {log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            _kill_group(proc.pid)
-            pytest.fail(f"vLLM API server not up in 150 s: {log_path.read_text()[-3000:]}")
-        time.sleep(0.5)
+    return start_api_server(model_dir, env, log_path, ("--no-enable-prefix-caching",), own_group=True)
 
 
 def _group(pgid: int) -> list:

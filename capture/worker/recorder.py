@@ -37,6 +37,8 @@ from replay_format import NO_TOKEN, Flag, RunShape
 from replay_format.rows import RowsMeta, build_rows
 
 _TORCH_DTYPE = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint16): torch.uint16}
+_UNSIGNED = {np.dtype(f"i{size}"): np.dtype(f"u{size}") for size in (1, 2, 4, 8)}  # same width, read as unsigned
+_MAX = np.maximum.reduce
 
 
 @dataclass
@@ -81,6 +83,8 @@ class StepRecorder:
         self._kept: list[tuple[int, torch.Tensor]] = []
         self._misaligned = False
         self._every_layer = list(range(L))
+        self._layer_order = tuple(self._every_layer)
+        self._positions = np.zeros(max_tokens, np.int32)  # end_step_into's stand-in positions (only n counts)
         if staged is None:
             staged = self.device.type == "cpu"
         if staged and self.device.type != "cpu":
@@ -206,6 +210,38 @@ class StepRecorder:
             invalid_rows=int(np.count_nonzero(invalid)),
         )
 
+    def end_step_into(self, experts: np.ndarray) -> np.ndarray | None:
+        """Close the step writing its experts into `experts` (`[n, L, K]`, the run's dtype; e.g. a frame's slot).
+
+        Returns None when every row is clean (all flags zero), else the flags (uint16 [n]) as
+        `end_step` computes them. The usual CPU step (every layer kept once, in order, in range)
+        is one stack, one range check and one narrowing copy; anything else goes through
+        `end_step` with its checks and the result is copied into `experts`.
+        """
+        n = experts.shape[0]
+        kept = self._kept
+        if (self._open and self._stage is not None and len(kept) == len(self._every_layer) and not self._misaligned
+                and n <= self.max_tokens):
+            layers, rows = zip(*kept)
+            if layers == self._layer_order:
+                try:
+                    stacked = torch.stack(rows).numpy()
+                except RuntimeError:  # shapes differ: the general path says how
+                    stacked = None
+                if (stacked is not None and stacked.shape[1] >= n and stacked.shape[2] == self.shape.top_k
+                        and stacked.dtype.kind in "iu"):
+                    block = stacked[:, :n]
+                    if not n or self._in_range(block):
+                        self._kept = []
+                        self._open = False
+                        np.copyto(experts, block.transpose(1, 0, 2), casting="unsafe")
+                        return None
+        if n > len(self._positions):
+            self._positions = np.zeros(n, np.int32)
+        step = self.end_step(None, self._positions[:n])
+        experts[...] = step.experts
+        return step.flags if step.stale_rows else None
+
     def _take_kept(self, n: int) -> np.ndarray | None:
         """Copy the kept layers' rows; returns them as `[L, n, K]` when they are the whole step."""
         kept, self._kept = self._kept, []
@@ -243,8 +279,12 @@ class StepRecorder:
         return np.ascontiguousarray(block.transpose(1, 0, 2), self.np_dtype)
 
     def _in_range(self, block: np.ndarray) -> bool:
-        """Every id in [0, num_experts): one max over the ids read as unsigned (a negative one is huge)."""
-        return bool(block.view(block.dtype.str.replace("i", "u")).max() < self.shape.num_experts)
+        """Every id in [0, num_experts): one max over the ids read as unsigned (a negative one is huge).
+
+        `np.maximum.reduce` and a prebuilt dtype: `ndarray.max` and a dtype from a string each add
+        microseconds per call, and this runs once per step inside the engine."""
+        unsigned = _UNSIGNED.get(block.dtype)
+        return bool(_MAX(block.view(unsigned) if unsigned is not None else block, axis=None) < self.shape.num_experts)
 
     def _end_step_cpu(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(experts [n, L, K], stale [n], invalid [n]) from the stage."""

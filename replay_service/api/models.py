@@ -99,6 +99,10 @@ class RunSummary(BaseModel):
                                                 "once, by the request that computed them, and not again")
     references: int = Field(0, description="distinct prefix-cache references received (POST .../references)")
     bytes: int = Field(description="bytes of segment files (references add none)")
+    bytes_per_id: float | None = Field(None, description="`bytes` over the stored ids (rows less referenced_rows, "
+                                       "x num_moe_layers x top_k): the other columns and the file framing included, "
+                                       "so ~1.04 for uncompressed uint8 ids of 48 x top-8 (REPLAY_SEGMENT_COMPRESSION "
+                                       "lowers it); null before any row")
     flagged: FlagCounts = Field(description="rows per flag (GAP: rows expected but never received)")
     pinned: bool = Field(False, description="retention never deletes a pinned run (PUT/DELETE .../pin)")
     last_write: float | None = Field(None, description="Unix time of the run's last stored batch (created_at when "
@@ -161,6 +165,16 @@ class RequestPage(BaseModel):
 
 LAYER_AXIS_HELP = ("moe: the run's MoE layers (num_moe_layers per row); model: every model layer "
                    "(num_hidden_layers per row, dense layers zero), as vLLM's and SGLang's routed_experts")
+
+
+class RouteParams(BaseModel):
+    """The query of `GET .../routes` (one model: validated in one call, not one per parameter)."""
+
+    start: int = Field(0, ge=0)
+    end: int | None = Field(None, ge=0, description="exclusive; default: T-1 when finished, else last position + 1")
+    strict: bool = Field(False, description="409 instead of data when any row in range is flagged or missing")
+    format: str | None = Field(None, description="arrow | npy | json (overrides Accept)")
+    layer_axis: LayerAxis = Field(LayerAxis.MOE, description=LAYER_AXIS_HELP)
 
 
 class RouteQuery(BaseModel):

@@ -6,21 +6,21 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 
-from replay_format import ARROW_STREAM_MEDIA_TYPE, ID_RULE, LayerAxis, parse_flag, valid_id
+from replay_format import ARROW_STREAM_MEDIA_TYPE, ID_RULE, parse_flag, valid_id
 from replay_service import encode
 from replay_service.api.deps import RequestId, RunId, Settings, Store
 from replay_service.api.models import (
     ARROW_ANSWER,
     CONFLICT,
     ERRORS,
-    LAYER_AXIS_HELP,
     ROUTE_MEDIA_TYPES,
     RequestPage,
     RequestSummary,
     RouteJson,
+    RouteParams,
     RouteQuery,
     binary_answer,
 )
@@ -63,20 +63,17 @@ async def get_route(
     request: RequestId,
     store: Store,
     settings: Settings,
-    start: int = Query(0, ge=0),
-    end: int | None = Query(None, ge=0, description="exclusive; default: T-1 when finished, else last position + 1"),
-    strict: bool = Query(False, description="409 instead of data when any row in range is flagged or missing"),
-    format: str | None = Query(None, description="arrow | npy | json (overrides Accept)"),
-    layer_axis: Annotated[LayerAxis, Query(description=LAYER_AXIS_HELP)] = LayerAxis.MOE,
+    query: Annotated[RouteParams, Query()],
     accept: str | None = Header(None),
 ) -> PartsResponse:
-    kind = encode.pick_format(format, accept)
+    kind = encode.pick_format(query.format, accept)
+    start, end, axis = query.start, query.end, query.layer_axis
 
     def work() -> encode.Answer:
         route = store.read_route(run, request, start, end)
-        if strict:
+        if query.strict:
             encode.refuse_if_flagged(route, settings.strict_report_rows, f"request {request!r}")
-        return encode.route_answer(run, route, start, kind, settings.max_json_rows, layer_axis)
+        return encode.route_answer(run, route, start, kind, settings.max_json_rows, axis)
 
     answer = await run_in_threadpool(work)
     # the parts view the route's arrays: no copy of the ids between the store and the socket
@@ -86,18 +83,20 @@ async def get_route(
 @router.post(
     "/runs/{run}/routes/batch",
     summary="Many routes at once: one Arrow IPC stream (route.md), one record batch per request, in order",
-    response_class=StreamingResponse,
+    response_class=PartsResponse,
     responses={200: binary_answer(*ARROW_ANSWER, description="route.md: one record batch per request"), **CONFLICT},
 )
-async def batch_routes(run: RunId, body: RouteQuery, store: Store, settings: Settings) -> StreamingResponse:
+async def batch_routes(run: RunId, body: RouteQuery, store: Store, settings: Settings) -> Response:
     if len(body.requests) > settings.max_batch_requests:
         raise InvalidInput(f"{len(body.requests)} requests exceeds max_batch_requests={settings.max_batch_requests}")
     for rid in body.requests:
         if not valid_id(rid):
             raise InvalidInput(f"request id {rid!r} is not a valid id: {ID_RULE}")
-    chunks = await run_in_threadpool(encode.batch_answer, store, run, body.requests, body.start, body.end,
+    answer = await run_in_threadpool(encode.batch_answer, store, run, body.requests, body.start, body.end,
                                      body.strict, settings.strict_report_rows, body.layer_axis)
-    return StreamingResponse(_streamed(chunks), media_type=ARROW_STREAM_MEDIA_TYPE)
+    if isinstance(answer, encode.Answer):  # built whole: its parts in a few writes, Content-Length known
+        return PartsResponse(answer.parts, answer.media_type, answer.headers)
+    return StreamingResponse(_streamed(answer), media_type=ARROW_STREAM_MEDIA_TYPE)
 
 
 async def _streamed(chunks: Iterator[list[memoryview]]) -> AsyncIterator[memoryview]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
@@ -17,6 +16,8 @@ from replay_format import ARROW_STREAM_MEDIA_TYPE, LayerAxis
 from replay_format.trainer_slice import Convention, CpSplit, MissingPolicy, Packing, TotalPad
 from replay_service.api.deps import Settings, Store
 from replay_service.api.models import CONFLICT, ERRORS, LAYOUT_LIMITS, binary_answer
+from replay_service.api.parts_response import PartsResponse
+from replay_service.encode import joined_small
 from replay_service.settings import ServiceSettings
 from replay_service.trainer import layouts
 from replay_service.trainer.conventions import ThdPadding, resolve_padding
@@ -143,20 +144,20 @@ def _limits(settings: ServiceSettings) -> SliceLimits:
     return SliceLimits(settings.max_batch_requests, settings.max_read_rows, settings.strict_report_rows)
 
 
-def _streamed(answer: SliceAnswer) -> StreamingResponse:
-    headers = {"X-Layout-Tokens": str(answer.tokens), "X-Layout-Valid": str(answer.valid),
-               "Content-Length": str(answer.size)}
-    # the parts reference the gathered arrays: no copy of the ids between the gather and the socket
-    return StreamingResponse(iter(answer.parts), media_type=ARROW_STREAM_MEDIA_TYPE, headers=headers)
+def _answered(answer: SliceAnswer) -> PartsResponse:
+    headers = {"X-Layout-Tokens": str(answer.tokens), "X-Layout-Valid": str(answer.valid)}
+    # the parts reference the gathered arrays: no copy of the ids between the gather and the socket; the
+    # small framing parts joined, so the whole slice goes out in a few writes (not one loop round trip a part)
+    return PartsResponse(joined_small(answer.parts), ARROW_STREAM_MEDIA_TYPE, headers)
 
 
 @router.post(
     "/megatron",
     summary="One rank's RouterReplay data: router tokens in Megatron order (THD/BSHD, CP and SP slices)",
-    response_class=StreamingResponse,
+    response_class=PartsResponse,
     responses=SLICE_ANSWER,
 )
-async def megatron(body: MegatronQuery, store: Store, settings: Settings) -> StreamingResponse:
+async def megatron(body: MegatronQuery, store: Store, settings: Settings) -> PartsResponse:
     spec = body.spec()
     # refused before the store is read when even the given (else 1-token) sequences make it too large
     _check_size(layouts.megatron_size([s.num_tokens or 1 for s in body.sequences], spec), settings)
@@ -166,20 +167,20 @@ async def megatron(body: MegatronQuery, store: Store, settings: Settings) -> Str
         _check_size(layouts.megatron_size(lengths, spec), settings)  # before the plan's arrays exist
         return layouts.megatron_plan(lengths, spec)
 
-    return _streamed(await run_in_threadpool(read_rank_slice, store, body.query(), make_plan, _limits(settings)))
+    return _answered(await run_in_threadpool(read_rank_slice, store, body.query(), make_plan, _limits(settings)))
 
 
 @router.post(
     "/verl",
     summary="verl's dense [batch, prompt_width + response_width, L, K]: left-padded prompts, right-padded responses",
-    response_class=StreamingResponse,
+    response_class=PartsResponse,
     responses=SLICE_ANSWER,
 )
-async def verl(body: VerlQuery, store: Store, settings: Settings) -> StreamingResponse:
+async def verl(body: VerlQuery, store: Store, settings: Settings) -> PartsResponse:
     _check_size(layouts.verl_size(len(body.sequences), body.prompt_width, body.response_width), settings)
 
     def make_plan(specs: list[layouts.SequenceSpec]) -> layouts.TokenPlan:
         return layouts.verl_plan(body.prompt_lengths, [s.num_tokens for s in specs], body.prompt_width,
                                  body.response_width)
 
-    return _streamed(await run_in_threadpool(read_rank_slice, store, body.query(), make_plan, _limits(settings)))
+    return _answered(await run_in_threadpool(read_rank_slice, store, body.query(), make_plan, _limits(settings)))

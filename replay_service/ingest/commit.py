@@ -1,26 +1,42 @@
-"""Ingest stage 4, commit: a written segment becomes acknowledged rows, in one index transaction.
+"""Ingest stage 4, commit: written segments become acknowledged rows, many batches per index transaction.
 
-Under the run's lock (one commit per run at a time): a concurrent retry of the same
-(run, writer, seq) is answered as a duplicate; rows at positions already served are settled
-by the check stage's rule (`check.repeat_conflicts`: identical is a resend, different is
-CONFLICT on the served row, recorded as a late flag); then the segment, its spans, the
-requests' counters and the run's totals are committed together, with the spans that prefix-cache
-references mirror from the new rows into the requests referencing them (`store/references.py`:
-a reference that arrived before its source's rows resolves here). The answer is an `IngestResult`.
+Group commit, as databases do: a batch whose segment is written joins a queue; if no commit is under way
+its thread leads one, else it waits while the current one runs and the next leader takes every batch that
+arrived meanwhile. A leader fsyncs each run folder of the group once (the segments' renames; each segment's
+data was fsynced by its own writer, in parallel), takes the group's run locks (by run id), and commits the
+whole group in ONE index transaction (one WAL fsync), each batch inside its own savepoint: a batch that fails
+(403 ownership, Conflict, a run deleted meanwhile, any error) is rolled back to its savepoint, its segment
+deleted and its error answered to its own writer only; the others commit. Every waiter is answered only
+after the transaction committed (acknowledged means durable); if the commit itself fails, no batch of the
+group is acknowledged.
+
+Per batch, under its run's lock: a concurrent retry of the same (run, writer, seq) is answered as a
+duplicate (a retry in the same group sees the first inside the transaction); rows at positions already
+served are settled by the check stage's rule (`check.repeat_conflicts`: identical is a resend, different is
+CONFLICT on the served row, recorded as a late flag); then the segment, its spans, the requests' counters
+and the run's totals are written, with the spans that prefix-cache references mirror from the new rows into
+the requests referencing them (`store/references.py`: a reference that arrived before its source's rows
+resolves here). Each batch is committed in its writer's context (`ownership.acting`). The answer is an
+`IngestResult`.
 """
 
 from __future__ import annotations
 
+import contextvars
 import enum
+import threading
+from contextlib import ExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from replay_format import Flag, RunShape
-from replay_service.errors import Conflict
+from replay_service.errors import Conflict, RunDeleted
 from replay_service.ingest.check import CheckedRows, repeat_conflicts
 from replay_service.ingest.segment import Segment, SegmentWriter
 from replay_service.ownership import claim_requests
+from replay_service.store.files import fsync_dir
 from replay_service.store.index import COUNTED_FLAGS, Index, IndexTransaction
 from replay_service.store.reads import RowReader
 from replay_service.store.references import HeldRows, Resolver
@@ -51,13 +67,29 @@ class IngestResult:
         return self.outcome == IngestOutcome.STORED
 
 
+@dataclass
+class _Waiting:
+    """One batch in the commit queue, and its answer once its group committed."""
+
+    segment: Segment
+    run: RunState
+    context: contextvars.Context  # its writer's (the actor a claim is made for)
+    result: IngestResult | None = None
+    error: BaseException | None = None
+    load: np.ndarray | None = None  # the run's expert load after this batch, applied once the group committed
+    done: bool = False
+
+
 class Committer:
-    """Commits segments to the index; answers retries."""
+    """Commits segments to the index in groups (module docstring); answers retries."""
 
     def __init__(self, index: Index, reader: RowReader, segments: SegmentWriter) -> None:
         self.index = index
         self.reader = reader
         self.segments = segments
+        self._queue: list[_Waiting] = []
+        self._turn = threading.Condition()  # guards the queue and `_leading`
+        self._leading = False
 
     def find_duplicate(self, checked: CheckedRows) -> IngestResult | None:
         """The answer to a retry of a stored batch, None for a new one; Conflict when the seq was reused."""
@@ -72,31 +104,117 @@ class Committer:
         return IngestResult(IngestOutcome.DUPLICATE, checked.num_rows)
 
     def commit(self, segment: Segment, run: RunState) -> IngestResult:
-        """Acknowledge `segment`'s rows (or answer a retry that landed meanwhile); the file is deleted on failure."""
-        checked = segment.rows
+        """Acknowledge `segment`'s rows once durable (or answer a retry that landed meanwhile).
+
+        Blocks until the group holding it committed; the file is deleted when this batch fails.
+        """
+        me = _Waiting(segment, run, contextvars.copy_context())
+        group: list[_Waiting] | None = None
+        with self._turn:
+            self._queue.append(me)
+            while self._leading and not me.done:
+                self._turn.wait()
+            if not me.done:  # nobody is committing: this thread leads, for every batch queued so far
+                self._leading = True
+                group, self._queue = self._queue, []
+        if group is not None:
+            try:
+                self._commit_group(group)
+            finally:
+                with self._turn:
+                    for waiting in group:
+                        waiting.done = True
+                    self._leading = False
+                    self._turn.notify_all()
+        if me.error is not None:
+            raise me.error
+        assert me.result is not None
+        return me.result
+
+    def _commit_group(self, group: list[_Waiting]) -> None:
+        """Commit `group` in one transaction, one savepoint per batch; every batch ends with a result or an error."""
         try:
-            with run.lock:
-                duplicate = self.find_duplicate(checked)
-                if duplicate is not None:
-                    self.segments.discard(segment)
-                    return duplicate
-                shadowed = checked.shadowed.copy()
-                conflicts = self._settle_stored_repeats(checked, run.shape, shadowed)
-                load = checked.served_load(shadowed)
-                with self.index.transaction() as tx:
-                    # another writer's request refuses the batch (403): nothing kept
-                    claim_requests(tx, checked.rows.meta.run_id, list(checked.rows.request_ids))
-                    held = self._record(tx, segment, shadowed, conflicts, run.load + load)
-                    Resolver(tx, self.reader, run.run_id, run.shape).propagate(held)
-                run.load += load
-        except Exception:
-            self.segments.discard(segment)
-            raise
+            self._sync_folders(group)
+            runs = sorted({id(w.run): w.run for w in group}.values(), key=lambda r: r.run_id)
+            with ExitStack() as held:
+                for run in runs:  # always in run-id order: two leaders never wait on each other's runs
+                    held.enter_context(run.lock)
+                loads = {id(run): run.load for run in runs}
+                try:
+                    with self.index.transaction() as tx:
+                        for waiting in group:
+                            if waiting.error is None:
+                                self._commit_one(tx, waiting, loads)
+                except BaseException as exc:  # the transaction failed as a whole: nothing of the group is kept
+                    for waiting in group:
+                        if waiting.error is None:
+                            waiting.result, waiting.error = None, exc
+                    raise
+                for waiting in group:  # committed: the runs' in-memory loads follow the index
+                    if waiting.load is not None and waiting.error is None:
+                        waiting.run.load = waiting.load
+        except BaseException as exc:
+            for waiting in group:
+                if waiting.error is None and waiting.result is None:
+                    waiting.error = exc
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            for waiting in group:
+                if waiting.error is not None or (waiting.result is not None and not waiting.result.stored):
+                    self.segments.discard(waiting.segment)
+
+    def _sync_folders(self, group: list[_Waiting]) -> None:
+        """Make the group's segment renames durable: one fsync per run folder, before any index row names them."""
+        folders: dict[Path, list[_Waiting]] = {}
+        for waiting in group:
+            if waiting.segment.folder_unsynced:
+                folders.setdefault((self.segments.root / waiting.segment.path).parent, []).append(waiting)
+        for folder, waiting_here in sorted(folders.items()):
+            try:
+                fsync_dir(folder)
+            except FileNotFoundError as exc:  # its run was deleted under the write (retention.py)
+                for waiting in waiting_here:
+                    waiting.error = RunDeleted(
+                        f"run {waiting.run.run_id!r} was deleted while this batch was being stored; nothing was "
+                        "stored (send it again to start a fresh run)") if waiting.run.deleted else exc
+
+    def _commit_one(self, tx: IndexTransaction, waiting: _Waiting, loads: dict[int, np.ndarray]) -> None:
+        """One batch of a group inside its savepoint; on failure only its own writes are undone."""
+        try:
+            with tx.savepoint():
+                waiting.result, load = waiting.context.run(self._write, tx, waiting, loads[id(waiting.run)])
+        except Exception as exc:
+            waiting.result, waiting.error = None, exc
+            if not tx.active:  # SQLite rolled the whole transaction back (a full disk): the group fails
+                raise
+            return
+        if load is not None:  # kept: the group's later batches of this run count it
+            loads[id(waiting.run)] = waiting.load = load
+
+    def _write(self, tx: IndexTransaction, waiting: _Waiting,
+               run_load: np.ndarray) -> tuple[IngestResult, np.ndarray | None]:
+        """A batch's index rows (its run's lock held, its writer's context entered); its answer and the run's load.
+
+        `run_load`: the run's expert load before this batch (the group's earlier batches included).
+        """
+        segment, run = waiting.segment, waiting.run
+        checked = segment.rows
+        duplicate = self.find_duplicate(checked)  # reads inside the transaction: sees earlier batches of the group
+        if duplicate is not None:
+            return duplicate, None
+        shadowed = checked.shadowed.copy()
+        conflicts = self._settle_stored_repeats(checked, run.shape, shadowed)
+        load = run_load + checked.served_load(shadowed)
+        # another writer's request refuses the batch (403): nothing of it kept
+        claim_requests(tx, checked.rows.meta.run_id, list(checked.rows.request_ids))
+        held = self._record(tx, segment, shadowed, conflicts, load)
+        Resolver(tx, self.reader, run.run_id, run.shape).propagate(held)
         served_flags = checked.flags[~shadowed]
         flagged = {str(f.name): int(np.count_nonzero(served_flags & f)) for f in COUNTED_FLAGS if f != Flag.PADDING}
         flagged[str(Flag.CONFLICT.name)] += len(conflicts)
         return IngestResult(IngestOutcome.STORED, checked.num_rows, int(checked.padding_dropped.sum()),
-                            {k: v for k, v in flagged.items() if v}, segment.size)
+                            {k: v for k, v in flagged.items() if v}, segment.size), load
 
     def _settle_stored_repeats(self, checked: CheckedRows, shape: RunShape,
                                shadowed: np.ndarray) -> list[tuple[str, int]]:

@@ -1,7 +1,8 @@
 """Ingest stage 3, segment: a checked batch becomes one durable Arrow IPC file (rows.md schema).
 
-The file is written before the run's lock is taken, so concurrent ingests overlap their
-writes and fsyncs; only the commit stage is serialised per run. A segment is acknowledged
+The file is written and its data fsynced before the run's lock is taken, so concurrent ingests
+overlap their writes and fsyncs; its folder's fsync (the rename) is left to the commit stage, which
+syncs each run folder once for a whole group of batches (commit.py). A segment is acknowledged
 once the commit stage's index rows name it (store/files.py says what start-up does with
 files no row names).
 
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from replay_format.rows import SegmentMeta
+from replay_format.rows import SegmentCompression, SegmentMeta
 from replay_service.buffers import PAGE, BufferPool
 from replay_service.ingest.check import CheckedRows
 from replay_service.store.files import TMP_SUFFIX, fsync_dir, new_segment_path
@@ -36,24 +37,28 @@ class Segment:
     path: str  # relative to the segment root: `<run_id>/<uuid>.arrow`
     size: int  # bytes
     written_ns: int = 0  # when written (segment metadata `written_ns`): the run's last write
+    folder_unsynced: bool = False  # renamed into its folder, not fsynced yet: the commit does, once per group
 
 
 class SegmentWriter:
     """Writes segments under `root` with the service's durability settings."""
 
-    def __init__(self, root: Path, staging: BufferPool, fsync: bool = True, direct: bool = True) -> None:
+    def __init__(self, root: Path, staging: BufferPool, fsync: bool = True, direct: bool = True,
+                 compression: SegmentCompression = SegmentCompression.NONE) -> None:
         self.root = root
         self.staging = staging  # segment images before they are written (buffers.py says why reused)
         self.fsync = fsync
         self.direct = direct
+        self.compression = compression
 
     def write(self, checked: CheckedRows) -> Segment:
         """The batch's rows with the service's flags, as a new segment file."""
         path = new_segment_path(checked.rows.meta.run_id)
         meta = segment_meta(checked)
         batch = seal(checked.rows.to_record_batch(checked.flags, meta.to_metadata()))
-        size = write_segment(self.root / path, batch, self.staging, fsync=self.fsync, direct=self.direct)
-        return Segment(checked, path, size, meta.written_ns)
+        size = write_segment(self.root / path, batch, self.staging, fsync=self.fsync, direct=self.direct,
+                             compression=self.compression, sync_folder=False)
+        return Segment(checked, path, size, meta.written_ns, folder_unsynced=self.fsync)
 
     def discard(self, segment: Segment) -> None:
         """Delete a segment the index will not name (a concurrent retry won, or the commit failed)."""
@@ -68,24 +73,40 @@ def segment_meta(checked: CheckedRows) -> SegmentMeta:
 
 
 def write_segment(path: Path, batch: pa.RecordBatch, staging: BufferPool, fsync: bool = True,
-                  direct: bool = True) -> int:
+                  direct: bool = True, compression: SegmentCompression = SegmentCompression.NONE,
+                  sync_folder: bool = True) -> int:
     """Write `batch` as an Arrow IPC file at `path` atomically; returns its size in bytes.
+
+    With `fsync`, the file's data is fsynced before its rename, and its folder after it unless
+    `sync_folder` is False (the ingest commit syncs each run folder once per group: commit.py).
 
     The file image is built in a reused staging buffer and, with `direct`, written
     with O_DIRECT: the bytes go to disk without first being copied into freshly
     allocated page cache (measured: most of the write's CPU on the bench VM, see
     buffers.py). Reads later fault the pages in from disk. A filesystem without
-    O_DIRECT (tmpfs) gets an ordinary buffered write.
+    O_DIRECT (tmpfs) gets an ordinary buffered write. With `compression` (rows.md,
+    "Compression") the image is encoded and compressed once, then copied into the staging buffer.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + TMP_SUFFIX)
-    counter = pa.MockOutputStream()
-    _write_ipc_file(counter, batch)
-    size = counter.size()
+    options = compression.ipc_options()
+    compressed = None
+    if compression is SegmentCompression.NONE:
+        counter = pa.MockOutputStream()  # sized first, then written straight into the staging buffer
+        _write_ipc_file(counter, batch, options)
+        size = counter.size()
+    else:  # compressing twice (size, then image) would double the codec's cost
+        sink = pa.BufferOutputStream()
+        _write_ipc_file(sink, batch, options)
+        compressed = sink.getvalue()
+        size = compressed.size
     padded = -(-size // PAGE) * PAGE  # O_DIRECT writes whole aligned blocks; truncated back below
     try:
         with staging.borrowed(padded) as image:
-            _write_ipc_file(pa.FixedSizeBufferWriter(pa.py_buffer(image)), batch)
+            if compressed is None:
+                _write_ipc_file(pa.FixedSizeBufferWriter(pa.py_buffer(image)), batch, options)
+            else:
+                image[:size] = memoryview(compressed).cast("B")
             fd, direct = _open_new(tmp, direct)
             try:
                 try:
@@ -106,7 +127,7 @@ def write_segment(path: Path, batch: pa.RecordBatch, staging: BufferPool, fsync:
     except BaseException:
         tmp.unlink(missing_ok=True)  # a failed write (ENOSPC) leaves no partial file; the API answers 507
         raise
-    if fsync:
+    if fsync and sync_folder:
         fsync_dir(path.parent)
     return size
 
@@ -128,6 +149,6 @@ def _write_all(fd: int, data: memoryview) -> None:
         data = data[os.write(fd, data):]
 
 
-def _write_ipc_file(sink, batch: pa.RecordBatch) -> None:
-    with pa.ipc.new_file(sink, batch.schema) as writer:
+def _write_ipc_file(sink, batch: pa.RecordBatch, options: pa.ipc.IpcWriteOptions) -> None:
+    with pa.ipc.new_file(sink, batch.schema, options=options) as writer:
         writer.write_batch(batch)

@@ -78,12 +78,13 @@ class RouteStore:
         self.swept = sweep_unindexed(self.segments_root, indexed, self.root / QUARANTINE_DIR)
         empty_trash(self.root)  # what a delete interrupted by a crash left (retention.py)
         self.journal = RunJournal(self.segments_root, fsync=settings.fsync)  # what reindex replays (journal.py)
-        self.cache = SegmentCache(self.segments_root, settings.open_segment_cache)
+        self.cache = SegmentCache(self.segments_root, settings.open_segment_cache, settings.open_segment_cache_bytes)
         self.reader = RowReader(self.index, self.cache)
         self.registry = RunRegistry(self.index)
         self.compares = CompareStore(self.root / "compares", self.index, fsync=settings.fsync)
         staging = BufferPool(keep=settings.max_concurrent_ingests)  # segment images before they are written
-        segments = SegmentWriter(self.segments_root, staging, fsync=settings.fsync, direct=settings.direct_io)
+        segments = SegmentWriter(self.segments_root, staging, fsync=settings.fsync, direct=settings.direct_io,
+                                 compression=settings.segment_compression)
         self.pipeline = IngestPipeline(self.registry, segments, Committer(self.index, self.reader, segments),
                                        RecentRows(settings.stale_table_rows), settings.stale_min_entropy_bits)
 

@@ -120,12 +120,31 @@ def _run_of(rel_path: str) -> str:
     return rel_path.split("/", 1)[0]
 
 
-class SegmentCache:
-    """LRU of memory-mapped, checked segments; reads are zero-copy views into the page cache."""
+def heap_bytes(batch: pa.RecordBatch) -> int:
+    """Bytes of `batch` held in process memory rather than in a memory-mapped file.
 
-    def __init__(self, root: Path, capacity: int) -> None:
+    0 for an uncompressed segment (every buffer a slice of the map: it has a parent); a compressed one's
+    buffers are decompressed into memory Arrow allocated (no parent), which the page cache cannot reclaim.
+    """
+    held = 0
+    for column in batch.columns:
+        arrays = [column, column.dictionary] if pa.types.is_dictionary(column.type) else [column]
+        held += sum(b.size for a in arrays for b in a.buffers() if b is not None and b.parent is None)
+    return held
+
+
+class SegmentCache:
+    """LRU of memory-mapped, checked segments; reads are zero-copy views into the page cache.
+
+    A compressed segment (rows.md, "Compression") is held decompressed in memory: those count against
+    `max_heap_bytes`, so the cache's memory stays bounded whatever the codec.
+    """
+
+    def __init__(self, root: Path, capacity: int, max_heap_bytes: int = 1 << 30) -> None:
         self.root = root
         self.capacity = max(1, capacity)
+        self.max_heap_bytes = max_heap_bytes
+        self._heap: dict[str, int] = {}  # path -> heap_bytes of the open segments that hold any
         self._open: OrderedDict[str, pa.RecordBatch] = OrderedDict()
         self._damaged: dict[str, tuple[tuple[int, int] | None, str]] = {}  # path -> (file stat when found, why)
         self._deleted: set[str] = set()  # runs deleted (retention.py): a missing segment of one is not damage
@@ -141,6 +160,7 @@ class SegmentCache:
             self._deleted.add(run_id)
             for path in [p for p in self._open if p.startswith(prefix)]:
                 del self._open[path]
+                self._heap.pop(path, None)
             for path in [p for p in self._damaged if p.startswith(prefix)]:
                 del self._damaged[path]
 
@@ -190,6 +210,13 @@ class SegmentCache:
             if _run_of(rel_path) in self._deleted:
                 return batch  # served to this read only: kept mapped, a deleted file's space would not be freed
             self._open[rel_path] = batch
+            held = heap_bytes(batch)
+            if held:
+                self._heap[rel_path] = held
             while len(self._open) > self.capacity:
-                self._open.popitem(last=False)
+                self._heap.pop(self._open.popitem(last=False)[0], None)
+            # then the least recently used decompressed ones (never the newest: the read that opened it uses it)
+            while len(self._heap) > 1 and sum(self._heap.values()) > self.max_heap_bytes:
+                victim = next(p for p in self._open if p in self._heap)
+                del self._open[victim], self._heap[victim]
         return batch

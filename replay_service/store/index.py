@@ -16,6 +16,8 @@ import enum
 import json
 import sqlite3
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +146,10 @@ REBUILD_SPANS = (
 ADD_PINNED = "ALTER TABLE runs ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0"
 ADD_LAST_WRITE = "ALTER TABLE runs ADD COLUMN last_write REAL"
 GET_SCHEMA_VERSION = "PRAGMA user_version"
+# One batch of a group commit (ingest/commit.py): undone alone when it fails, the group's others kept.
+SAVEPOINT = "SAVEPOINT batch"
+ROLLBACK_TO_SAVEPOINT = "ROLLBACK TO batch"
+RELEASE_SAVEPOINT = "RELEASE batch"
 SET_SCHEMA_VERSION = f"PRAGMA user_version = {SCHEMA_VERSION}"
 
 # Rows a request should have: T-1 once finished with T tokens, else up to the last position seen.
@@ -408,6 +414,24 @@ class IndexTransaction:
         """One statement in this transaction (for tables kept elsewhere: the comparison store's)."""
         return self.conn.execute(sql, params)
 
+    @contextmanager
+    def savepoint(self) -> Iterator[None]:
+        """A nested step of this transaction: on an error only its writes are undone, and the error is raised."""
+        self.conn.execute(SAVEPOINT)
+        try:
+            yield
+        except BaseException:
+            if self.conn.in_transaction:  # SQLite may roll the whole transaction back itself (SQLITE_FULL)
+                self.conn.execute(ROLLBACK_TO_SAVEPOINT)
+                self.conn.execute(RELEASE_SAVEPOINT)
+            raise
+        self.conn.execute(RELEASE_SAVEPOINT)
+
+    @property
+    def active(self) -> bool:
+        """Whether the transaction is still open (SQLite ends it itself on some errors)."""
+        return self.conn.in_transaction
+
     def request(self, run_id: str, request_id: str) -> sqlite3.Row | None:
         """The `requests` row of a request, read inside this transaction."""
         return self.conn.execute(SELECT_REQUEST, (run_id, request_id)).fetchone()
@@ -523,6 +547,7 @@ class _Transaction:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
-            self.index.conn.execute("COMMIT" if exc_type is None else "ROLLBACK")
+            if exc_type is None or self.index.conn.in_transaction:  # SQLite may have rolled back itself already
+                self.index.conn.execute("COMMIT" if exc_type is None else "ROLLBACK")
         finally:
             self.index.lock.release()

@@ -37,6 +37,11 @@ def request_summary(request: sqlite3.Row) -> dict:
     }
 
 
+def bytes_per_id(segment_bytes: int, stored_rows: int, row_width: int) -> float | None:
+    """Segment bytes on disk per stored id (every column and the file framing counted); None before any row."""
+    return segment_bytes / (stored_rows * row_width) if stored_rows > 0 else None
+
+
 def run_summary(run: sqlite3.Row, totals: sqlite3.Row, references: int) -> dict:
     """A `runs` row, the sums over its requests (`Index.run_aggregate`) and its reference count as a RunSummary."""
     shape = shape_of(run)
@@ -58,5 +63,6 @@ def run_summary(run: sqlite3.Row, totals: sqlite3.Row, references: int) -> dict:
         "referenced_rows": totals["referenced_rows"],
         "references": references,
         "bytes": run["bytes"],
+        "bytes_per_id": bytes_per_id(run["bytes"], totals["rows"] - totals["referenced_rows"], shape.row_width),
         "flagged": flagged,
     }

@@ -100,3 +100,50 @@ def words(token_ids: list[int]) -> str:
     if text_safe(token_ids) != list(token_ids):
         raise ValueError(f"ids not text-safe for the tiny tokenizer: {token_ids}")
     return " ".join(f"t{t}" for t in token_ids)
+
+
+def start_api_server(model_dir: str, env: dict[str, str], log_path, extra_args: tuple[str, ...] = (),
+                     own_group: bool = False, limit_s: float = 150.0):
+    """vLLM's OpenAI API server (`python -m vllm.entrypoints.openai.api_server`) on a free loopback port.
+
+    The tests' settings (eager, float32, max_model_len 128, 8 sequences, seed 0) plus `extra_args`;
+    `env` is added to this process's environment; `own_group` starts it in a process group of its own
+    (as a shell job). Returns (process, url) once `/health` answers; on exit or after `limit_s`, the
+    process (its group with `own_group`) is killed and the test fails with the log's tail.
+    """
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    import pytest
+
+    from tests.support.service import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+           "--enforce-eager", "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "8",
+           "--seed", "0", "--uvicorn-log-level", "warning", *extra_args]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
+                                process_group=0 if own_group else None)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + limit_s
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"vLLM API server exited {proc.returncode}: {log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:  # a hang guard, not a timing assertion
+            if own_group:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
+            proc.wait()
+            pytest.fail(f"vLLM API server not up in {limit_s:.0f} s: {log_path.read_text()[-3000:]}")
+        time.sleep(0.5)

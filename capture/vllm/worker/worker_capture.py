@@ -7,16 +7,18 @@ What each model-runner hook (`runner.py`) does with it:
 - `execute_model` -> `on_execute`: notes the `SchedulerOutput`; the engine core's prefix-cache
   hits of newly scheduled requests go to the sink as references, finished/aborted requests as
   finish events.
-- `_model_forward` -> `open_step` / `close_forward`: the step's request ids,
-  query_start_loc, positions and input ids (an `OpenStep`); captures outside a step
+- `_model_forward` -> `open_step` / `close_forward`: the step's request ids (an `OpenStep`);
+  query_start_loc, positions and input ids go straight into the step's frame
+  (`frame_buffer.StepFrameBuffer`, one reused buffer); captures outside a step
   (dummy/profile runs call the model directly) are ignored and counted.
 - router `capture_fn` -> `on_topk`: restores this DP rank's rows (`sharding.restore`) and
   records them in the `StepRecorder` (a layer that did not write a row this step leaves it
   `STALE`); when the layer routes this DP rank's whole batch on CPU it only keeps the
   tensor (`StepRecorder.keep`).
-- `sample_tokens` -> `on_sampled`: closes the step in the recorder, builds its one
-  `StepFrame` (with what spec decode verified and accepted) and hands it to the sink
-  (`handoff.StepHandoff.step`: one packed frame and one non-blocking pipe write). The sink
+- `sample_tokens` -> `on_sampled`: closes the step in the recorder straight into the frame's
+  experts slot (`StepRecorder.end_step_into`), finishes the frame (flags, what spec decode
+  verified and accepted, request names) and hands it to the sink (`handoff.StepHandoff.step_packed`:
+  one non-blocking pipe write of the buffer; copied only if the pipe is full). The sink
   maps rows to the user's request ids, drops rejected drafts and streams to the service
   (`capture.vllm.sink`); none of that runs on the forward thread.
 """
@@ -36,11 +38,12 @@ from capture.vllm.config import PluginConfig
 from capture.vllm.engine_core.prefix_hits import ATTR as HITS_ATTR
 from capture.vllm.engine_core.scheduler import ATTR as FINISH_ATTR
 from capture.vllm.worker.binder import bind_model, install_set_hook
+from capture.vllm.worker.frame_buffer import StepFrameBuffer
 from capture.vllm.worker.sharding import Parallel, pcp_mask_fixed_upstream, restore, routes_local_batch
 from capture.worker.pcp_mask import PcpPaddingMask
 from capture.worker.recorder import StepRecorder
-from replay_format import NO_TOKEN, RunShape, Source
-from replay_format.step_frame import NO_SAMPLE, Ended, FinishStatus, Reference, StepFrame
+from replay_format import RunShape, Source
+from replay_format.step_frame import NO_SAMPLE, Ended, FinishStatus, Reference
 
 if TYPE_CHECKING:  # imported when a sending rank starts its sink
     from capture.vllm.worker.handoff import StepHandoff
@@ -57,13 +60,15 @@ class OpenStep:
 
     __slots__ = ("req_ids", "query_start_loc", "positions", "token_ids", "num_tokens")
 
-    def __init__(self, req_ids: list[str], query_start_loc: np.ndarray, positions: np.ndarray,
-                 token_ids: np.ndarray) -> None:
+    def __init__(self, req_ids: list[str], query_start_loc: np.ndarray | None, positions: np.ndarray | None,
+                 token_ids: np.ndarray | None, num_tokens: int | None = None) -> None:
+        # The arrays are None when they live in the step's frame buffer (`WorkerCapture.frame`).
         self.req_ids = req_ids
         self.query_start_loc = query_start_loc  # int32 [num_reqs + 1]
         self.positions = positions  # int32 [n]
         self.token_ids = token_ids  # int32 [n], NO_TOKEN where unknown
-        self.num_tokens = len(positions)  # a plain attribute: read once per layer
+        # A plain attribute: read once per layer.
+        self.num_tokens = len(positions) if num_tokens is None and positions is not None else int(num_tokens or 0)
 
 
 def info(msg: str, *args) -> None:
@@ -103,8 +108,12 @@ class WorkerCapture:
         self.handoff: StepHandoff | None = None  # on the rank that sends
         self._paused_handoff: StepHandoff | None = None  # set_sending(False) keeps it here
         self.recorder: StepRecorder | None = None  # from startup() on
+        self.frame: StepFrameBuffer | None = None  # from startup() on: the step frame built in place
         self.par = Parallel()
         self.layers: dict[int, int] = {}  # model layer -> MoE ordinal (its place in moe_layers)
+        # id(MoERunner) -> MoE ordinal: vLLM's `MoERunner.layer_id` is a property that imports and
+        # parses the layer name on every read (tens of microseconds per layer inside the engine).
+        self.ordinals: dict[int, int] = {}
         self.model_id: int | None = None
         self.sched = None
         self.open: OpenStep | None = None  # the step the model is running
@@ -118,6 +127,7 @@ class WorkerCapture:
         self.hook_s = 0.0  # time in every hook (callbacks, step open, hand-off to the sink)
         self.enabled = True  # `set_enabled(False)` pauses capture (e.g. to measure its cost)
         self.local_layers: dict[int, bool] = {}  # MoE ordinal -> routes this DP rank's whole batch (static)
+        self.chains: list = []  # each router's ChainedCapture (step_profile.py times them)
 
     # ---- startup -----------------------------------------------------------
 
@@ -130,7 +140,9 @@ class WorkerCapture:
         self.check_config(vcfg)
         install_set_hook()
         bound = bind_model(model, self.on_topk)
+        self.chains = [b.router.capture_fn for b in bound]
         self.layers = {b.layer_id: i for i, b in enumerate(sorted(bound, key=lambda b: b.layer_id))}
+        self.ordinals = {id(b.runner): self.layers[b.layer_id] for b in bound}
         self.model_id = id(model)
         self.par = Parallel.from_vllm()
         first = bound[0].router
@@ -139,6 +151,7 @@ class WorkerCapture:
                          model_num_hidden_layers(vcfg, moe_layers))
         max_tokens = int(getattr(getattr(vcfg, "scheduler_config", None), "max_num_batched_tokens", 0) or 8192)
         self.recorder = StepRecorder(shape, max_tokens=max_tokens + 64)
+        self.frame = StepFrameBuffer(shape)
         self.install_pcp_mask()
         if self.par.sends:
             self.handoff = self.make_handoff(shape)
@@ -237,7 +250,8 @@ class WorkerCapture:
         return {"steps": self.steps, "hook_s": self.hook_s, "capture_s": self.capture_s,
                 "ignored_captures": self.ignored_captures, "sending": self.handoff is not None,
                 "lost_frames": self.handoff.lost_frames if self.handoff is not None else 0,
-                "backlogged_frames": self.handoff.backlogged_frames if self.handoff is not None else 0}
+                "backlogged_frames": self.handoff.backlogged_frames if self.handoff is not None else 0,
+                "sink_cpu_s": _cpu_seconds(self.handoff.pid) if self.handoff is not None else None}
 
     def on_execute(self, scheduler_output) -> None:
         """execute_model: note the step's scheduler output; hand its ended requests to the sink."""
@@ -256,20 +270,19 @@ class WorkerCapture:
             self.handoff.finish(ended)
 
     def open_step(self, runner, input_ids, positions) -> None:
-        """_model_forward: the step's requests, positions and input tokens; captures count from here."""
+        """_model_forward: the step's requests, positions and input tokens; captures count from here.
+
+        They are written straight into the step's frame (`frame_buffer.StepFrameBuffer.open`)."""
         batch = runner.input_batch
         num_reqs = batch.num_reqs
-        qsl = runner.query_start_loc.np[: num_reqs + 1].astype(np.int32)
-        n = int(qsl[-1])
         ids = input_ids if input_ids is not None else runner.input_ids.gpu
         pos = positions
         if pos is not None and pos.ndim > 1:  # M-RoPE: [3, n]; the text position is row 0
             pos = pos[0]
-        assert self.recorder is not None  # the hooks call this only after startup()
-        self.open = OpenStep(
-            batch.req_ids[:num_reqs], qsl, _host_copy(pos, n, np.int32),
-            np.full(n, NO_TOKEN, np.int32) if ids is None else _host_copy(ids, n, np.int32),
-        )
+        assert self.recorder is not None and self.frame is not None  # the hooks call this only after startup()
+        frame = self.frame
+        req_ids = batch.req_ids[:num_reqs]
+        self.open = OpenStep(req_ids, None, None, None, frame.open(req_ids, runner.query_start_loc.np, pos, ids))
         self.recorder.begin_step()
         self.capturing = True
 
@@ -285,7 +298,9 @@ class WorkerCapture:
             return
         t0 = time.perf_counter()
         try:
-            layer = self.layers[int(runner.layer_id)]
+            layer = self.ordinals.get(id(runner))
+            if layer is None:  # a runner bound without startup (tests, benches): read its layer id
+                layer = self.layers[int(runner.layer_id)]
             local = self.local_layers.get(layer)
             if local is None:
                 local = self.local_layers[layer] = routes_local_batch(runner)
@@ -312,20 +327,22 @@ class WorkerCapture:
         self.hook_s += spent
 
     def on_sampled(self, output) -> None:
-        """sample_tokens: close the step and hand its frame to the sink."""
+        """sample_tokens: close the step into its frame and hand the frame to the sink.
+
+        The recorder writes the experts into the frame's slot (`StepRecorder.end_step_into`);
+        the frame is written to the pipe from the reused buffer (`StepHandoff.step_packed`)."""
         step, self.pending = self.pending, None
-        if step is None or self.recorder is None:
+        if step is None or self.recorder is None or self.frame is None:
             return
         self.steps += 1
-        recorded = self.recorder.end_step(None, step.positions, step.token_ids)
+        flags = self.recorder.end_step_into(self.frame.experts)
         if self.handoff is None:
             return
         drafts, sampled = spec_counts(step.req_ids, self.sched, output)
-        self.handoff.step(StepFrame(step.req_ids, step.query_start_loc, step.positions, step.token_ids,
-                                    recorded.experts, recorded.flags, drafts, sampled))
+        self.handoff.step_packed(self.frame.close(flags, drafts, sampled))
         if self.config.verbose:
             info("routing-replay: step %d: %d rows (%d stale) of %d requests", self.steps, step.num_tokens,
-                  recorded.stale_rows, len(step.req_ids))
+                 0 if flags is None else int(np.count_nonzero(flags)), len(step.req_ids))
 
 
 def spec_counts(req_ids: list[str], sched, output) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -340,8 +357,11 @@ def spec_counts(req_ids: list[str], sched, output) -> tuple[np.ndarray | None, n
     return drafts, np.array([counts.get(rid, NO_SAMPLE) for rid in req_ids], np.int32)
 
 
-def _host_copy(tensor: torch.Tensor, n: int, dtype) -> np.ndarray:
-    """The first n values as a new host array (numpy directly for CPU tensors: fewer calls)."""
-    if tensor.is_cpu:
-        return tensor.numpy()[:n].astype(dtype)
-    return tensor[:n].cpu().numpy().astype(dtype)
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system) a process has used so far, from /proc; None where unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
