@@ -57,12 +57,13 @@ class LatencyMiddleware:
 
 
 async def retention_loop(store: RouteStore, settings: ServiceSettings) -> None:
-    """Retention passes every `retention_interval_s` while a limit is set (store/retention.py logs each run removed)."""
+    """Retention passes every `retention_interval_s` while a limit is set or segments are in an object store (its
+    orphans are collected by every pass); store/retention.py logs each run and orphan removed."""
     from starlette.concurrency import run_in_threadpool
 
     from replay_service.store.retention import collect
 
-    if not (settings.retention_max_bytes or settings.retention_max_age_s):
+    if not (settings.retention_max_bytes or settings.retention_max_age_s or settings.segments_url):
         return
     while True:
         try:

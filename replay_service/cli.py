@@ -38,7 +38,7 @@ def serve(
     """Serve the store in DATA over HTTP."""
     from replay_service.api.auth import Authenticator, listen_refusal
     from replay_service.app import create_app
-    from replay_service.errors import IndexNeedsRebuild
+    from replay_service.errors import IndexNeedsRebuild, IndexTooNew, IndexUnreachable, SegmentStoreUnreachable
     from replay_service.store import RouteStore
 
     overrides: dict = {"keep_alive_timeout_s": keep_alive_timeout, "max_connections": max_connections,
@@ -55,7 +55,7 @@ def serve(
         raise typer.Exit(2) from None
     try:
         store = RouteStore(settings)
-    except IndexNeedsRebuild as exc:
+    except (IndexNeedsRebuild, IndexTooNew, IndexUnreachable, SegmentStoreUnreachable) as exc:
         typer.echo(f"replay-service: {exc.message}", err=True)
         raise typer.Exit(2) from None
     if store.swept.removed or store.swept.quarantined:
@@ -96,10 +96,10 @@ def reindex(
     The old index, if any, is kept as index.sqlite.before-reindex-<time>. Exit status 1 when a segment
     could not be indexed (damaged, or written before rows 2.2).
     """
-    from replay_service.store.files import segment_files
     from replay_service.store.reindex import reindex as rebuild
+    from replay_service.store.segment_store import open_segment_store
 
-    total = len(segment_files(data / "runs"))
+    total = len(open_segment_store(data, ServiceSettings(data_dir=data).segments_url).paths())
     with _progress() as progress:
         scanned = progress.add_task("checking segments", total=total)
         committed = progress.add_task("indexing segments", total=total)
@@ -132,10 +132,12 @@ def verify(
 ) -> None:
     """Check every segment's checksum; list the damaged ones (exit status 1 when any). Safe while serving."""
     from replay_service.store.integrity import verify_store
+    from replay_service.store.segment_store import open_segment_store
 
+    segments = open_segment_store(data, ServiceSettings(data_dir=data).segments_url)
     with _progress() as progress:
         task = progress.add_task("verifying segments", total=None)
-        checked, damaged = verify_store(data, run, progress=lambda _: progress.advance(task))
+        checked, damaged = verify_store(data, run, progress=lambda _: progress.advance(task), store=segments)
         progress.update(task, total=checked, completed=checked)
     for rel, why in damaged:
         typer.echo(f"DAMAGED runs/{rel}: {why}")
@@ -174,14 +176,29 @@ def gc(
     data: Path = typer.Option(Path("replay-data"), "--data", help="directory of the Arrow store"),
     max_bytes: int | None = typer.Option(None, "--max-bytes", help="default: REPLAY_RETENTION_MAX_BYTES (0: off)"),
     max_age_s: float | None = typer.Option(None, "--max-age-s", help="default: REPLAY_RETENTION_MAX_AGE_S (0: off)"),
+    orphans: bool = typer.Option(
+        False, "--orphans", help="only delete bucket objects no index row names, older than REPLAY_ORPHAN_GRACE_S "
+        "(safe beside running replicas)"),
 ) -> None:
     """Delete the least recently written unpinned runs of DATA until under the limits (with the service stopped)."""
     from replay_service.store import RouteStore
-    from replay_service.store.retention import delete_run, due
+    from replay_service.store.retention import collect_orphans, delete_run, due
 
     settings = ServiceSettings(data_dir=data)
     cap = settings.retention_max_bytes if max_bytes is None else max_bytes
     age = settings.retention_max_age_s if max_age_s is None else max_age_s
+    if orphans:
+        from replay_service.store.index import Index
+        from replay_service.store.segment_store import open_segment_store
+
+        index = Index(data / "index.sqlite", fsync=False)  # read only: safe beside the service
+        try:
+            found = collect_orphans(open_segment_store(data, settings.segments_url), index, settings.orphan_grace_s)
+        finally:
+            index.close()
+        typer.echo(f"{len(found.deleted)} orphan segments deleted ({found.bytes} bytes), {len(found.young)} younger "
+                   f"than REPLAY_ORPHAN_GRACE_S={settings.orphan_grace_s:g} kept")
+        return
     store = RouteStore(settings)
     try:
         import time

@@ -79,3 +79,17 @@ class DamagedSegment(ServiceError):
 
 class IndexNeedsRebuild(ServiceError):
     """The index is missing or empty beside stored segments: the service does not start (run `reindex`)."""
+
+
+class SegmentStoreUnreachable(ServiceError):
+    """The segment store (REPLAY_SEGMENTS_URL) cannot be listed or written: the service does not start."""
+
+
+class IndexUnreachable(ServiceError):
+    """The index database (REPLAY_INDEX_URL) cannot be reached: nothing is answered from it (503); at start-up the
+    service does not start."""
+
+
+class IndexTooNew(ServiceError):
+    """The index was written by a newer release (a schema version this one does not know): the service does not
+    start."""

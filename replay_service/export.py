@@ -31,6 +31,7 @@ from replay_service.store.files import SegmentCache
 from replay_service.store.index import Index, count_column
 from replay_service.store.reads import RouteRows, RowReader
 from replay_service.store.runs import shape_of
+from replay_service.store.segment_store import open_segment_store
 from replay_service.store.summaries import expected_rows
 
 ROW_GROUP_ROWS = 1 << 16  # rows buffered before a row group is written
@@ -52,10 +53,12 @@ def _table(rows: RouteRows, schema: pa.Schema) -> pa.Table:
                                  tokens, experts, pa.array(rows.flags, pa.uint16())], schema=schema)
 
 
-def export_run(data_dir: Path, run_id: str, target: Path, progress: Callable[[int, int], None] | None = None) -> int:
+def export_run(data_dir: Path, run_id: str, target: Path, progress: Callable[[int, int], None] | None = None,
+               segments_url: str | None = None) -> int:
     """Write run `run_id` of `data_dir` to `target` (Parquet); how many rows. NotFound when the run does not exist.
 
-    `progress(done, total)` is called per request.
+    `progress(done, total)` is called per request. Segments are read from `segments_url` (default:
+    REPLAY_SEGMENTS_URL, or `<data_dir>/runs` when unset).
     """
     settings = ServiceSettings(data_dir=data_dir)
     index = Index(Path(data_dir) / "index.sqlite", fsync=False)
@@ -64,7 +67,9 @@ def export_run(data_dir: Path, run_id: str, target: Path, progress: Callable[[in
         if run is None:
             raise NotFound(f"run {run_id!r} not found in {data_dir}")
         shape = shape_of(run)
-        reader = RowReader(index, SegmentCache(Path(data_dir) / "runs", settings.open_segment_cache))
+        segments = open_segment_store(Path(data_dir), segments_url or settings.segments_url)
+        reader = RowReader(index, SegmentCache(segments, settings.open_segment_cache,
+                                               settings.open_segment_cache_bytes))
         late = count_column(Flag.CONFLICT)
         schema = export_schema(pa.from_numpy_dtype(shape.dtype)).with_metadata(
             {"routing_replay.run": json.dumps({"run_id": run_id, "num_moe_layers": shape.num_moe_layers,

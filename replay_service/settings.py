@@ -60,6 +60,17 @@ class ServiceSettings(BaseSettings):
         default=SegmentCompression.NONE, description="Arrow IPC buffer compression of new segment files: none "
         "(reads are zero-copy views of the page cache), lz4 or zstd (fewer bytes per id on disk; a segment is "
         "decompressed into memory when opened for reading); segments of any codec are read alike")
+    segments_url: str | None = Field(
+        default=None, description="where segments are stored: unset for <data_dir>/runs (local files), or "
+        "s3://bucket/prefix for an S3-compatible bucket (endpoint, region and credentials from AWS_ENDPOINT_URL, "
+        "AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY); store/segment_store.py")
+    orphan_grace_s: float = Field(
+        default=3600.0, gt=0, description="a bucket object no index row names is deleted once older than this "
+        "(retention passes, `replay-service gc --orphans`); longer than any ingest, which may still commit it")
+    index_url: str | None = Field(
+        default=None, description="the index: unset for <data_dir>/index.sqlite (SQLite, one process), or "
+        "postgresql://user:password@host:port/database for a PostgreSQL database that any number of replicas share "
+        "(store/index_backends/); a replica that cannot reach it refuses to start")
     direct_io: bool = Field(
         default=True,
         description="write segments with O_DIRECT (skips filling fresh page cache; falls back where unsupported)")

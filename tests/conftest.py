@@ -59,6 +59,8 @@ SLOW = {
     "test_service_schemathesis.py": "schemathesis: 8 examples of every API operation (~20 s)",
     "test_service_read_paths.py::test_an_idle_new_connection_is_closed": "waits out a 1 s keep-alive, per protocol",
     "test_service_compression.py::test_a_run_of_mixed_codecs": "four service starts, verify, export and reindex",
+    "test_service_s3.py::test_reindex_rebuilds_from_the_bucket": "two service starts on a bucket and a reindex",
+    "test_service_s3.py::test_an_unusable_bucket_refuses_the_start": "two refused service starts",
 }
 
 
@@ -89,10 +91,39 @@ def pytest_runtest_makereport(item, call):
         report.outcome = "failed"
 
 
+# The index backend the service fixtures (`service`, `shared_service`) run on: `sqlite` (default) or
+# `postgresql` (REPLAY_TEST_INDEX=postgresql: a throwaway cluster, tests/support/postgres.py, a fresh
+# database per service), so the contract suite runs against both (run the chosen files twice).
+INDEX_BACKEND = os.environ.get("REPLAY_TEST_INDEX", "sqlite")
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A throwaway PostgreSQL cluster for the session (started on first use, removed at the end)."""
+    from tests.support.postgres import Cluster
+
+    cluster = Cluster()
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture(scope="module")
+def postgres_url(postgres):
+    """The URL of a fresh PostgreSQL database for one test module."""
+    return postgres.new_database()
+
+
+def index_env(request) -> dict[str, str]:
+    """The service environment for the chosen index backend (a fresh database for PostgreSQL)."""
+    if INDEX_BACKEND != "postgresql":
+        return {}
+    return {"REPLAY_INDEX_URL": request.getfixturevalue("postgres").new_database()}
+
+
 @pytest.fixture
-def service(tmp_path):
-    """A fresh service process with its own data directory."""
-    with ServiceProcess(tmp_path / "data") as proc:
+def service(tmp_path, request):
+    """A fresh service process with its own data directory (and index database)."""
+    with ServiceProcess(tmp_path / "data", env=index_env(request)) as proc:
         yield proc
 
 
@@ -105,7 +136,7 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def shared_service(tmp_path_factory):
+def shared_service(tmp_path_factory, request):
     """One service process for every test that needs a default one (each test module uses its own run ids)."""
-    with ServiceProcess(tmp_path_factory.mktemp("shared") / "data") as proc:
+    with ServiceProcess(tmp_path_factory.mktemp("shared") / "data", env=index_env(request)) as proc:
         yield proc

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sqlite3
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -16,6 +15,7 @@ from replay_service.errors import (
     Conflict,
     DamagedSegment,
     Forbidden,
+    IndexUnreachable,
     InvalidInput,
     NotFound,
     ServiceError,
@@ -25,7 +25,6 @@ from replay_service.errors import (
     Unauthenticated,
     UnsupportedMediaType,
 )
-from replay_service.store.index import RUN_DELETED
 
 log = logging.getLogger("replay_service")
 
@@ -46,6 +45,8 @@ STATUS: tuple[tuple[type[Exception], int], ...] = (
     # Stored rows failed their checksum: never served; 503 (not 500) because restoring the segment from a
     # backup makes the same request succeed, and a sender spills and retries its batch meanwhile.
     (DamagedSegment, 503),
+    # The index database is unreachable (a PostgreSQL index, REPLAY_INDEX_URL): never an answer without it.
+    (IndexUnreachable, 503),
 )
 
 
@@ -79,14 +80,6 @@ def install_error_handlers(app: FastAPI) -> None:
     for cls in (ServiceError, FormatError):
         app.add_exception_handler(cls, domain_error)
 
-    async def run_deleted(request: Request, exc: Exception) -> JSONResponse:
-        # the index refused a row of a run deleted while this call was under way (store/retention.py)
-        if RUN_DELETED not in str(exc):
-            raise exc  # any other integrity error is unexpected: UnexpectedErrors answers it
-        return JSONResponse({"detail": f"{RUN_DELETED}: nothing of this call was kept; a new batch of this run id "
-                                       "starts a fresh run"}, status_code=404)
-
-    app.add_exception_handler(sqlite3.IntegrityError, run_deleted)
     app.add_middleware(UnexpectedErrors)  # innermost of the middleware added so far: latency still sees the 500
 
     @app.exception_handler(RequestValidationError)

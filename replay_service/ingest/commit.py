@@ -27,7 +27,6 @@ import enum
 import threading
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -36,7 +35,6 @@ from replay_service.errors import Conflict, RunDeleted
 from replay_service.ingest.check import CheckedRows, repeat_conflicts
 from replay_service.ingest.segment import Segment, SegmentWriter
 from replay_service.ownership import claim_requests
-from replay_service.store.files import fsync_dir
 from replay_service.store.index import COUNTED_FLAGS, Index, IndexTransaction
 from replay_service.store.reads import RowReader
 from replay_service.store.references import HeldRows, Resolver
@@ -142,6 +140,7 @@ class Committer:
                 loads = {id(run): run.load for run in runs}
                 try:
                     with self.index.transaction() as tx:
+                        tx.lock_runs([run.run_id for run in runs])  # the run locks of other replicas (PostgreSQL)
                         for waiting in group:
                             if waiting.error is None:
                                 self._commit_one(tx, waiting, loads)
@@ -165,19 +164,16 @@ class Committer:
                     self.segments.discard(waiting.segment)
 
     def _sync_folders(self, group: list[_Waiting]) -> None:
-        """Make the group's segment renames durable: one fsync per run folder, before any index row names them."""
-        folders: dict[Path, list[_Waiting]] = {}
-        for waiting in group:
-            if waiting.segment.folder_unsynced:
-                folders.setdefault((self.segments.root / waiting.segment.path).parent, []).append(waiting)
-        for folder, waiting_here in sorted(folders.items()):
-            try:
-                fsync_dir(folder)
-            except FileNotFoundError as exc:  # its run was deleted under the write (retention.py)
-                for waiting in waiting_here:
-                    waiting.error = RunDeleted(
-                        f"run {waiting.run.run_id!r} was deleted while this batch was being stored; nothing was "
-                        "stored (send it again to start a fresh run)") if waiting.run.deleted else exc
+        """Make the group's segment names durable before any index row names them (the segment store's job:
+        one fsync per run folder for local files, nothing for an object store)."""
+        unsynced = [w for w in group if w.segment.folder_unsynced]
+        failed = self.segments.store.sync(sorted({w.segment.path for w in unsynced}))
+        for waiting in unsynced:
+            exc = failed.get(waiting.segment.path)
+            if exc is not None:  # its run folder is gone: the run was deleted under the write (retention.py)
+                waiting.error = RunDeleted(
+                    f"run {waiting.run.run_id!r} was deleted while this batch was being stored; nothing was "
+                    "stored (send it again to start a fresh run)") if waiting.run.deleted else exc
 
     def _commit_one(self, tx: IndexTransaction, waiting: _Waiting, loads: dict[int, np.ndarray]) -> None:
         """One batch of a group inside its savepoint; on failure only its own writes are undone."""

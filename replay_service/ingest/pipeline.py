@@ -10,7 +10,6 @@ known then) and goes no further.
 from __future__ import annotations
 
 import errno
-import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -62,7 +61,10 @@ _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 
 @contextmanager
 def storage_full_refused() -> Iterator[None]:
-    """Turn a full disk into `StorageFull` (507): the writer keeps the batch and retries once space returns."""
+    """Turn a full disk into `StorageFull` (507): the writer keeps the batch and retries once space returns.
+
+    A full index disk is turned into StorageFull by the index backend itself (store/index_backends/).
+    """
     try:
         yield
     except OSError as exc:
@@ -70,7 +72,3 @@ def storage_full_refused() -> Iterator[None]:
             raise
         raise StorageFull(f"the data directory's disk is full ({exc.strerror}): nothing was stored; retry once "
                           "space is freed") from exc
-    except sqlite3.OperationalError as exc:
-        if getattr(exc, "sqlite_errorcode", None) != sqlite3.SQLITE_FULL:
-            raise
-        raise StorageFull(f"the index's disk is full ({exc}): nothing was stored; retry once space is freed") from exc

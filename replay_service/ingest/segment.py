@@ -6,6 +6,9 @@ syncs each run folder once for a whole group of batches (commit.py). A segment i
 once the commit stage's index rows name it (store/files.py says what start-up does with
 files no row names).
 
+In an object store (`REPLAY_SEGMENTS_URL`, store/segment_store.py) the same image is uploaded as one object,
+complete when the upload returns: nothing for the commit stage to sync.
+
 A segment carries what its index rows say (rows.md, "Segment files"): the batch's run, writer, seq,
 shape, digest, when it was written and the padding dropped per request, and a CRC32C over all of it
 and the rows (`store/integrity.py`), checked whenever the segment is opened for reading.
@@ -25,8 +28,9 @@ import pyarrow as pa
 from replay_format.rows import SegmentCompression, SegmentMeta
 from replay_service.buffers import PAGE, BufferPool
 from replay_service.ingest.check import CheckedRows
-from replay_service.store.files import TMP_SUFFIX, fsync_dir, new_segment_path
+from replay_service.store.files import TMP_SUFFIX, fsync_dir
 from replay_service.store.integrity import seal
+from replay_service.store.segment_store import LocalSegments, S3Segments, SegmentStore
 
 
 @dataclass
@@ -41,11 +45,11 @@ class Segment:
 
 
 class SegmentWriter:
-    """Writes segments under `root` with the service's durability settings."""
+    """Writes segments into `store` (a directory: local files) with the service's durability settings."""
 
-    def __init__(self, root: Path, staging: BufferPool, fsync: bool = True, direct: bool = True,
+    def __init__(self, store: SegmentStore | Path, staging: BufferPool, fsync: bool = True, direct: bool = True,
                  compression: SegmentCompression = SegmentCompression.NONE) -> None:
-        self.root = root
+        self.store = LocalSegments(store) if isinstance(store, Path) else store
         self.staging = staging  # segment images before they are written (buffers.py says why reused)
         self.fsync = fsync
         self.direct = direct
@@ -53,16 +57,21 @@ class SegmentWriter:
 
     def write(self, checked: CheckedRows) -> Segment:
         """The batch's rows with the service's flags, as a new segment file."""
-        path = new_segment_path(checked.rows.meta.run_id)
+        path = self.store.new_path(checked.rows.meta.run_id)
         meta = segment_meta(checked)
         batch = seal(checked.rows.to_record_batch(checked.flags, meta.to_metadata()))
-        size = write_segment(self.root / path, batch, self.staging, fsync=self.fsync, direct=self.direct,
+        if isinstance(self.store, S3Segments):  # one upload, complete when it returns
+            image = segment_image(batch, self.compression)
+            self.store.put(path, image)
+            return Segment(checked, path, image.size, meta.written_ns)
+        assert isinstance(self.store, LocalSegments)
+        size = write_segment(self.store.root / path, batch, self.staging, fsync=self.fsync, direct=self.direct,
                              compression=self.compression, sync_folder=False)
         return Segment(checked, path, size, meta.written_ns, folder_unsynced=self.fsync)
 
     def discard(self, segment: Segment) -> None:
         """Delete a segment the index will not name (a concurrent retry won, or the commit failed)."""
-        (self.root / segment.path).unlink(missing_ok=True)
+        self.store.delete(segment.path)
 
 
 def segment_meta(checked: CheckedRows) -> SegmentMeta:
@@ -70,6 +79,13 @@ def segment_meta(checked: CheckedRows) -> SegmentMeta:
     rows = checked.rows
     padding = {rows.request_ids[i]: int(checked.padding_dropped[i]) for i in np.flatnonzero(checked.padding_dropped)}
     return SegmentMeta(rows.meta, checked.digest, time.time_ns(), padding)
+
+
+def segment_image(batch: pa.RecordBatch, compression: SegmentCompression = SegmentCompression.NONE) -> pa.Buffer:
+    """`batch` as a whole Arrow IPC file image in memory (an object store's upload)."""
+    sink = pa.BufferOutputStream()
+    _write_ipc_file(sink, batch, compression.ipc_options())
+    return sink.getvalue()
 
 
 def write_segment(path: Path, batch: pa.RecordBatch, staging: BufferPool, fsync: bool = True,

@@ -7,6 +7,9 @@ Layout under the data directory:
     compares/<run_id>/<id>.npz        stored comparisons                        compares.py
     trash/                            folders of runs being deleted             retention.py
 
+Segments may live in an S3-compatible bucket instead (`REPLAY_SEGMENTS_URL=s3://bucket/prefix`,
+segment_store.py): `runs/<run_id>/` then holds only the run's journal.
+
 `RouteStore` is the service's one handle on it. Batches come in through the ingest pipeline
 (`replay_service.ingest`: decode -> check -> segment -> commit); an ingest is acknowledged
 after its segment is fsynced and renamed into place and its index rows are committed
@@ -33,17 +36,16 @@ from replay_service.ownership import claim_requests, current_actor, require_owne
 from replay_service.settings import ServiceSettings
 from replay_service.store.compares import CompareStore
 from replay_service.store.ends import upload_end
-from replay_service.store.files import QUARANTINE_DIR, SegmentCache, require_index, sweep_unindexed
-from replay_service.store.index import Index, RequestStatus, count_column
+from replay_service.store.files import QUARANTINE_DIR, SegmentCache, Sweep, require_index, sweep_unindexed
+from replay_service.store.index import Index, RequestStatus, Row, count_column
 from replay_service.store.journal import RunJournal
 from replay_service.store.reads import RouteRows, RowReader
 from replay_service.store.retention import Removed, delete_run, empty_trash, retention_fields
 from replay_service.store.runs import RunRegistry
+from replay_service.store.segment_store import LocalSegments, open_segment_store
 from replay_service.store.summaries import expected_rows, request_summary, run_summary
 
 if TYPE_CHECKING:
-    import sqlite3
-
     from replay_service.ingest.commit import IngestResult
     from replay_service.store.references import Reference, Resolution
 
@@ -64,26 +66,33 @@ class RouteStore:
         self.settings = settings
         self.root = Path(settings.data_dir)
         self.segments_root = self.root / "runs"
-        self.segments_root.mkdir(parents=True, exist_ok=True)
+        self.segments_root.mkdir(parents=True, exist_ok=True)  # local segments, or only the runs' journals
+        self.segments = open_segment_store(self.root, settings.segments_url)
+        self.segments.check()  # SegmentStoreUnreachable: an unusable bucket refuses the start, naming it
         index_path = self.root / "index.sqlite"
-        if not index_path.exists():
-            require_index(self.segments_root, set(), self.root)  # refused before an empty index file is made
-        self.index = Index(index_path, fsync=settings.fsync)
+        if settings.index_url is None and not index_path.exists():
+            require_index(self.segments, set(), self.root)  # refused before an empty index file is made
+        # A SQLite file beside the segments, or a PostgreSQL database several replicas share (index_backends/);
+        # IndexUnreachable / IndexTooNew refuse the start, naming REPLAY_INDEX_URL.
+        self.index = Index(settings.index_url or index_path, fsync=settings.fsync)
         indexed = self.index.indexed_paths()
         try:
-            require_index(self.segments_root, indexed, self.root)  # an index naming no segment beside segments
+            require_index(self.segments, indexed, self.root)  # an index naming no segment beside segments
         except Exception:
             self.index.close()
             raise
-        self.swept = sweep_unindexed(self.segments_root, indexed, self.root / QUARANTINE_DIR)
+        # Local files only: in a shared bucket an unindexed object may be another replica's ingest about to
+        # commit; those are deleted after REPLAY_ORPHAN_GRACE_S instead (retention.collect_orphans).
+        self.swept = (sweep_unindexed(self.segments.root, indexed, self.root / QUARANTINE_DIR)
+                      if isinstance(self.segments, LocalSegments) else Sweep())
         empty_trash(self.root)  # what a delete interrupted by a crash left (retention.py)
         self.journal = RunJournal(self.segments_root, fsync=settings.fsync)  # what reindex replays (journal.py)
-        self.cache = SegmentCache(self.segments_root, settings.open_segment_cache, settings.open_segment_cache_bytes)
+        self.cache = SegmentCache(self.segments, settings.open_segment_cache, settings.open_segment_cache_bytes)
         self.reader = RowReader(self.index, self.cache)
         self.registry = RunRegistry(self.index)
         self.compares = CompareStore(self.root / "compares", self.index, fsync=settings.fsync)
         staging = BufferPool(keep=settings.max_concurrent_ingests)  # segment images before they are written
-        segments = SegmentWriter(self.segments_root, staging, fsync=settings.fsync, direct=settings.direct_io,
+        segments = SegmentWriter(self.segments, staging, fsync=settings.fsync, direct=settings.direct_io,
                                  compression=settings.segment_compression)
         self.pipeline = IngestPipeline(self.registry, segments, Committer(self.index, self.reader, segments),
                                        RecentRows(settings.stale_table_rows), settings.stale_min_entropy_bits)
@@ -148,6 +157,7 @@ class RouteStore:
 
         run = self.registry.require(run_id)
         with run.lock, self.index.transaction() as tx:
+            tx.lock_runs([run_id])  # and every other replica's commits of this run (PostgreSQL)
             claim_requests(tx, run_id, [r.request_id for r in references])  # a reference writes to its request
             resolution = Resolver(tx, self.reader, run_id, run.shape).add(references)
         self.journal.references(run_id, references)
@@ -213,7 +223,7 @@ class RouteStore:
 
     # ---- requests
 
-    def _request(self, run_id: str, request_id: str) -> sqlite3.Row:
+    def _request(self, run_id: str, request_id: str) -> Row:
         self.registry.require(run_id)
         row = self.index.request(run_id, request_id)
         if row is None:

@@ -17,20 +17,32 @@ from replay_format.compare import CompareFileMeta, RequestMismatch, encode_compa
 from replay_service.errors import NotFound
 from replay_service.store.files import fsync_dir
 from replay_service.store.index import Index, IndexTransaction
+from replay_service.store.index_backends import Dialect
 
-SCHEMA = """
+
+def schema(d: Dialect) -> str:
+    """The `compares` table in a backend's dialect (PostgreSQL has no rowid: `added` keeps insertion order)."""
+    added = "" if d.name == "sqlite" else f",\n    added {d.serial_key.replace(' PRIMARY KEY', ' UNIQUE')}"
+    return f"""
 CREATE TABLE IF NOT EXISTS compares (
-    compare_id TEXT PRIMARY KEY,
-    run_id TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    path TEXT NOT NULL,
-    requests TEXT NOT NULL,
-    doc TEXT NOT NULL
+    compare_id {d.text} PRIMARY KEY,
+    run_id {d.text} NOT NULL,
+    created_at {d.real} NOT NULL,
+    path {d.text} NOT NULL,
+    requests {d.text} NOT NULL,
+    doc {d.text} NOT NULL{added}
 );
 CREATE INDEX IF NOT EXISTS compares_by_run ON compares (run_id, created_at);
 """
+
+
+def list_by_run(d: Dialect) -> str:
+    """A run's comparisons, newest first (the later inserted first among equal times)."""
+    added = "rowid" if d.name == "sqlite" else "added"
+    return f"SELECT doc FROM compares WHERE run_id = ? ORDER BY created_at DESC, {added} DESC"
+
+
 INSERT = "INSERT INTO compares (compare_id, run_id, created_at, path, requests, doc) VALUES (?, ?, ?, ?, ?, ?)"
-LIST_BY_RUN = "SELECT doc FROM compares WHERE run_id = ? ORDER BY created_at DESC, rowid DESC"
 ONE = "SELECT * FROM compares WHERE run_id = ? AND compare_id = ?"
 DELETE_BY_RUN = "DELETE FROM compares WHERE run_id = ?"
 
@@ -46,8 +58,8 @@ class CompareStore:
         self.root = Path(root)
         self.index = index
         self.fsync = fsync
-        with index.lock:
-            index.conn.executescript(SCHEMA)
+        index.backend.script(schema(index.backend.dialect))
+        self._list_by_run = list_by_run(index.backend.dialect)
 
     def save(self, doc: dict, per_request: Sequence[RequestMismatch]) -> None:
         """Store one comparison: its file first (durably), then the index row naming it."""
@@ -76,7 +88,7 @@ class CompareStore:
 
     def list(self, run_id: str) -> list[dict]:
         """The stored answers of a run's comparisons, newest first."""
-        return [json.loads(r["doc"]) for r in self.index.query(LIST_BY_RUN, (run_id,))]
+        return [json.loads(r["doc"]) for r in self.index.query(self._list_by_run, (run_id,))]
 
     def _row(self, run_id: str, compare_id: str):
         row = self.index.one(ONE, (run_id, compare_id))

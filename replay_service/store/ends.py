@@ -21,13 +21,11 @@ The finish call (`RouteStore.finish`) keeps its own, stricter rule: another leng
 
 from __future__ import annotations
 
-import sqlite3
-
 from replay_service.errors import Conflict
-from replay_service.store.index import RequestStatus
+from replay_service.store.index import RequestStatus, Row
 
 
-def upload_end(request: sqlite3.Row | None, request_id: str, start: int, num_tokens: int,
+def upload_end(request: Row | None, request_id: str, start: int, num_tokens: int,
                finish: bool) -> int | None:
     """The request's new `T` after an upload of rows `start .. num_tokens-2`, None to leave it; Conflict to refuse."""
     ended = request is not None and request["final_tokens"] is not None

@@ -9,6 +9,11 @@ is a batch the crash kept from being acknowledged (its writer retries), but it m
 acknowledged rows when the index was lost or an older one restored: `replay-service reindex` rebuilds
 the index from segments (and can take quarantined ones back).
 
+With segments in an object store (`REPLAY_SEGMENTS_URL`, segment_store.py) there is no `.tmp` (an object
+appears complete or not at all) and no start-up quarantine: other replicas may be committing objects the
+index does not name yet; objects no index row names are deleted after a grace period instead
+(retention.py, `collect_orphans`).
+
 Every segment opened for reading is checked whole against its checksum (`integrity.py`) before any
 of it is served; a damaged one is remembered and refused without reading it again until its file
 changes (restored from a backup).
@@ -20,7 +25,6 @@ import logging
 import os
 import shutil
 import threading
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,11 +33,11 @@ import pyarrow as pa
 
 from replay_service.errors import DamagedSegment, IndexNeedsRebuild, RunDeleted
 from replay_service.store.integrity import open_segment
+from replay_service.store.segment_store import SEGMENT_SUFFIX, LocalSegments, SegmentStore
 
 log = logging.getLogger("replay_service")
 
 TMP_SUFFIX = ".tmp"
-SEGMENT_SUFFIX = ".arrow"
 QUARANTINE_DIR = "quarantine"  # under the data directory, beside `runs/`
 
 
@@ -46,27 +50,21 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def new_segment_path(run_id: str) -> str:
-    """A fresh segment's path relative to the segment root: `<run_id>/<uuid>.arrow`."""
-    return f"{run_id}/{uuid.uuid4().hex}{SEGMENT_SUFFIX}"
-
-
 def segment_files(root: Path) -> list[str]:
-    """Every complete segment under the segment root, as paths relative to it, sorted."""
-    if not root.exists():
-        return []
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*" + SEGMENT_SUFFIX) if p.is_file())
+    """Every complete segment under a local segment root, as paths relative to it, sorted."""
+    return LocalSegments(root).paths()
 
 
-def require_index(root: Path, indexed: set[str], data_dir: Path) -> None:
-    """IndexNeedsRebuild when segments lie under `root` but the index names none of them (missing or empty).
+def require_index(store: SegmentStore | Path, indexed: set[str], data_dir: Path) -> None:
+    """IndexNeedsRebuild when `store` holds segments but the index names none of them (missing or empty).
 
     Starting would make every segment look unacknowledged; the index is rebuilt from them instead.
     """
-    if indexed or not segment_files(root):
+    store = LocalSegments(store) if isinstance(store, Path) else store
+    if indexed or not store.objects():
         return
     raise IndexNeedsRebuild(
-        f"the index {data_dir / 'index.sqlite'} is missing or empty, but {root} holds segments: the service does "
+        f"the index {data_dir / 'index.sqlite'} is missing or empty, but {store.url} holds segments: the service does "
         f"not start on it (every stored row would look unacknowledged). Rebuild the index from the segments "
         f"with `replay-service reindex --data {data_dir}`, then start again.")
 
@@ -134,14 +132,15 @@ def heap_bytes(batch: pa.RecordBatch) -> int:
 
 
 class SegmentCache:
-    """LRU of memory-mapped, checked segments; reads are zero-copy views into the page cache.
+    """LRU of opened, checked segments; local reads are zero-copy views into the page cache.
 
-    A compressed segment (rows.md, "Compression") is held decompressed in memory: those count against
-    `max_heap_bytes`, so the cache's memory stays bounded whatever the codec.
+    A compressed segment (rows.md, "Compression") is held decompressed in memory, and a segment fetched from an
+    object store is held whole: those count against `max_heap_bytes`, so the cache's memory stays bounded
+    whatever the codec and the store.
     """
 
-    def __init__(self, root: Path, capacity: int, max_heap_bytes: int = 1 << 30) -> None:
-        self.root = root
+    def __init__(self, store: SegmentStore | Path, capacity: int, max_heap_bytes: int = 1 << 30) -> None:
+        self.store = LocalSegments(store) if isinstance(store, Path) else store
         self.capacity = max(1, capacity)
         self.max_heap_bytes = max_heap_bytes
         self._heap: dict[str, int] = {}  # path -> heap_bytes of the open segments that hold any
@@ -170,11 +169,7 @@ class SegmentCache:
             self._deleted.discard(run_id)
 
     def _stat(self, rel_path: str) -> tuple[int, int] | None:
-        try:
-            st = os.stat(self.root / rel_path)
-        except FileNotFoundError:
-            return None
-        return st.st_mtime_ns, st.st_size
+        return self.store.stat(rel_path)
 
     def get(self, rel_path: str) -> pa.RecordBatch:
         """The segment at `rel_path` (its one record batch), mapped and checked on first use.
@@ -194,7 +189,7 @@ class SegmentCache:
             raise DamagedSegment(known[1], rel_path)
         stat = self._stat(rel_path)
         try:
-            batch = open_segment(self.root, rel_path)
+            batch = open_segment(self.store, rel_path)
         except DamagedSegment as exc:
             with self._lock:
                 if _run_of(rel_path) in self._deleted and self._stat(rel_path) is None:
@@ -210,7 +205,7 @@ class SegmentCache:
             if _run_of(rel_path) in self._deleted:
                 return batch  # served to this read only: kept mapped, a deleted file's space would not be freed
             self._open[rel_path] = batch
-            held = heap_bytes(batch)
+            held = batch.get_total_buffer_size() if self.store.in_memory else heap_bytes(batch)
             if held:
                 self._heap[rel_path] = held
             while len(self._open) > self.capacity:

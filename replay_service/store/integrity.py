@@ -22,6 +22,7 @@ from replay_format import NO_TOKEN, FormatError
 from replay_format.core import decode_metadata
 from replay_format.rows import CHECKSUM_KEY
 from replay_service.errors import DamagedSegment
+from replay_service.store.segment_store import LocalSegments, SegmentStore
 
 
 def _json(value: object) -> pa.Buffer:
@@ -59,14 +60,17 @@ def seal(batch: pa.RecordBatch) -> pa.RecordBatch:
     return batch.replace_schema_metadata({**md, CHECKSUM_KEY: f"{segment_crc(batch, md):08x}"})
 
 
-def open_segment(root: Path, rel_path: str) -> pa.RecordBatch:
-    """The segment at `root / rel_path`, memory-mapped and checked; DamagedSegment when it fails.
+def open_segment(store: SegmentStore | Path, rel_path: str) -> pa.RecordBatch:
+    """The segment at `rel_path` of `store` (a directory: `LocalSegments`), opened and checked; DamagedSegment if not.
 
-    A segment without a checksum (written before rows 2.2) is served unchecked.
+    Local: memory-mapped. Object store: fetched whole (the check reads every byte). A segment without a checksum
+    (written before rows 2.2) is served unchecked.
     """
+    if isinstance(store, Path):
+        store = LocalSegments(store)
+    where = f"runs/{rel_path}" if isinstance(store, LocalSegments) else f"{store.url.rstrip('/')}/{rel_path}"
     try:
-        source = pa.memory_map(str(root / rel_path), "r")
-        batch = pa.ipc.open_file(source).get_batch(0)
+        batch = store.open_batch(rel_path)
         batch.validate()  # buffer sizes fit the rows: a damaged header must not make a read run off the map
         md = decode_metadata(batch.schema.metadata, "segment")
         stored = md.get(CHECKSUM_KEY)
@@ -74,38 +78,38 @@ def open_segment(root: Path, rel_path: str) -> pa.RecordBatch:
             return batch
         actual = segment_crc(batch, md)
     except FileNotFoundError:
-        raise DamagedSegment(f"segment runs/{rel_path} is missing: restore it from a backup", rel_path) from None
+        raise DamagedSegment(f"segment {where} is missing: restore it from a backup", rel_path) from None
     except (pa.ArrowException, OSError, FormatError, KeyError, ValueError, UnicodeDecodeError) as exc:
-        raise DamagedSegment(f"segment runs/{rel_path} cannot be read ({exc}): restore it from a backup; "
+        raise DamagedSegment(f"segment {where} cannot be read ({exc}): restore it from a backup; "
                              "`replay-service verify` lists every damaged segment", rel_path) from None
     if f"{actual:08x}" != stored:
-        raise DamagedSegment(f"segment runs/{rel_path} is damaged (CRC32C {actual:08x}, written {stored}): its rows "
+        raise DamagedSegment(f"segment {where} is damaged (CRC32C {actual:08x}, written {stored}): its rows "
                              "are not served; restore it from a backup; `replay-service verify` lists every damaged "
                              "segment", rel_path)
     return batch
 
 
-def segment_problem(root: Path, rel_path: str) -> str | None:
+def segment_problem(store: SegmentStore | Path, rel_path: str) -> str | None:
     """Why the segment at `rel_path` is damaged, or None when it passes (`verify`)."""
     try:
-        open_segment(root, rel_path)
+        open_segment(store, rel_path)
     except DamagedSegment as exc:
         return exc.message
     return None
 
 
-def verify_store(data_dir: Path, run_id: str | None = None,
-                 progress: Callable[[str], None] | None = None) -> tuple[int, list[tuple[str, str]]]:
-    """Check every segment under `data_dir` (of one run when given) and those its index names.
+def verify_store(data_dir: Path, run_id: str | None = None, progress: Callable[[str], None] | None = None,
+                 store: SegmentStore | None = None) -> tuple[int, list[tuple[str, str]]]:
+    """Check every segment of `store` (`<data_dir>/runs` when not given; of one run when given) and those its index
+    names.
 
-    Returns how many were checked and the damaged ones as `(path under runs/, why)`; a segment the index
-    names that is not on disk counts as damaged. Read-only: safe beside a running service.
+    Returns how many were checked and the damaged ones as `(relative path, why)`; a segment the index
+    names that is not stored counts as damaged. Read-only: safe beside a running service.
     """
-    from replay_service.store.files import segment_files  # files.py builds on this module
     from replay_service.store.index import Index
 
-    root = data_dir / "runs"
-    paths = set(segment_files(root))
+    store = store or LocalSegments(Path(data_dir) / "runs")
+    paths = set(store.paths(run_id))
     index_path = data_dir / "index.sqlite"
     if index_path.exists():
         index = Index(index_path, fsync=False)
@@ -119,7 +123,7 @@ def verify_store(data_dir: Path, run_id: str | None = None,
     for rel in sorted(paths):
         if progress is not None:
             progress(rel)
-        problem = segment_problem(root, rel)
+        problem = segment_problem(store, rel)
         if problem is not None:
             damaged.append((rel, problem))
     return len(paths), damaged

@@ -51,6 +51,7 @@ from replay_service.store.integrity import open_segment
 from replay_service.store.journal import JOURNAL_NAME, read_journal
 from replay_service.store.reads import RowReader
 from replay_service.store.runs import RunRegistry
+from replay_service.store.segment_store import LocalSegments, SegmentStore, open_segment_store
 
 INDEX_NAME = "index.sqlite"
 SIDE_FILES = ("", "-wal", "-shm")  # SQLite's files of one database
@@ -96,13 +97,16 @@ def restore_quarantine(data_dir: Path) -> list[str]:
     return back
 
 
-def scan(root: Path, report: ReindexReport, progress: Callable[[str], None]) -> dict[str, list[_Item]]:
-    """Every usable segment under `root`, checked, grouped by run (damaged and pre-2.2 ones go to the report)."""
+def scan(store: SegmentStore | Path, report: ReindexReport,
+         progress: Callable[[str], None]) -> dict[str, list[_Item]]:
+    """Every usable segment of `store`, checked, grouped by run (damaged and pre-2.2 ones go to the report)."""
+    store = LocalSegments(store) if isinstance(store, Path) else store
     runs: dict[str, list[_Item]] = {}
-    for rel in segment_files(root):
+    for obj in store.objects():
+        rel = obj.path
         progress(rel)
         try:
-            batch = open_segment(root, rel)
+            batch = open_segment(store, rel)
             meta = SegmentMeta.from_metadata(decode_metadata(batch.schema.metadata, "segment"))
         except DamagedSegment as exc:
             report.damaged.append((rel, exc.message))
@@ -110,7 +114,7 @@ def scan(root: Path, report: ReindexReport, progress: Callable[[str], None]) -> 
         except FormatError as exc:
             report.unusable.append((rel, str(exc)))
             continue
-        size = os.stat(root / rel).st_size
+        size = obj.size
         runs.setdefault(meta.rows.run_id, []).append(
             _Item(meta.written_ns, (0, meta.rows.writer_id, meta.rows.seq, rel), segment=(rel, meta, size)))
     return runs
@@ -128,8 +132,10 @@ def reindex(data_dir: Path, settings: ServiceSettings | None = None, restore: bo
     report = ReindexReport()
     if restore:
         report.restored = restore_quarantine(data_dir)
-    root = data_dir / "runs"
-    runs = scan(root, report, progress)
+    root = data_dir / "runs"  # the runs' journals (and local segments)
+    segments = open_segment_store(data_dir, settings.segments_url)
+    segments.check()
+    runs = scan(segments, report, progress)
     for run_id, items in runs.items():
         journal = read_journal(root / run_id / JOURNAL_NAME)
         items += [_Item(e["t"], (1, n), event=e) for n, e in enumerate(journal)]
@@ -140,8 +146,8 @@ def reindex(data_dir: Path, settings: ServiceSettings | None = None, restore: bo
         Path(f"{building}{suffix}").unlink(missing_ok=True)  # a rebuild that did not finish
     index = Index(building, fsync=False)  # made durable once, at the end
     try:
-        cache = SegmentCache(root, settings.open_segment_cache)
-        committer = Committer(index, RowReader(index, cache), _KeepFiles(root, BufferPool(keep=1), fsync=False))
+        cache = SegmentCache(segments, settings.open_segment_cache, settings.open_segment_cache_bytes)
+        committer = Committer(index, RowReader(index, cache), _KeepFiles(segments, BufferPool(keep=1), fsync=False))
         rebuild = _Rebuild(index, cache, committer, report, progress)
         for run_id in sorted(runs):
             rebuild.run(run_id, runs[run_id])

@@ -11,6 +11,16 @@ A delete is safe while the run is read or written:
    segment keeps reading it (an unlinked file stays mapped on Linux) and its space is freed when it ends;
 4. the run registry forgets it: the next batch of that id creates a fresh run.
 
+With segments in an object store (segment_store.py) step 3 deletes the run's objects (listed under its prefix)
+and moves only its journal folder; a read already holding a segment keeps its fetched copy. An object uploaded
+by a batch racing the delete is refused at commit and deleted by its writer, or else left as an orphan.
+
+Orphans (`collect_orphans`): objects of an object store that no index row names, older than
+`REPLAY_ORPHAN_GRACE_S`, are deleted by every retention pass and by `replay-service gc --orphans`. The listing
+is taken before the index is read, so an object committed in between is seen as named; an object is
+deleted only when older than the grace period, longer than any ingest, so never while one may still commit it
+(its age is the store's LastModified). Local segments keep today's start-up quarantine instead (files.py).
+
 A batch being written when its run is deleted is refused at commit (the index's `segments_of_a_run`
 trigger: RunDeleted, nothing left behind). A crash between 2 and 3 leaves the segments unindexed: the next
 start quarantines them (files.py), nothing is served.
@@ -26,7 +36,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import sqlite3
 import time
 import uuid
 from dataclasses import dataclass
@@ -34,9 +43,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from replay_service.errors import NotFound
+from replay_service.store.segment_store import LocalSegments, SegmentStore
 
 if TYPE_CHECKING:
     from replay_service.store import RouteStore
+    from replay_service.store.index import Index, Row
 
 log = logging.getLogger("replay_service")
 
@@ -54,12 +65,12 @@ class Removed:
     reason: str = "requested"
 
 
-def last_write(run: sqlite3.Row) -> float:
+def last_write(run: Row) -> float:
     """When a run was last written (Unix time): its last stored batch, or its creation."""
     return run["last_write"] if run["last_write"] is not None else run["created_at"]
 
 
-def retention_fields(run: sqlite3.Row) -> dict:
+def retention_fields(run: Row) -> dict:
     """A `runs` row's retention state as RunSummary fields."""
     return {"pinned": bool(run["pinned"]), "last_write": last_write(run)}
 
@@ -73,19 +84,22 @@ def delete_run(store: RouteStore, run_id: str, reason: str = "requested") -> Rem
         state.deleted = True
         try:
             with store.index.transaction() as tx:
+                tx.lock_runs([run_id])  # after any other replica's commit of this run (PostgreSQL)
                 rows = tx.delete_run(run_id) + store.compares.delete_rows(tx, run_id)
                 if rows == 0:
                     raise NotFound(f"run {run_id!r} not found")
         except BaseException:
             state.deleted = False
             raise
+        object_bytes, objects = store.segments.delete_run(run_id)  # an object store's; local ones go to the trash
         trash = store.root / TRASH_DIR / uuid.uuid4().hex
         moved = [_to_trash(folder, trash) for folder in (store.segments_root / run_id, store.compares.root / run_id)]
     store.registry.forget(run_id)
     size, files = _remove(trash)
+    size, files = size + object_bytes, files + objects
     removed = Removed(run_id, rows, size, files, reason)
     log.warning("deleted run %r (%s): %d index rows, %d files, %d bytes%s", run_id, reason, rows, files, size,
-                "" if any(moved) else " (it had no files)")
+                "" if any(moved) or objects else " (it had no files)")
     return removed
 
 
@@ -120,7 +134,7 @@ def empty_trash(data_dir: Path) -> None:
                 os.unlink(entry)
 
 
-def due(runs: list[sqlite3.Row], max_bytes: int, max_age_s: float, now: float) -> list[tuple[str, str]]:
+def due(runs: list[Row], max_bytes: int, max_age_s: float, now: float) -> list[tuple[str, str]]:
     """The runs retention deletes, in order, each with why: unpinned, least recently written first."""
     candidates = sorted((r for r in runs if not r["pinned"]), key=last_write)
     total = sum(r["bytes"] for r in runs)
@@ -139,11 +153,46 @@ def due(runs: list[sqlite3.Row], max_bytes: int, max_age_s: float, now: float) -
 
 
 def collect(store: RouteStore, max_bytes: int, max_age_s: float, now: float | None = None) -> list[Removed]:
-    """One retention pass: delete the runs `due` names (a run deleted meanwhile is skipped)."""
+    """One retention pass: delete the runs `due` names (a run deleted meanwhile is skipped), then old orphans."""
     removed = []
     for run_id, reason in due(store.index.runs(), max_bytes, max_age_s, time.time() if now is None else now):
         try:
             removed.append(delete_run(store, run_id, reason))
         except NotFound:
             continue
+    collect_orphans(store.segments, store.index, store.settings.orphan_grace_s)  # logs each one it deletes
     return removed
+
+
+@dataclass
+class Orphans:
+    """What one orphan pass found: objects deleted, and unnamed ones kept because they are younger than the grace."""
+
+    deleted: list[str]
+    young: list[str]
+    bytes: int
+
+
+def collect_orphans(segments: SegmentStore, index: Index, grace_s: float, now: float | None = None) -> Orphans:
+    """Delete objects of an object store no index row names, older than `grace_s` (module docstring).
+
+    Local segments: nothing (their start-up quarantine keeps them, files.py).
+    """
+    done = Orphans([], [], 0)
+    if isinstance(segments, LocalSegments):
+        return done
+    listed = segments.objects()  # before the index is read: an object committed meanwhile is named in it
+    named = index.indexed_paths()
+    now = time.time() if now is None else now
+    for obj in listed:
+        if obj.path in named:
+            continue
+        if now - obj.mtime <= grace_s:
+            done.young.append(obj.path)  # an ingest may still commit it
+            continue
+        segments.delete(obj.path)
+        done.deleted.append(obj.path)
+        done.bytes += obj.size
+        log.warning("deleted orphan segment %s/%s: named by no index row, %.0f s old (REPLAY_ORPHAN_GRACE_S=%g)",
+                    segments.url.rstrip("/"), obj.path, now - obj.mtime, grace_s)
+    return done

@@ -16,17 +16,13 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from replay_format import RunShape
 from replay_format.rows import RowsMeta
 from replay_service.errors import Conflict, NotFound
-from replay_service.store.index import Index
-
-if TYPE_CHECKING:
-    import sqlite3
+from replay_service.store.index import Index, Row
 
 
 @dataclass
@@ -70,9 +66,11 @@ class RunRegistry:
         """
         with self._lock:
             state = self._runs.get(meta.run_id) or self._load(meta.run_id)
-            if state is None:
-                self.index.register_run(meta.run_id, meta.shape, meta.source.value, time.time())
+            if state is None and self.index.register_run(meta.run_id, meta.shape, meta.source.value, time.time()):
                 return self._remember(meta.run_id, meta.shape, None)
+            if state is None:  # another replica created it meanwhile (a shared index): its row decides the shape
+                state = self._load(meta.run_id)
+                assert state is not None
             have, got = state.shape, meta.shape
             if not same_rows(have, got):
                 raise Conflict(
@@ -105,7 +103,7 @@ class RunRegistry:
         return state
 
 
-def shape_of(run: sqlite3.Row) -> RunShape:
+def shape_of(run: Row) -> RunShape:
     """The shape a `runs` row records (`num_hidden_layers` 0: written before runs knew it, derived)."""
     return RunShape(run["num_moe_layers"], run["top_k"], run["num_experts"], tuple(json.loads(run["moe_layers"])),
                     run["num_hidden_layers"])

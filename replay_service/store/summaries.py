@@ -5,21 +5,19 @@ Fields and their meaning are the API's; the models there document them.
 
 from __future__ import annotations
 
-import sqlite3
-
 from replay_format import Flag
-from replay_service.store.index import COUNTED_FLAGS, count_column
+from replay_service.store.index import COUNTED_FLAGS, Row, count_column
 from replay_service.store.runs import shape_of
 
 
-def expected_rows(request: sqlite3.Row) -> int:
+def expected_rows(request: Row) -> int:
     """A finished request of T tokens has T-1 rows; an open one, up to the last position seen."""
     if request["final_tokens"] is not None:
         return max(request["final_tokens"] - 1, 0)
     return request["pos_max"] + 1
 
 
-def request_summary(request: sqlite3.Row) -> dict:
+def request_summary(request: Row) -> dict:
     """One `requests` row as a RequestSummary record."""
     expected = expected_rows(request)
     flagged = {str(f.name): request[count_column(f)] for f in COUNTED_FLAGS}
@@ -42,7 +40,7 @@ def bytes_per_id(segment_bytes: int, stored_rows: int, row_width: int) -> float 
     return segment_bytes / (stored_rows * row_width) if stored_rows > 0 else None
 
 
-def run_summary(run: sqlite3.Row, totals: sqlite3.Row, references: int) -> dict:
+def run_summary(run: Row, totals: Row, references: int) -> dict:
     """A `runs` row, the sums over its requests (`Index.run_aggregate`) and its reference count as a RunSummary."""
     shape = shape_of(run)
     flagged = {str(f.name): totals[count_column(f)] for f in COUNTED_FLAGS}

@@ -1,0 +1,143 @@
+"""The SQLite index backend (the default): one file beside the segments, one connection behind one lock.
+
+WAL with synchronous=FULL (or OFF when fsync is off). One process writes it: `BEGIN IMMEDIATE` under the
+lock serialises every transaction, so a run's commits need no lock of their own here. The schema version
+is `PRAGMA user_version`.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from replay_service.errors import IndexTooNew, RunDeleted, StorageFull
+from replay_service.store.index_backends import Dialect, Params, Row, Transaction
+
+DIALECT = Dialect(
+    name="sqlite", greatest="MAX", least="MIN", text="TEXT", integer="INTEGER", real="REAL", blob="BLOB",
+    serial_key="INTEGER PRIMARY KEY", without_rowid=" WITHOUT ROWID",
+    json_texts="SELECT value FROM json_each(?)",
+    json_pieces="(SELECT key AS piece, value ->> 0 AS src, value ->> 1 AS lo, value ->> 2 AS hi FROM json_each(?))",
+)
+RUN_DELETED_MARK = "run deleted while this batch was stored"  # the trigger's message (index.RUN_DELETED)
+
+
+def translated(exc: sqlite3.Error) -> Exception:
+    """The domain error a driver error stands for, or the error itself."""
+    if isinstance(exc, sqlite3.IntegrityError) and RUN_DELETED_MARK in str(exc):
+        return RunDeleted(f"{RUN_DELETED_MARK}: nothing of this call was kept; a new batch of this run id starts a "
+                          "fresh run")
+    if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+        return StorageFull(f"the index's disk is full ({exc}): nothing was stored; retry once space is freed")
+    return exc
+
+
+@contextmanager
+def _translating() -> Iterator[None]:
+    try:
+        yield
+    except sqlite3.Error as exc:
+        domain = translated(exc)
+        if domain is exc:
+            raise
+        raise domain from exc
+
+
+class SqliteTransaction:
+    """An IMMEDIATE transaction on the backend's connection (its lock held until `finish`)."""
+
+    def __init__(self, backend: SqliteBackend) -> None:
+        self.backend = backend
+        self.conn = backend.conn
+
+    def execute(self, sql: str, params: Params = ()) -> sqlite3.Cursor:
+        with _translating():
+            return self.conn.execute(sql, params)
+
+    @contextmanager
+    def savepoint(self) -> Iterator[None]:
+        """A nested step: on an error only its writes are undone, and the error is raised."""
+        self.execute("SAVEPOINT batch")
+        try:
+            yield
+        except BaseException:
+            if self.conn.in_transaction:  # SQLite may roll the whole transaction back itself (SQLITE_FULL)
+                self.execute("ROLLBACK TO batch")
+                self.execute("RELEASE batch")
+            raise
+        self.execute("RELEASE batch")
+
+    @property
+    def active(self) -> bool:
+        """Whether the transaction is still open (SQLite ends it itself on some errors)."""
+        return self.conn.in_transaction
+
+    def lock_runs(self, run_ids: Sequence[str]) -> None:
+        """Nothing to do: one writer at a time already (BEGIN IMMEDIATE under the backend's lock)."""
+
+    def finish(self, commit: bool) -> None:
+        """Commit or roll back, and let the next transaction in."""
+        try:
+            if commit or self.conn.in_transaction:  # SQLite may have rolled back itself already
+                self.execute("COMMIT" if commit else "ROLLBACK")
+        finally:
+            self.backend.lock.release()
+
+
+class SqliteBackend:
+    """One SQLite file: one connection shared by every thread, behind one re-entrant lock."""
+
+    dialect = DIALECT
+
+    def __init__(self, path: Path, fsync: bool = True) -> None:
+        self.conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self.conn.row_factory = sqlite3.Row
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute(f"PRAGMA synchronous={'FULL' if fsync else 'OFF'}")
+        self.lock = threading.RLock()
+
+    def query(self, sql: str, params: Params = ()) -> list[Row]:
+        """Every row of one statement (inside this thread's open transaction, if any: the lock is re-entrant)."""
+        with self.lock, _translating():
+            return self.conn.execute(sql, params).fetchall()
+
+    def begin(self) -> SqliteTransaction:
+        """Open an IMMEDIATE transaction (waits for the one under way)."""
+        self.lock.acquire()
+        try:
+            with _translating():
+                self.conn.execute("BEGIN IMMEDIATE")
+        except BaseException:
+            self.lock.release()
+            raise
+        return SqliteTransaction(self)
+
+    def ensure_schema(self, version: int, schema: str, migrate: Callable[[Transaction, int], None]) -> None:
+        """Bring the file to `version` in one transaction (`migrate(tx, found)` first, then `schema`)."""
+        found = self.conn.execute("PRAGMA user_version").fetchone()[0]
+        if found > version:
+            raise IndexTooNew(f"the index file was written by a newer release (schema {found}; this one knows up to "
+                              f"{version}): upgrade the service, or start this release on a copy made before")
+        if found < version:
+            tx = self.begin()
+            try:
+                migrate(tx, found)
+                tx.execute(f"PRAGMA user_version = {int(version)}")
+            except BaseException:
+                tx.finish(commit=False)
+                raise
+            tx.finish(commit=True)
+        self.conn.executescript(schema)
+
+    def script(self, text: str) -> None:
+        """Run several statements (schema text of a table kept elsewhere: compares.py)."""
+        with self.lock:
+            self.conn.executescript(text)
+
+    def close(self) -> None:
+        """Close the connection."""
+        with self.lock:
+            self.conn.close()

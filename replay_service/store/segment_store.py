@@ -1,0 +1,254 @@
+"""Where segments live: a local directory (default) or an S3-compatible bucket, behind one small interface.
+
+Segments are named by relative paths `<run_id>/<uuid>.arrow` (the index stores these), whatever the store.
+
+- `LocalSegments` (`<data>/runs`, the default): today's behaviour and speed. Written through a staging buffer
+  with O_DIRECT, fsynced, renamed into place (`ingest/segment.py`), each run folder fsynced once per commit
+  group (`sync`); read memory-mapped (zero-copy views of the page cache).
+- `S3Segments` (`REPLAY_SEGMENTS_URL=s3://bucket/prefix`, through `pyarrow.fs.S3FileSystem`): a segment is one
+  object, written whole by one output stream and closed before any index row names it; an object becomes
+  visible only complete (a PUT, or a multipart upload's completion, is atomic), so no tmp+rename is needed and
+  durability is "the upload returned". A read fetches the whole object once (one GET: the whole-segment CRC32C
+  check needs every byte anyway) and the segment cache keeps it in memory, counted against
+  `REPLAY_OPEN_SEGMENT_CACHE_BYTES`. Endpoint, region and credentials come from the usual AWS variables
+  (AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY): nothing here is specific to one
+  S3 implementation.
+
+Objects no index row names (an ingest that failed after its upload, a crash between upload and commit) are
+deleted by `collect_orphans` (retention.py) once older than `REPLAY_ORPHAN_GRACE_S`; a local directory keeps
+today's start-up quarantine instead (files.py).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from replay_service.errors import SegmentStoreUnreachable
+
+SEGMENT_SUFFIX = ".arrow"
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """One complete segment in the store: its relative path, size and last modification (Unix seconds)."""
+
+    path: str
+    size: int
+    mtime: float
+
+
+class SegmentStore(ABC):
+    """Segments by relative path: write whole, open for reading, list, delete."""
+
+    #: True when an opened segment is held in process memory (fetched), False when it is a map of a local file
+    in_memory: bool = False
+    #: what settings name it (start-up refusals and logs say it)
+    url: str
+
+    def new_path(self, run_id: str) -> str:
+        """A fresh segment's path: `<run_id>/<uuid>.arrow`."""
+        return f"{run_id}/{uuid.uuid4().hex}{SEGMENT_SUFFIX}"
+
+    @abstractmethod
+    def open_batch(self, rel: str) -> pa.RecordBatch:
+        """The segment's one record batch, unchecked (integrity.open_segment checks it); FileNotFoundError if none."""
+
+    @abstractmethod
+    def stat(self, rel: str) -> tuple[int, int] | None:
+        """(mtime ns, size) of a segment, None when it does not exist: a changed file is a new one (files.py)."""
+
+    @abstractmethod
+    def objects(self, run_id: str | None = None) -> list[StoredObject]:
+        """Every complete segment (of one run when given), sorted by path."""
+
+    @abstractmethod
+    def delete(self, rel: str) -> None:
+        """Delete one segment (missing is fine)."""
+
+    def sync(self, paths: list[str]) -> dict[str, BaseException]:
+        """Make written segments' names durable before an index row names them; failures by path.
+
+        Nothing to do where a finished write is durable by itself (an object store).
+        """
+        return {}
+
+    def delete_run(self, run_id: str) -> tuple[int, int]:
+        """Delete a run's segments where they are not in its local run folder; (bytes, objects) removed.
+
+        A local store's segments are in that folder, which retention.py moves to the trash whole (journal too).
+        """
+        return 0, 0
+
+    def check(self) -> None:
+        """SegmentStoreUnreachable when the store cannot be listed and written (start-up)."""
+        return None  # a local directory: made by the store, its errors are the disk's own
+
+    def paths(self, run_id: str | None = None) -> list[str]:
+        """The relative paths of `objects`."""
+        return [o.path for o in self.objects(run_id)]
+
+
+class LocalSegments(SegmentStore):
+    """Segments as files under a directory (`<data>/runs`): memory-mapped reads, O_DIRECT writes."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.url = str(self.root)
+
+    def open_batch(self, rel: str) -> pa.RecordBatch:
+        return pa.ipc.open_file(pa.memory_map(str(self.root / rel), "r")).get_batch(0)
+
+    def stat(self, rel: str) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.root / rel)
+        except FileNotFoundError:
+            return None
+        return st.st_mtime_ns, st.st_size
+
+    def objects(self, run_id: str | None = None) -> list[StoredObject]:
+        base = self.root / run_id if run_id is not None else self.root
+        if not base.exists():
+            return []
+        out = []
+        for p in base.rglob("*" + SEGMENT_SUFFIX):
+            if p.is_file():
+                st = p.stat()
+                out.append(StoredObject(p.relative_to(self.root).as_posix(), st.st_size, st.st_mtime))
+        return sorted(out, key=lambda o: o.path)
+
+    def delete(self, rel: str) -> None:
+        (self.root / rel).unlink(missing_ok=True)
+
+    def sync(self, paths: list[str]) -> dict[str, BaseException]:
+        """One fsync per run folder of `paths` (their renames); a folder gone (its run deleted) fails its paths."""
+        from replay_service.store.files import fsync_dir  # files.py builds on this module
+
+        folders: dict[Path, list[str]] = {}
+        for rel in paths:
+            folders.setdefault((self.root / rel).parent, []).append(rel)
+        failed: dict[str, BaseException] = {}
+        for folder, here in sorted(folders.items()):
+            try:
+                fsync_dir(folder)
+            except FileNotFoundError as exc:
+                failed.update(dict.fromkeys(here, exc))
+        return failed
+
+
+class S3Segments(SegmentStore):
+    """Segments as objects under `bucket/prefix` of an S3-compatible store (`pyarrow.fs.S3FileSystem`)."""
+
+    in_memory = True
+
+    def __init__(self, fs: pafs.FileSystem, base: str, url: str) -> None:
+        self.fs = fs
+        self.base = base.rstrip("/")
+        self.url = url
+        self.bytes_fetched = 0  # by reads, since start (tests and benchmarks measure a read's cost with it)
+        self._count = threading.Lock()
+
+    def _key(self, rel: str) -> str:
+        return f"{self.base}/{rel}"
+
+    def put(self, rel: str, image: pa.Buffer | memoryview | bytes) -> None:
+        """Write a whole segment image as one object: complete when this returns, invisible before."""
+        with self.fs.open_output_stream(self._key(rel)) as out:
+            out.write(image)
+
+    def open_batch(self, rel: str) -> pa.RecordBatch:
+        try:
+            with self.fs.open_input_stream(self._key(rel)) as source:  # one GET for the whole object
+                data = source.read()
+        except OSError as exc:
+            if self.stat(rel) is None:
+                raise FileNotFoundError(rel) from exc
+            raise
+        with self._count:
+            self.bytes_fetched += len(data)
+        return pa.ipc.open_file(pa.BufferReader(data)).get_batch(0)
+
+    def stat(self, rel: str) -> tuple[int, int] | None:
+        info = self.fs.get_file_info(self._key(rel))
+        if info.type != pafs.FileType.File:
+            return None
+        return (info.mtime_ns or 0), info.size
+
+    def objects(self, run_id: str | None = None) -> list[StoredObject]:
+        base = self.base if run_id is None else self._key(run_id)
+        selector = pafs.FileSelector(base, recursive=True, allow_not_found=True)
+        out = []
+        for info in self.fs.get_file_info(selector):
+            if info.type == pafs.FileType.File and info.path.endswith(SEGMENT_SUFFIX):
+                rel = info.path[len(self.base) + 1:]
+                out.append(StoredObject(rel, info.size, (info.mtime_ns or 0) / 1e9))
+        return sorted(out, key=lambda o: o.path)
+
+    def delete(self, rel: str) -> None:
+        try:
+            self.fs.delete_file(self._key(rel))
+        except FileNotFoundError:
+            pass
+
+    def delete_run(self, run_id: str) -> tuple[int, int]:
+        objects = self.objects(run_id)
+        for obj in objects:
+            self.delete(obj.path)
+        return sum(o.size for o in objects), len(objects)
+
+    def check(self) -> None:
+        """List the prefix, then write and delete a probe object: reachable, bucket present, credentials allowed."""
+        probe = f"{self.base}/.probe-{uuid.uuid4().hex}"
+        try:
+            self.fs.get_file_info(pafs.FileSelector(self.base, recursive=False, allow_not_found=True))
+            with self.fs.open_output_stream(probe) as out:
+                out.write(b"probe")
+            self.fs.delete_file(probe)
+        except (OSError, pa.ArrowException) as exc:
+            raise SegmentStoreUnreachable(
+                f"the segment store REPLAY_SEGMENTS_URL={self.url} cannot be used (listing its prefix and writing a "
+                f"probe object failed: {exc}); check the bucket exists and AWS_ENDPOINT_URL, AWS_REGION, "
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY") from None
+
+
+def s3_filesystem(env: dict[str, str] | None = None) -> pafs.S3FileSystem:
+    """An S3FileSystem configured from the usual AWS variables (endpoint, region; credentials by the AWS chain)."""
+    env = dict(os.environ if env is None else env)
+    options: dict = {"region": env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
+                     "connect_timeout": 5.0, "request_timeout": 30.0,
+                     # a few attempts, not the SDK's default ten: an unreachable store is refused at start-up soon
+                     "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=3)}
+    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        parts = urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
+        options["endpoint_override"] = parts.netloc
+        options["scheme"] = parts.scheme
+    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+        options.update(access_key=env["AWS_ACCESS_KEY_ID"], secret_key=env["AWS_SECRET_ACCESS_KEY"],
+                       session_token=env.get("AWS_SESSION_TOKEN"))
+    return pafs.S3FileSystem(**options)
+
+
+def open_segment_store(data_dir: Path, segments_url: str | None) -> SegmentStore:
+    """The store settings name: `s3://bucket/prefix`, or `<data>/runs` when unset.
+
+    Local segments live under the data directory only: a run's deletion renames its folder into `<data>/trash`
+    (one filesystem), journal and segments together.
+    """
+    if not segments_url:
+        return LocalSegments(Path(data_dir) / "runs")
+    parts = urlsplit(segments_url)
+    if parts.scheme != "s3" or not parts.netloc:
+        raise SegmentStoreUnreachable(
+            f"REPLAY_SEGMENTS_URL={segments_url!r} is not a segment store URL: use s3://bucket/prefix "
+            "(or leave it unset for <data>/runs)")
+    base = f"{parts.netloc}/{parts.path.strip('/')}".rstrip("/")
+    return S3Segments(s3_filesystem(), base, segments_url)

@@ -1,0 +1,206 @@
+"""Segments in an S3-compatible bucket (REPLAY_SEGMENTS_URL): a real S3 HTTP endpoint (moto server) on loopback.
+
+The same batches go to a service on local files and to one on the bucket; every read format answers the same
+bytes from both. Retries are stored once; verify and reindex work on the bucket; orphans are collected after
+their grace period only; an unusable bucket refuses the start, naming REPLAY_SEGMENTS_URL.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from replay_client.client import ReplayClient
+from replay_service.errors import IndexNeedsRebuild
+from replay_service.settings import ServiceSettings
+from replay_service.store import RouteStore
+from replay_service.store.files import SegmentCache
+from replay_service.store.index import Index
+from replay_service.store.integrity import verify_store
+from replay_service.store.reindex import reindex
+from replay_service.store.retention import collect_orphans
+from replay_service.store.segment_store import S3Segments, open_segment_store
+from tests.support.data import batch_bytes, routes
+from tests.support.s3 import MotoS3
+from tests.support.service import ServiceProcess, free_port
+
+LENGTHS = {"req-a": 300, "req-b": 41, "req-c": 1000}
+RUN = "s3rt"
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = MotoS3().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def aws(s3, monkeypatch):
+    """The test process's own AWS variables (in-process store code reads them as the service does)."""
+    for key, value in s3.aws_env().items():
+        monkeypatch.setenv(key, value)
+    return s3
+
+
+def _batches() -> tuple[list[bytes], dict[str, np.ndarray]]:
+    """Two batches of run RUN (every request's first half, then the rest) and each request's full route."""
+    rng = np.random.default_rng(3)
+    full = {rid: routes(rng, n) for rid, n in LENGTHS.items()}
+    bodies = []
+    for seq, half in enumerate((0, 1)):
+        ids, pos, ex = [], [], []
+        for rid, n in LENGTHS.items():
+            p = np.arange(n)[: n // 2] if half == 0 else np.arange(n)[n // 2:]
+            ids += [rid] * len(p)
+            pos.append(p)
+            ex.append(full[rid][p])
+        bodies.append(bytes(batch_bytes(RUN, "w", seq, ids, np.concatenate(pos), np.concatenate(ex))))
+    return bodies, full
+
+
+def _store(client: ReplayClient, bodies: list[bytes]) -> None:
+    for body in bodies:
+        assert client.ingest(body)["stored"]
+    for rid, n in LENGTHS.items():
+        client.finish(RUN, rid, n + 1)
+
+
+@pytest.fixture(scope="module")
+def pair(s3, tmp_path_factory):
+    """A service on local files and one on a bucket, holding the same batches."""
+    bucket = s3.bucket()
+    bodies, full = _batches()
+    local = ServiceProcess(tmp_path_factory.mktemp("local") / "data").start()
+    remote = ServiceProcess(tmp_path_factory.mktemp("s3") / "data", env=s3.env(bucket)).start()
+    try:
+        for service in (local, remote):
+            _store(ReplayClient(service.url), bodies)
+        yield local, remote, bucket, bodies, full
+    finally:
+        local.stop()
+        remote.stop()
+
+
+def test_segments_are_objects_in_the_bucket(pair, s3):
+    _, remote, bucket, _, _ = pair
+    assert not list((remote.data_dir / "runs").rglob("*.arrow"))  # only the run's journal is local
+    stored = S3Segments(s3.fs(), f"{bucket}/segments", f"s3://{bucket}/segments").paths()
+    assert len(stored) == 2 and all(p.startswith(f"{RUN}/") for p in stored)
+    index = Index(remote.data_dir / "index.sqlite", fsync=False)
+    try:
+        assert index.indexed_paths() == set(stored)
+    finally:
+        index.close()
+
+
+def test_every_read_format_is_byte_equal_to_local_files(pair):
+    local, remote, _, _, full = pair
+    a, b = ReplayClient(local.url), ReplayClient(remote.url)
+    for rid, expected in full.items():
+        route = b.get_route(RUN, rid, strict=True)
+        assert route.experts.tobytes() == expected.tobytes() and route.clean
+        for params in ({}, {"format": "npy"}, {"format": "json"}, {"start": 7, "end": 40}):
+            path = f"/v1/runs/{RUN}/requests/{rid}/routes"
+            one, other = a.http.get(path, params=params), b.http.get(path, params=params)
+            assert one.status_code == other.status_code == 200
+            assert one.content == other.content, params
+    batch = {"requests": list(LENGTHS)}
+    one, other = (c.http.post(f"/v1/runs/{RUN}/routes/batch", json=batch) for c in (a, b))
+    assert one.status_code == 200 and one.content == other.content
+    doc = {"sequences": [{"run": RUN, "request": r} for r in LENGTHS], "pad_multiple": 8}
+    one, other = (c.http.post("/v1/trainer/megatron", json=doc) for c in (a, b))
+    assert one.status_code == 200 and one.content == other.content
+
+
+def test_a_retry_is_stored_once(pair, s3):
+    _, remote, bucket, bodies, _ = pair
+    client = ReplayClient(remote.url)
+    again = client.ingest(bodies[1])
+    assert not again["stored"]
+    assert len(S3Segments(s3.fs(), f"{bucket}/segments", "").paths()) == 2  # the retry's upload was deleted
+
+
+def test_a_read_fetches_a_segment_once(pair, aws):
+    _, remote, bucket, _, full = pair
+    store = open_segment_store(remote.data_dir, f"s3://{bucket}/segments")
+    assert isinstance(store, S3Segments)
+    cache = SegmentCache(store, capacity=8)
+    (first, *_) = store.objects()
+    cache.get(first.path)
+    assert store.bytes_fetched == first.size  # the whole object, once: its CRC32C covers every byte
+    cache.get(first.path)
+    assert store.bytes_fetched == first.size  # then served from memory
+
+
+def test_verify_finds_a_damaged_object(pair, aws, s3):
+    _, remote, bucket, _, _ = pair
+    store = open_segment_store(remote.data_dir, f"s3://{bucket}/segments")
+    checked, damaged = verify_store(remote.data_dir, store=store)
+    assert (checked, damaged) == (2, [])
+    fs = s3.fs()
+    victim = store.paths()[0]
+    key = f"{bucket}/segments/{victim}"
+    with fs.open_input_stream(key) as f:
+        good = f.read()
+    image = bytearray(good)
+    image[len(image) // 2] ^= 0xFF  # somewhere in the ids
+    try:
+        with fs.open_output_stream(key) as out:
+            out.write(bytes(image))
+        checked, damaged = verify_store(remote.data_dir, store=store)
+        assert checked == 2 and [p for p, _ in damaged] == [victim]
+        assert f"s3://{bucket}/segments/{victim}" in damaged[0][1]
+    finally:
+        with fs.open_output_stream(key) as out:
+            out.write(good)
+
+
+def test_orphans_are_deleted_after_their_grace_only(pair, aws, s3):
+    _, remote, bucket, _, _ = pair
+    store = open_segment_store(remote.data_dir, f"s3://{bucket}/segments")
+    orphan = f"{RUN}/{'0' * 32}.arrow"  # an upload whose ingest never committed
+    with s3.fs().open_output_stream(f"{bucket}/segments/{orphan}") as out:
+        out.write(b"not committed")
+    made = next(o.mtime for o in store.objects() if o.path == orphan)
+    index = Index(remote.data_dir / "index.sqlite", fsync=False)
+    try:
+        young = collect_orphans(store, index, grace_s=3600, now=made + 3599)
+        assert young.deleted == [] and young.young == [orphan]
+        old = collect_orphans(store, index, grace_s=3600, now=made + 3601)
+        assert old.deleted == [orphan]
+        assert set(store.paths()) == index.indexed_paths()  # indexed objects stay, however old
+    finally:
+        index.close()
+
+
+def test_reindex_rebuilds_from_the_bucket(s3, aws, tmp_path):
+    bucket = s3.bucket()
+    bodies, full = _batches()
+    data = tmp_path / "data"
+    with ServiceProcess(data, env=s3.env(bucket)) as service:
+        _store(ReplayClient(service.url), bodies)
+    (data / "index.sqlite").unlink()
+    for side in ("-wal", "-shm"):
+        (data / f"index.sqlite{side}").unlink(missing_ok=True)
+    settings = ServiceSettings(data_dir=data, segments_url=f"s3://{bucket}/segments")
+    with pytest.raises(IndexNeedsRebuild, match=f"s3://{bucket}/segments"):
+        RouteStore(settings)
+    report = reindex(data, settings)
+    assert (report.runs, report.segments, report.damaged) == (1, 2, [])
+    with ServiceProcess(data, env=s3.env(bucket)) as service:
+        client = ReplayClient(service.url)
+        for rid, expected in full.items():
+            route = client.get_route(RUN, rid, strict=True)
+            assert route.experts.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("where", ["missing bucket", "wrong endpoint"])
+def test_an_unusable_bucket_refuses_the_start(s3, tmp_path, where):
+    env = s3.env("no-such-bucket") if where == "missing bucket" else {
+        **s3.env(s3.bucket()), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}
+    service = ServiceProcess(tmp_path / "data", env=env)
+    with pytest.raises(RuntimeError) as refused:
+        service.start()
+    assert "exited with 2" in str(refused.value)
+    assert "REPLAY_SEGMENTS_URL=s3://" in str(refused.value)
