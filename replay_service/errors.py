@@ -82,7 +82,15 @@ class IndexNeedsRebuild(ServiceError):
 
 
 class SegmentStoreUnreachable(ServiceError):
-    """The segment store (REPLAY_SEGMENTS_URL) cannot be listed or written: the service does not start."""
+    """The segment store (REPLAY_SEGMENTS_URL) cannot be listed, read or written: at start-up the service does not
+    start; afterwards the request that needed it is refused (503) and nothing of it is stored or served.
+
+    `store` names the store (its URL) for the answer's JSON.
+    """
+
+    def __init__(self, message: str, store: str = "") -> None:
+        super().__init__(message)
+        self.store = store
 
 
 class IndexUnreachable(ServiceError):

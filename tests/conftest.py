@@ -59,8 +59,16 @@ SLOW = {
     "test_service_schemathesis.py": "schemathesis: 8 examples of every API operation (~20 s)",
     "test_service_read_paths.py::test_an_idle_new_connection_is_closed": "waits out a 1 s keep-alive, per protocol",
     "test_service_compression.py::test_a_run_of_mixed_codecs": "four service starts, verify, export and reindex",
-    "test_service_s3.py::test_reindex_rebuilds_from_the_bucket": "two service starts on a bucket and a reindex",
-    "test_service_s3.py::test_an_unusable_bucket_refuses_the_start": "two refused service starts",
+    # an S3 server and two services (~9 s); the rest: reindex, refused starts, a server stopped under a service
+    "test_service_s3.py": "a moto S3 server and services on it",
+    # PostgreSQL: replicas on the session cluster, or a cluster of their own stopped under a replica
+    "test_index_postgres.py::test_two_replicas_ingest_one_run_at_once": "two replicas, concurrent writers (~9 s)",
+    "test_index_postgres.py::test_a_run_deleted_on_one_replica": "two replicas, a delete (~7 s)",
+    "test_index_postgres.py::test_expert_load_is_exact_on_every_replica": "two replicas, concurrent writers (~6 s)",
+    "test_index_postgres.py::test_a_replica_that_loses_its_index": "its own cluster, stopped and started again",
+    "test_index_postgres.py::test_a_replica_that_cannot_reach_its_index": "a refused service start (~2.5 s)",
+    "test_contract_scaleout.py::test_the_contract_suite_on_postgresql_and_s3": "the contract modules again on "
+    "PostgreSQL and S3 in a child pytest (~45 s)",
 }
 
 
@@ -73,7 +81,9 @@ def pytest_ignore_collect(collection_path, config):
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        name = item.nodeid.split("/")[-1]
+        # `file::test[params]`: the file's own name, then the rest whole (a parameter may hold a "/")
+        path, sep, rest = item.nodeid.partition("::")
+        name = path.split("/")[-1] + sep + rest
         if any(name == key or name.startswith(key + ("" if "::" in key else "::")) for key in SLOW):
             item.add_marker(pytest.mark.slow)
 
@@ -113,11 +123,33 @@ def postgres_url(postgres):
     return postgres.new_database()
 
 
+# Where those fixtures' services keep segments: `local` (default, <data>/runs) or `s3` (REPLAY_TEST_SEGMENTS=s3:
+# one moto S3 server for the session, tests/support/s3.py, a fresh bucket per service). The issue's two
+# combinations are the defaults (SQLite+local) and REPLAY_TEST_INDEX=postgresql REPLAY_TEST_SEGMENTS=s3
+# (test_contract_scaleout.py runs the contract modules so).
+SEGMENTS_BACKEND = os.environ.get("REPLAY_TEST_SEGMENTS", "local")
+
+
+@pytest.fixture(scope="session")
+def moto_s3():
+    """A moto S3 server (its own process) on loopback for the session."""
+    from tests.support.s3 import MotoS3
+
+    server = MotoS3().start()
+    yield server
+    server.stop()
+
+
 def index_env(request) -> dict[str, str]:
-    """The service environment for the chosen index backend (a fresh database for PostgreSQL)."""
-    if INDEX_BACKEND != "postgresql":
-        return {}
-    return {"REPLAY_INDEX_URL": request.getfixturevalue("postgres").new_database()}
+    """The service environment for the chosen index backend (a fresh database for PostgreSQL) and segment store
+    (a fresh bucket for S3)."""
+    env: dict[str, str] = {}
+    if INDEX_BACKEND == "postgresql":
+        env["REPLAY_INDEX_URL"] = request.getfixturevalue("postgres").new_database()
+    if SEGMENTS_BACKEND == "s3":
+        s3 = request.getfixturevalue("moto_s3")
+        env.update(s3.env(s3.bucket()))
+    return env
 
 
 @pytest.fixture

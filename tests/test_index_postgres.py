@@ -14,14 +14,19 @@ import numpy as np
 import psycopg
 import pytest
 
-from replay_format import ARROW_STREAM_MEDIA_TYPE
+from replay_format import ARROW_STREAM_MEDIA_TYPE, RunShape
+from replay_format.rows import Rows, RowsMeta
 from replay_service.client import ReplayClient
-from replay_service.errors import IndexTooNew, IndexUnreachable
+from replay_service.errors import IndexTooNew, IndexUnreachable, RunDeleted
+from replay_service.ingest.check import check
+from replay_service.settings import ServiceSettings
+from replay_service.store import RouteStore
 from replay_service.store.index import SCHEMA_VERSION, Index
 from tests.support.data import batch_bytes, many_routes
 from tests.support.service import ServiceProcess, free_port
 
 ARROW = {"content-type": ARROW_STREAM_MEDIA_TYPE}
+SMALL = RunShape(num_moe_layers=4, top_k=2, num_experts=16)
 
 
 def test_two_replicas_ingest_one_run_at_once(tmp_path, postgres_url):
@@ -103,3 +108,136 @@ def test_a_password_is_not_repeated_in_the_refusal():
     with pytest.raises(IndexUnreachable) as refused:
         Index(url)
     assert "s3cret" not in refused.value.message
+
+
+def expected_load(experts: list[np.ndarray], layers: int = 48, num_experts: int = 128) -> np.ndarray:
+    """Expert counts of clean rows `(n, layers, top_k)`: what GET /expert-load must answer."""
+    load = np.zeros((layers, num_experts), np.int64)
+    for ex in experts:
+        for layer in range(layers):
+            load[layer] += np.bincount(ex[:, layer].reshape(-1), minlength=num_experts)
+    return load
+
+
+def test_expert_load_is_exact_on_every_replica(tmp_path, postgres_url):
+    """Writers spread over two replicas ingest disjoint batches of one run at once: each replica's expert load is
+    the index's (the sum over every batch), not the batches it took itself."""
+    run, writers, per_writer, n = "load", 6, 4, 24
+    rng = np.random.default_rng(11)
+    sent = {(w, seq): many_routes(rng, n) for w in range(writers) for seq in range(per_writer)}
+    env = {"REPLAY_INDEX_URL": postgres_url}
+    with ServiceProcess(tmp_path / "data", env=env) as a, ServiceProcess(tmp_path / "data", env=env) as b:
+        replicas = (a, b)
+        go = threading.Barrier(writers)
+        codes: dict = {}
+
+        def send(w: int) -> None:
+            with httpx.Client(base_url=replicas[w % 2].url, timeout=60) as http:
+                go.wait()
+                for seq in range(per_writer):
+                    body = batch_bytes(run, f"w{w}", seq, [f"w{w}-s{seq}"] * n, np.arange(n), sent[(w, seq)])
+                    codes[(w, seq)] = http.post("/v1/ingest", content=body, headers=ARROW).status_code
+
+        threads = [threading.Thread(target=send, args=(w,)) for w in range(writers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert set(codes.values()) == {200}
+        want = expected_load(list(sent.values()))
+        for replica in replicas:
+            load = ReplayClient(replica.url).expert_load(run)
+            assert np.array_equal(np.array(load["counts"]), want)
+            assert load["rows"] == writers * per_writer * n
+
+
+def test_a_run_deleted_on_one_replica_is_gone_on_the_other(tmp_path, postgres_url):
+    """Replica B knew the run; A deletes it: B answers 404 for it at once, and B's next batch of that id starts a
+    fresh run (of another shape even), seen by A too."""
+    run, n = "gone", 16
+    rng = np.random.default_rng(3)
+    first, again = many_routes(rng, n), many_routes(rng, n, SMALL)
+    env = {"REPLAY_INDEX_URL": postgres_url}
+    with ServiceProcess(tmp_path / "data", env=env) as a, ServiceProcess(tmp_path / "data", env=env) as b:
+        with httpx.Client(base_url=b.url, timeout=60) as on_b, httpx.Client(base_url=a.url, timeout=60) as on_a:
+            assert on_b.post("/v1/ingest", content=batch_bytes(run, "w", 0, ["r"] * n, np.arange(n), first),
+                             headers=ARROW).status_code == 200
+            assert on_b.get(f"/v1/runs/{run}/expert-load").status_code == 200  # B holds the run's state
+            assert on_a.delete(f"/v1/runs/{run}").status_code == 200
+            for path in (f"/v1/runs/{run}", f"/v1/runs/{run}/expert-load", f"/v1/runs/{run}/requests/r/routes"):
+                gone = on_b.get(path)
+                assert gone.status_code == 404 and "not found" in gone.json()["detail"], path
+            body = batch_bytes(run, "w", 0, ["r2"] * n, np.arange(n), again, shape=SMALL)
+            answer = on_b.post("/v1/ingest", content=body, headers=ARROW)
+            assert answer.status_code == 200 and answer.json()["duplicate"] is False  # a fresh run: seq 0 is new
+        for replica in (a, b):
+            client = ReplayClient(replica.url)
+            assert client.run(run)["rows"] == n
+            assert client.get_route(run, "r2", strict=True).experts.tobytes() == again.tobytes()
+            assert np.array_equal(np.array(client.expert_load(run)["counts"]), expected_load([again], 4, 16))
+
+
+def test_a_batch_in_flight_when_another_replica_deletes_its_run(tmp_path, postgres_url):
+    """A batch whose run another replica deletes between its shape check and its commit: a clear 404
+    (RunDeleted), nothing kept; the next batch of that id on the same replica starts a fresh run."""
+    a, b = (RouteStore(ServiceSettings(data_dir=tmp_path / "data", fsync=False, index_url=postgres_url))
+            for _ in range(2))  # two replicas on one index and one directory
+    try:
+        rng = np.random.default_rng(4)
+
+        def rows(seq: int, first: int, experts: np.ndarray) -> Rows:  # one request "r", positions first..first+7
+            return Rows(RowsMeta("race", "w", seq, SMALL), ["r"], np.zeros(8, np.int32),
+                        np.arange(first, first + 8, dtype=np.int32), np.arange(8, dtype=np.int32),
+                        experts.reshape(8, -1), np.zeros(8, np.uint16))
+
+        b.ingest(rows(0, 0, many_routes(rng, 8, SMALL)))
+        late = rows(1, 8, many_routes(rng, 8, SMALL))
+        state = b.registry.for_batch(late.meta)  # B's pipeline, up to the commit
+        segment = b.pipeline.segments.write(check(late, state.shape))
+        a.delete_run("race")  # another replica
+        with pytest.raises(RunDeleted, match="deleted while this batch was"):  # its folder went, or its run row
+            b.pipeline.committer.commit(segment, state)
+        assert not b.has_run("race")
+        fresh = many_routes(rng, 8, SMALL)
+        assert b.ingest(rows(1, 0, fresh)).stored
+        assert a.read_route("race", "r").experts.tobytes() == b.read_route("race", "r").experts.tobytes()
+        assert b.read_route("race", "r").experts.tobytes() == fresh.reshape(8, -1).tobytes()
+        assert a.run_summary("race")["rows"] == 8
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_replica_that_loses_its_index_answers_503_and_recovers(tmp_path):
+    """The PostgreSQL server stops under a serving replica: reads and ingests answer 503 naming the index (never
+    rows without it); once the server is back on its port the same process serves again, without a restart."""
+    from tests.support.postgres import Cluster
+
+    cluster = Cluster()  # its own: stopping it must not touch the session's
+    try:
+        rng = np.random.default_rng(9)
+        first, second = many_routes(rng, 16), many_routes(rng, 16)
+        with ServiceProcess(tmp_path / "data", env={"REPLAY_INDEX_URL": cluster.new_database()}) as replica, \
+                httpx.Client(base_url=replica.url, timeout=120) as http:
+            assert http.post("/v1/ingest", content=batch_bytes("lost", "w", 0, ["r"] * 16, np.arange(16), first),
+                             headers=ARROW).status_code == 200
+            cluster.stop()
+            answers = [http.get("/v1/runs/lost/requests/r/routes"), http.get("/v1/runs/lost/expert-load"),
+                       http.get("/v1/runs/lost"), http.get("/v1/runs"),
+                       http.post("/v1/ingest", content=batch_bytes("lost", "w", 1, ["r"] * 16, np.arange(16, 32),
+                                                                   second), headers=ARROW)]
+            for answer in answers:
+                assert answer.status_code == 503, (answer.request.url, answer.text)
+                assert "REPLAY_INDEX_URL" in answer.json()["detail"]
+            cluster.start()
+            again = http.post("/v1/ingest", content=batch_bytes("lost", "w", 1, ["r"] * 16, np.arange(16, 32), second),
+                              headers=ARROW)
+            assert again.status_code == 200, again.text
+            assert http.post("/v1/ingest", content=batch_bytes("lost", "w", 1, ["r"] * 16, np.arange(16, 32), second),
+                             headers=ARROW).json()["duplicate"] is False  # the refused batch was not stored
+            client = ReplayClient(replica.url)
+            route = client.get_route("lost", "r", strict=True)
+            assert route.experts.tobytes() == np.concatenate([first, second]).tobytes()
+            assert np.array_equal(np.array(client.expert_load("lost")["counts"]), expected_load([first, second]))
+    finally:
+        cluster.close()

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from replay_client.client import ReplayClient
+from replay_format.core import ARROW_STREAM_MEDIA_TYPE
 from replay_service.errors import IndexNeedsRebuild
 from replay_service.settings import ServiceSettings
 from replay_service.store import RouteStore
@@ -204,3 +205,35 @@ def test_an_unusable_bucket_refuses_the_start(s3, tmp_path, where):
         service.start()
     assert "exited with 2" in str(refused.value)
     assert "REPLAY_SEGMENTS_URL=s3://" in str(refused.value)
+
+
+def test_a_bucket_gone_at_run_time_answers_503_and_indexes_nothing(tmp_path):
+    """The store stops answering after start-up: an uncached read and an ingest answer 503 naming the store;
+    the failed ingest is neither indexed nor acknowledged; a retry of a stored batch is still answered (index)."""
+    own = MotoS3().start()  # its own server: this test stops it
+    bucket = own.bucket()
+    bodies, _ = _batches()
+    data = tmp_path / "data"
+    try:
+        with ServiceProcess(data, env=own.env(bucket)) as service:
+            client = ReplayClient(service.url)
+            assert client.ingest(bodies[0])["stored"]  # not read back: its segment is in no cache
+            own.stop()
+            url = f"s3://{bucket}/segments"
+            read = client.http.get(f"/v1/runs/{RUN}/requests/req-a/routes")
+            assert read.status_code == 503, read.text
+            assert read.json()["segment_store"] == url and url in read.json()["detail"]
+            ingest = client.http.post("/v1/ingest", content=bodies[1],
+                                      headers={"content-type": ARROW_STREAM_MEDIA_TYPE})
+            assert ingest.status_code == 503, ingest.text
+            assert ingest.json()["segment_store"] == url
+            retry = client.ingest(bodies[0])  # answered from the index: the store is not needed
+            assert not retry["stored"]
+            index = Index(data / "index.sqlite", fsync=False)
+            try:
+                assert len(index.indexed_paths()) == 1  # only the batch acknowledged before
+                assert index.stored_digest(RUN, "w", 1) is None  # the refused one: nothing of it
+            finally:
+                index.close()
+    finally:
+        own.stop()

@@ -18,6 +18,7 @@ from replay_service.errors import (
     IndexUnreachable,
     InvalidInput,
     NotFound,
+    SegmentStoreUnreachable,
     ServiceError,
     StorageFull,
     StrictRefusal,
@@ -47,6 +48,9 @@ STATUS: tuple[tuple[type[Exception], int], ...] = (
     (DamagedSegment, 503),
     # The index database is unreachable (a PostgreSQL index, REPLAY_INDEX_URL): never an answer without it.
     (IndexUnreachable, 503),
+    # The segment store (an S3 bucket, REPLAY_SEGMENTS_URL) failed a read or an upload: nothing half-done is
+    # indexed or served; the same request succeeds once the store answers again (a sender spills and retries).
+    (SegmentStoreUnreachable, 503),
 )
 
 
@@ -65,6 +69,8 @@ def error_body(exc: Exception) -> dict:
         body["bad_rows"] = exc.bad_rows
     if isinstance(exc, DamagedSegment):
         body["segment"] = exc.path
+    if isinstance(exc, SegmentStoreUnreachable) and exc.store:
+        body["segment_store"] = exc.store
     return body
 
 

@@ -74,7 +74,6 @@ class _Waiting:
     context: contextvars.Context  # its writer's (the actor a claim is made for)
     result: IngestResult | None = None
     error: BaseException | None = None
-    load: np.ndarray | None = None  # the run's expert load after this batch, applied once the group committed
     done: bool = False
 
 
@@ -137,10 +136,11 @@ class Committer:
             with ExitStack() as held:
                 for run in runs:  # always in run-id order: two leaders never wait on each other's runs
                     held.enter_context(run.lock)
-                loads = {id(run): run.load for run in runs}
                 try:
                     with self.index.transaction() as tx:
                         tx.lock_runs([run.run_id for run in runs])  # the run locks of other replicas (PostgreSQL)
+                        # The index is the load's one source: read under the lock, so no replica's count is lost.
+                        loads = {id(run): tx.run_load(run.run_id, run.shape) for run in runs}
                         for waiting in group:
                             if waiting.error is None:
                                 self._commit_one(tx, waiting, loads)
@@ -149,9 +149,6 @@ class Committer:
                         if waiting.error is None:
                             waiting.result, waiting.error = None, exc
                     raise
-                for waiting in group:  # committed: the runs' in-memory loads follow the index
-                    if waiting.load is not None and waiting.error is None:
-                        waiting.run.load = waiting.load
         except BaseException as exc:
             for waiting in group:
                 if waiting.error is None and waiting.result is None:
@@ -171,9 +168,11 @@ class Committer:
         for waiting in unsynced:
             exc = failed.get(waiting.segment.path)
             if exc is not None:  # its run folder is gone: the run was deleted under the write (retention.py)
+                # here, or by another replica sharing this directory (its run row is gone from the index)
+                deleted = waiting.run.deleted or self.index.run(waiting.run.run_id) is None
                 waiting.error = RunDeleted(
                     f"run {waiting.run.run_id!r} was deleted while this batch was being stored; nothing was "
-                    "stored (send it again to start a fresh run)") if waiting.run.deleted else exc
+                    "stored (send it again to start a fresh run)") if deleted else exc
 
     def _commit_one(self, tx: IndexTransaction, waiting: _Waiting, loads: dict[int, np.ndarray]) -> None:
         """One batch of a group inside its savepoint; on failure only its own writes are undone."""
@@ -186,7 +185,7 @@ class Committer:
                 raise
             return
         if load is not None:  # kept: the group's later batches of this run count it
-            loads[id(waiting.run)] = waiting.load = load
+            loads[id(waiting.run)] = load
 
     def _write(self, tx: IndexTransaction, waiting: _Waiting,
                run_load: np.ndarray) -> tuple[IngestResult, np.ndarray | None]:

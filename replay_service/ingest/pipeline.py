@@ -47,7 +47,7 @@ class IngestPipeline:
             try:
                 segment = self.segments.write(checked)
             except (FileNotFoundError, FileExistsError):
-                if not run.deleted:
+                if not run.deleted and self.runs.get(rows.meta.run_id) is not None:  # (deleted by another replica)
                     raise
                 # Its folder went to the trash under this write (retention.py): the batch of a deleted run.
                 raise RunDeleted(f"run {rows.meta.run_id!r} was deleted while this batch was being stored; "

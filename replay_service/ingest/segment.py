@@ -17,6 +17,7 @@ and the rows (`store/integrity.py`), checked whenever the segment is opened for 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -27,10 +28,13 @@ import pyarrow as pa
 
 from replay_format.rows import SegmentCompression, SegmentMeta
 from replay_service.buffers import PAGE, BufferPool
+from replay_service.errors import SegmentStoreUnreachable
 from replay_service.ingest.check import CheckedRows
 from replay_service.store.files import TMP_SUFFIX, fsync_dir
 from replay_service.store.integrity import seal
 from replay_service.store.segment_store import LocalSegments, S3Segments, SegmentStore
+
+log = logging.getLogger("replay_service")
 
 
 @dataclass
@@ -70,8 +74,15 @@ class SegmentWriter:
         return Segment(checked, path, size, meta.written_ns, folder_unsynced=self.fsync)
 
     def discard(self, segment: Segment) -> None:
-        """Delete a segment the index will not name (a concurrent retry won, or the commit failed)."""
-        self.store.delete(segment.path)
+        """Delete a segment the index will not name (a concurrent retry won, or the commit failed).
+
+        An object store that does not answer keeps it: no index row names it, so the orphan collector deletes it
+        after its grace period (retention.py); the batch's own answer is not changed by a failed cleanup.
+        """
+        try:
+            self.store.delete(segment.path)
+        except SegmentStoreUnreachable as exc:
+            log.warning("could not delete the unindexed segment %s (%s); orphan collection will", segment.path, exc)
 
 
 def segment_meta(checked: CheckedRows) -> SegmentMeta:

@@ -15,7 +15,7 @@ segment_store.py): `runs/<run_id>/` then holds only the run's journal.
 after its segment is fsynced and renamed into place and its index rows are committed
 (synchronous=FULL). Reading a request asks the index for its spans (segment, row range,
 position range) and slices the memory-mapped segments (reads.py): no file of the run is
-scanned. The run registry (runs.py) keeps each run's shape and expert load in memory;
+scanned. The run registry (runs.py) keeps each run's shape (the expert load is the index's);
 summaries.py turns index rows into the API's records; ends.py says where a request ends after a
 route upload (a later turn extends it); references.py resolves prefix-cache references (a request's
 positions served by rows another request stored, stored once).
@@ -37,7 +37,7 @@ from replay_service.settings import ServiceSettings
 from replay_service.store.compares import CompareStore
 from replay_service.store.ends import upload_end
 from replay_service.store.files import QUARANTINE_DIR, SegmentCache, Sweep, require_index, sweep_unindexed
-from replay_service.store.index import Index, RequestStatus, Row, count_column
+from replay_service.store.index import Index, RequestStatus, Row, count_column, load_of
 from replay_service.store.journal import RunJournal
 from replay_service.store.reads import RouteRows, RowReader
 from replay_service.store.retention import Removed, delete_run, empty_trash, retention_fields
@@ -217,9 +217,11 @@ class RouteStore:
 
     def expert_load(self, run_id: str) -> tuple[RunShape, np.ndarray]:
         """A run's shape and its served clean rows' expert counts `(num_moe_layers, num_experts)`."""
-        state = self.registry.require(run_id)
-        with state.lock:
-            return state.shape, state.load.copy()
+        shape = self.registry.require(run_id).shape
+        run = self.index.run(run_id)  # the index's count, every replica's batches (commit.py)
+        if run is None:
+            raise NotFound(f"run {run_id!r} not found")
+        return shape, load_of(run["load"], shape)
 
     # ---- requests
 

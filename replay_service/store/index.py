@@ -26,7 +26,7 @@ import numpy as np
 from replay_format import Flag, RunShape
 from replay_service.store.index_backends import Backend, Cursor, Dialect, Params, Row, Transaction, open_backend
 
-__all__ = ["COUNTED_FLAGS", "Index", "IndexTransaction", "RequestStatus", "Row", "count_column"]
+__all__ = ["COUNTED_FLAGS", "Index", "IndexTransaction", "RequestStatus", "Row", "count_column", "load_of"]
 
 
 class RequestStatus(enum.StrEnum):
@@ -158,9 +158,12 @@ CREATE INDEX IF NOT EXISTS prefix_refs_by_source ON prefix_refs (run_id, source_
             "INSERT INTO runs (run_id, num_moe_layers, top_k, num_experts, moe_layers, num_hidden_layers, source,"
             " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"  # another replica's first batch
         )
-        self.set_num_hidden_layers = "UPDATE runs SET num_hidden_layers = ? WHERE run_id = ?"
         self.set_created_at = "UPDATE runs SET created_at = ? WHERE run_id = ?"  # reindex restores a creation time
         self.select_run = "SELECT * FROM runs WHERE run_id = ?"
+        self.select_run_load = "SELECT load FROM runs WHERE run_id = ?"
+        # Compare-and-set: a count another replica learnt meanwhile is never overwritten (runs.py).
+        self.learn_num_hidden_layers = ("UPDATE runs SET num_hidden_layers = ?"
+                                        " WHERE run_id = ? AND num_hidden_layers = ?")
         self.select_runs = "SELECT * FROM runs ORDER BY run_id"
         self.count_runs = "SELECT COUNT(*) AS n FROM runs"
         # last_write: Unix time of the run's last stored segment (retention's age of a run still being written).
@@ -328,6 +331,11 @@ class Index:
         rows = self.query(sql, params)
         return rows[0] if rows else None
 
+    @property
+    def shared(self) -> bool:
+        """Whether other processes write this index too (PostgreSQL: replicas), so no run row may be cached."""
+        return self.backend.dialect.name != "sqlite"
+
     def transaction(self) -> _Transaction:
         """`with index.transaction() as tx:` one write transaction, committed on a clean exit."""
         return _Transaction(self)
@@ -401,10 +409,11 @@ class Index:
                 run_id, shape.num_moe_layers, shape.top_k, shape.num_experts, json.dumps(list(shape.moe_layers)),
                 shape.num_hidden_layers, source, created_at)).rowcount == 1
 
-    def set_num_hidden_layers(self, run_id: str, num_hidden_layers: int) -> None:
-        """Record the model's layer count a run learnt (it had only the count derived from its MoE layers)."""
+    def learn_num_hidden_layers(self, run_id: str, num_hidden_layers: int, was: int) -> bool:
+        """Record a learnt layer count where the run still has `was`; False when it changed meanwhile (another
+        replica learnt one, or the run was deleted): the caller reads the run again."""
         with self.transaction() as tx:
-            tx.execute(self.sql.set_num_hidden_layers, (num_hidden_layers, run_id))
+            return tx.execute(self.sql.learn_num_hidden_layers, (num_hidden_layers, run_id, was)).rowcount == 1
 
     def set_pinned(self, run_id: str, pinned: bool) -> bool:
         """Pin (retention never deletes it) or unpin a run; False when the run does not exist."""
@@ -415,6 +424,14 @@ class Index:
         """Set a run's creation time (reindex: the time its journal recorded, not when it was rebuilt)."""
         with self.transaction() as tx:
             tx.execute(self.sql.set_created_at, (created_at, run_id))
+
+
+def load_of(blob: bytes | None, shape: RunShape) -> np.ndarray:
+    """The expert load a `runs.load` value records (NULL: nothing counted yet), as a new writable array."""
+    load = np.zeros((shape.num_moe_layers, shape.num_experts), np.int64)
+    if blob is not None:
+        load[:] = np.frombuffer(blob, np.int64).reshape(load.shape)
+    return load
 
 
 class IndexTransaction:
@@ -542,6 +559,15 @@ class IndexTransaction:
     def delete_run(self, run_id: str) -> int:
         """Delete every index row of a run (compares aside: compares.py); how many rows were deleted."""
         return sum(self.tx.execute(sql, (run_id,)).rowcount for sql in self.sql.delete_run_rows)
+
+    def run_load(self, run_id: str, shape: RunShape) -> np.ndarray:
+        """A run's stored expert load `(num_moe_layers, num_experts)`, read inside this transaction (zeros when it
+        has none, or no row: a run deleted meanwhile, refused when its segment is inserted).
+
+        Read after `lock_runs`: no other replica's commit of the run can change it before this one ends.
+        """
+        row = self.tx.execute(self.sql.select_run_load, (run_id,)).fetchone()
+        return load_of(row["load"] if row is not None else None, shape)
 
     def add_run_totals(self, run_id: str, size: int, load: np.ndarray, written_ns: int) -> None:
         """Add a segment's bytes to its run, store the run's new expert load and its last write (the segment's)."""

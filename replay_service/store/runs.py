@@ -1,4 +1,4 @@
-"""The run registry: each run's shape, expert load and ingest lock, loaded from the index once and kept.
+"""The run registry: each run's shape and ingest lock, from the index (kept where only this process writes it).
 
 A run is created by its first batch; every later batch must have the same shape, with one allowance
 for the model's layer count (`num_hidden_layers`, `same_model`): `max(moe_layers) + 1` is what a shape
@@ -6,7 +6,15 @@ says when its writer did not know the count (rows.md 2.0 and older, or a writer 
 model), and it is also the count of a model whose last layer has a router, so that value agrees
 with any other. A run that has only that count learns a larger one from the first batch that
 states it (its model-layer axis widens, dense layers at the end); two different larger counts are
-a Conflict.
+a Conflict (across replicas too: the count is learnt by compare-and-set on the run's row).
+
+The expert load is the index's (`runs.load`, read and added to under the run's commit lock: commit.py),
+never a replica's own count. On a SQLite index this process is the only writer, so a run's row is read
+once and kept. On a shared index (PostgreSQL, several replicas) every lookup reads the run's row again:
+a run deleted on another replica is gone here at once (the next batch of its id starts a fresh run, as
+on one process), and a layer count learnt elsewhere is this replica's shape from its next lookup. The
+`RunState` object of a run is kept while its row is the same run (same `created_at`), so the in-process
+commit lock and the `deleted` mark stay one per run.
 """
 
 from __future__ import annotations
@@ -17,11 +25,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from replay_format import RunShape
 from replay_format.rows import RowsMeta
-from replay_service.errors import Conflict, NotFound
+from replay_service.errors import Conflict, NotFound, RunDeleted
 from replay_service.store.index import Index, Row
 
 
@@ -31,7 +37,7 @@ class RunState:
 
     run_id: str
     shape: RunShape
-    load: np.ndarray  # (num_moe_layers, num_experts) int64: served clean rows' expert counts
+    created_at: float  # tells a run from a later one of the same id (deleted and started again elsewhere)
     lock: threading.Lock = field(default_factory=threading.Lock)  # held by the commit stage
     deleted: bool = False  # set (under `lock`) when the run was deleted: this state is stale
 
@@ -47,10 +53,7 @@ class RunRegistry:
     def get(self, run_id: str) -> RunState | None:
         """The run, or None when it does not exist."""
         with self._lock:
-            state = self._runs.get(run_id)
-            if state is None:
-                state = self._load(run_id)
-            return state
+            return self._current(run_id)
 
     def require(self, run_id: str) -> RunState:
         """The run; NotFound when it does not exist."""
@@ -65,40 +68,63 @@ class RunRegistry:
         A run whose layer count is only derived learns the batch's (module docstring).
         """
         with self._lock:
-            state = self._runs.get(meta.run_id) or self._load(meta.run_id)
+            state = self._current(meta.run_id)
             if state is None and self.index.register_run(meta.run_id, meta.shape, meta.source.value, time.time()):
-                return self._remember(meta.run_id, meta.shape, None)
-            if state is None:  # another replica created it meanwhile (a shared index): its row decides the shape
-                state = self._load(meta.run_id)
-                assert state is not None
-            have, got = state.shape, meta.shape
-            if not same_rows(have, got):
-                raise Conflict(
-                    f"run {meta.run_id!r} stores rows of {have.num_moe_layers} layers x top-{have.top_k} "
-                    f"of {have.num_experts} experts (MoE layers {list(have.moe_layers)}); this batch has "
-                    f"{got.num_moe_layers} x top-{got.top_k} of {got.num_experts} (MoE layers {list(got.moe_layers)})")
-            hidden = same_model(have, got, meta.run_id)
-            if hidden != have.num_hidden_layers:
-                self.index.set_num_hidden_layers(meta.run_id, hidden)
-                state.shape = dataclasses.replace(have, num_hidden_layers=hidden)
-        return state
+                state = self._current(meta.run_id)
+            if state is None:  # another replica created it meanwhile (and maybe deleted it): its row decides
+                state = self._current(meta.run_id)
+                if state is None:
+                    raise RunDeleted(f"run {meta.run_id!r} was deleted while this batch was being stored; nothing "
+                                     "was stored (send it again to start a fresh run)")
+            while True:
+                have, got = state.shape, meta.shape
+                if not same_rows(have, got):
+                    raise Conflict(
+                        f"run {meta.run_id!r} stores rows of {have.num_moe_layers} layers x top-{have.top_k} "
+                        f"of {have.num_experts} experts (MoE layers {list(have.moe_layers)}); this batch has "
+                        f"{got.num_moe_layers} x top-{got.top_k} of {got.num_experts} (MoE layers "
+                        f"{list(got.moe_layers)})")
+                hidden = same_model(have, got, meta.run_id)
+                if hidden == have.num_hidden_layers:
+                    return state
+                if self.index.learn_num_hidden_layers(meta.run_id, hidden, have.num_hidden_layers):
+                    state.shape = dataclasses.replace(have, num_hidden_layers=hidden)
+                    return state
+                # Another replica learnt a count (or deleted the run) meanwhile: decide again on its row.
+                fresh = self._reload(meta.run_id)
+                if fresh is None:
+                    raise RunDeleted(f"run {meta.run_id!r} was deleted while this batch was being stored; nothing "
+                                     "was stored (send it again to start a fresh run)")
+                state = fresh
 
     def forget(self, run_id: str) -> None:
         """Drop a deleted run's state: the next batch of this id creates a fresh run."""
         with self._lock:
             self._runs.pop(run_id, None)
 
-    def _load(self, run_id: str) -> RunState | None:
-        row = self.index.run(run_id)
-        if row is None:
-            return None
-        return self._remember(run_id, shape_of(row), row["load"])
+    def _current(self, run_id: str) -> RunState | None:
+        """The kept state (only this process writes the index), else the run's row read again (`_lock` held)."""
+        state = self._runs.get(run_id)
+        if state is not None and not self.index.shared:
+            return state
+        return self._reload(run_id)
 
-    def _remember(self, run_id: str, shape: RunShape, load_bytes: bytes | None) -> RunState:
-        load = np.zeros((shape.num_moe_layers, shape.num_experts), np.int64)
-        if load_bytes is not None:
-            load[:] = np.frombuffer(load_bytes, np.int64).reshape(load.shape)
-        state = RunState(run_id, shape, load)
+    def _reload(self, run_id: str) -> RunState | None:
+        """The run as its row is now (`_lock` held): the kept state updated, a new one for a new run, None if gone."""
+        row = self.index.run(run_id)
+        kept = self._runs.get(run_id)
+        if row is None:
+            if kept is not None:  # deleted by another replica: a read under way here answers RunDeleted
+                kept.deleted = True
+                del self._runs[run_id]
+            return None
+        shape = shape_of(row)
+        if kept is not None and kept.created_at == row["created_at"]:
+            kept.shape = shape
+            return kept
+        if kept is not None:  # deleted and started again elsewhere: the old state is stale
+            kept.deleted = True
+        state = RunState(run_id, shape, row["created_at"])
         self._runs[run_id] = state
         return state
 

@@ -25,6 +25,8 @@ import os
 import threading
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -159,25 +161,61 @@ class S3Segments(SegmentStore):
     def _key(self, rel: str) -> str:
         return f"{self.base}/{rel}"
 
+    @contextmanager
+    def _reaching(self, what: str) -> Iterator[None]:
+        """Turn the store's failures (pyarrow's OSError: refused connection, timeout, 5xx, denied) into
+        `SegmentStoreUnreachable` naming the store: the API answers 503, never a 500 or a damaged segment.
+
+        FileNotFoundError is a store that answered (no such object) and passes through.
+        """
+        try:
+            yield
+        except FileNotFoundError:
+            raise
+        except (OSError, pa.ArrowException) as exc:
+            raise SegmentStoreUnreachable(
+                f"the segment store {self.url} did not answer ({what}: {exc}); nothing was stored or served; "
+                "the same request succeeds once the store answers again", self.url) from None
+
     def put(self, rel: str, image: pa.Buffer | memoryview | bytes) -> None:
-        """Write a whole segment image as one object: complete when this returns, invisible before."""
-        with self.fs.open_output_stream(self._key(rel)) as out:
-            out.write(image)
+        """Write a whole segment image as one object: complete when this returns, invisible before.
+
+        A failed upload leaves no object (a PUT or a multipart completion is all or nothing); a partial one the
+        SDK might still have completed is named by no index row and collected as an orphan (retention.py).
+        """
+        with self._reaching(f"uploading {rel}"):
+            try:
+                with self.fs.open_output_stream(self._key(rel)) as out:
+                    out.write(image)
+            except BaseException:
+                self._forget(rel)
+                raise
+
+    def _forget(self, rel: str) -> None:
+        """Best-effort delete of a failed upload's key (the store may be the reason it failed)."""
+        try:
+            self.fs.delete_file(self._key(rel))
+        except (OSError, pa.ArrowException):
+            pass  # the orphan collector deletes it after its grace period
 
     def open_batch(self, rel: str) -> pa.RecordBatch:
-        try:
-            with self.fs.open_input_stream(self._key(rel)) as source:  # one GET for the whole object
-                data = source.read()
-        except OSError as exc:
-            if self.stat(rel) is None:
-                raise FileNotFoundError(rel) from exc
-            raise
+        with self._reaching(f"reading {rel}"):
+            try:
+                with self.fs.open_input_stream(self._key(rel)) as source:  # one GET for the whole object
+                    data = source.read()
+            except FileNotFoundError:
+                raise
+            except OSError as exc:
+                if self.stat(rel) is None:  # the store answers, the object is not there
+                    raise FileNotFoundError(rel) from exc
+                raise
         with self._count:
             self.bytes_fetched += len(data)
         return pa.ipc.open_file(pa.BufferReader(data)).get_batch(0)
 
     def stat(self, rel: str) -> tuple[int, int] | None:
-        info = self.fs.get_file_info(self._key(rel))
+        with self._reaching(f"looking up {rel}"):
+            info = self.fs.get_file_info(self._key(rel))
         if info.type != pafs.FileType.File:
             return None
         return (info.mtime_ns or 0), info.size
@@ -186,7 +224,9 @@ class S3Segments(SegmentStore):
         base = self.base if run_id is None else self._key(run_id)
         selector = pafs.FileSelector(base, recursive=True, allow_not_found=True)
         out = []
-        for info in self.fs.get_file_info(selector):
+        with self._reaching("listing " + (run_id or "every run")):
+            infos = self.fs.get_file_info(selector)
+        for info in infos:
             if info.type == pafs.FileType.File and info.path.endswith(SEGMENT_SUFFIX):
                 rel = info.path[len(self.base) + 1:]
                 out.append(StoredObject(rel, info.size, (info.mtime_ns or 0) / 1e9))
@@ -194,7 +234,8 @@ class S3Segments(SegmentStore):
 
     def delete(self, rel: str) -> None:
         try:
-            self.fs.delete_file(self._key(rel))
+            with self._reaching(f"deleting {rel}"):
+                self.fs.delete_file(self._key(rel))
         except FileNotFoundError:
             pass
 
@@ -216,7 +257,7 @@ class S3Segments(SegmentStore):
             raise SegmentStoreUnreachable(
                 f"the segment store REPLAY_SEGMENTS_URL={self.url} cannot be used (listing its prefix and writing a "
                 f"probe object failed: {exc}); check the bucket exists and AWS_ENDPOINT_URL, AWS_REGION, "
-                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY") from None
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY", self.url) from None
 
 
 def s3_filesystem(env: dict[str, str] | None = None) -> pafs.S3FileSystem:

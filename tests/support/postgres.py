@@ -5,7 +5,8 @@ under /usr/lib/postgresql/*/bin (the newest). initdb refuses to run as root, so 
 the cluster belongs to the unprivileged `nobody` user: its files lie in a fresh directory under /tmp that
 `nobody` owns, and every server command runs through `runuser -u nobody --`. The server listens on
 127.0.0.1 only, trusts local connections (a throwaway cluster: no password) and is stopped, its files
-deleted, when the test session ends. `Cluster.new_database()` makes a fresh database and answers its URL.
+deleted, when the test session ends. `Cluster.new_database()` makes a fresh database and answers its URL;
+`stop()` / `start()` take the server away and bring it back on the same port (the index lost mid-run).
 """
 
 from __future__ import annotations
@@ -49,12 +50,20 @@ class Cluster:
             shutil.chown(self.root, UNPRIVILEGED)
         self._run("initdb", "-D", str(self.data), "-U", SUPERUSER, "--auth=trust", "-E", "UTF8", "--locale=C")
         try:
-            self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60", "-o",
-                      f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off "
-                      "-c max_connections=200", "start")
+            self.start()
         except BaseException:
             self.close()
             raise
+
+    def start(self) -> None:
+        """Start the server on its port (again, after `stop`: the same data, the same URL)."""
+        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60", "-o",
+                  f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off "
+                  "-c max_connections=200", "start")
+
+    def stop(self) -> None:
+        """Stop the server now (fast: open sessions are cut), keeping its data: the index lost mid-run."""
+        self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
 
     def _run(self, tool: str, *args: str) -> None:
         cmd = [str(self.bin / tool), *args]

@@ -2,14 +2,22 @@
 
 The service talks to it as to any S3-compatible store: plain `pyarrow.fs.S3FileSystem` configured from the
 usual AWS variables (`env`); nothing in the service knows it is moto.
+
+The server is its own process (`python -m moto.server`), not a thread of the test: stopping it closes its
+listening socket and every kept-alive connection with it, as a store that went away does (moto's in-process
+ThreadedMotoServer keeps both open after `stop()`: clients would hang, not fail), and it takes no GIL from
+the test process.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 import uuid
 
+import httpx
 import pyarrow.fs as pafs
-from moto.server import ThreadedMotoServer
 
 from tests.support.service import free_port
 
@@ -19,20 +27,36 @@ REGION = "us-east-1"
 class MotoS3:
     """A moto S3 server on a free loopback port; `bucket()` makes a fresh bucket, `env()` what a service needs."""
 
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.proc: subprocess.Popen | None = None
 
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> MotoS3:
-        self.server.start()
-        return self
+    def start(self, timeout: float = 30.0) -> MotoS3:
+        """Start the server (an empty store: moto keeps nothing across starts) and wait until it answers."""
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"moto server exited with {self.proc.returncode}")
+            try:
+                httpx.get(f"{self.endpoint}/moto-api/", timeout=1.0)
+                return self
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"moto server did not answer in {timeout}s")
 
     def stop(self) -> None:
-        self.server.stop()
+        """Stop the server: its port refuses connections afterwards (and its buckets are gone)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
 
     def aws_env(self) -> dict[str, str]:
         """Endpoint, region and (moto's any-value) credentials, as the usual AWS variables."""

@@ -44,6 +44,9 @@ DIALECT = Dialect(
 SCHEMA_LOCK = 0x7265706C  # advisory lock key held while the schema is created or migrated ("repl")
 POOL_MAX = 16  # connections per replica: a transaction's thread holds one (commit leader, finish, references)
 CONNECT_TIMEOUT_S = 10
+# How long a call waits for a pooled connection: with the server gone none comes, and a 503 soon is better
+# than a client's own timeout (the pool keeps reconnecting in the background meanwhile).
+POOL_WAIT_S = 5
 
 
 @lru_cache(maxsize=512)
@@ -146,6 +149,7 @@ class PostgresBackend:
             raise IndexUnreachable(f"the index database (REPLAY_INDEX_URL={_redacted(url)}) cannot be reached: "
                                    f"{exc}".strip()) from None
         self.pool = ConnectionPool(url, min_size=1, max_size=POOL_MAX, open=True, check=ConnectionPool.check_connection,
+                                   timeout=POOL_WAIT_S,
                                    kwargs={"autocommit": True, "row_factory": dict_row,
                                            "connect_timeout": CONNECT_TIMEOUT_S})
         self._local = threading.local()
