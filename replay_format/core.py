@@ -240,6 +240,19 @@ def writable_view(array: pa.Array, backing: Backing) -> np.ndarray:
     return np.array(array.to_numpy(zero_copy_only=False), dtype=dtype)  # a fresh, writable copy
 
 
+def token_ids(tokens: pa.Array, backing: Backing | None = None) -> np.ndarray:
+    """A `token_id` column as int32 with NO_TOKEN where null.
+
+    No nulls: the column's own values (a writable view of `backing` when given, as `writable_view`).
+    All null (a writer that sends no token ids): filled directly, no Arrow kernel. Some null: filled copy.
+    """
+    if not tokens.null_count:
+        return writable_view(tokens, backing) if backing is not None else tokens.to_numpy()
+    if tokens.null_count == len(tokens):
+        return np.full(len(tokens), NO_TOKEN, np.int32)
+    return np.array(tokens.fill_null(NO_TOKEN).to_numpy(zero_copy_only=False), np.int32)  # writable, as views are
+
+
 class IpcParts:
     """A write-only file for `pa.ipc.new_stream` that keeps what Arrow hands it, uncopied.
 

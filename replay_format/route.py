@@ -18,7 +18,6 @@ import pyarrow as pa
 
 from replay_format import rows
 from replay_format.core import (
-    NO_TOKEN,
     Backing,
     FormatError,
     FormatVersion,
@@ -30,6 +29,7 @@ from replay_format.core import (
     ipc_stream_parts,
     metadata_int,
     metadata_version,
+    token_ids,
     writable_view,
 )
 
@@ -185,17 +185,10 @@ def _read_batch(batch: pa.RecordBatch, shape: RunShape, backing: Backing) -> Req
     ids = experts.flatten()
     if ids.type != shape.arrow_type:
         raise FormatError(f"route answer: ids are {ids.type}, but {shape.num_experts} experts means {shape.arrow_type}")
-    tokens = batch.column("token_id")
-    if tokens.null_count == len(tokens):  # no token id known (a writer that sends none): no Arrow kernel
-        token_ids = np.full(len(tokens), NO_TOKEN, np.int32)
-    elif tokens.null_count:
-        token_ids = np.array(tokens.fill_null(NO_TOKEN).to_numpy(zero_copy_only=False), np.int32)
-    else:
-        token_ids = writable_view(tokens, backing)
     return RequestRoute(
         request_id=str(request.dictionary[0].as_py()),
         positions=writable_view(batch.column("position"), backing),
-        token_ids=token_ids,
+        token_ids=token_ids(batch.column("token_id"), backing),
         experts=writable_view(ids, backing).reshape(batch.num_rows, shape.num_moe_layers, shape.top_k),
         flags=writable_view(batch.column("flags"), backing),
     )

@@ -50,7 +50,6 @@ class BoundedH11Protocol(_Bounded, H11Protocol):  # type: ignore[misc]
     """H11Protocol whose new connections time out when idle and are refused past the connection limit."""
 
 
-
 class BoundedHttpToolsProtocol(_Bounded, HttpToolsProtocol):  # type: ignore[misc]
     """HttpToolsProtocol whose new connections time out when idle and are refused past the connection limit."""
 

@@ -18,8 +18,8 @@ import google_crc32c
 import numpy as np
 import pyarrow as pa
 
-from replay_format import NO_TOKEN, FormatError
-from replay_format.core import decode_metadata
+from replay_format import FormatError
+from replay_format.core import decode_metadata, token_ids
 from replay_format.rows import CHECKSUM_KEY
 from replay_service.errors import DamagedSegment
 from replay_service.store.segment_store import LocalSegments, SegmentStore
@@ -36,10 +36,7 @@ def _parts(batch: pa.RecordBatch, metadata: dict[str, str]) -> Iterator[pa.Buffe
     yield _json(requests.dictionary.to_pylist())
     yield pa.py_buffer(np.ascontiguousarray(requests.indices.to_numpy(zero_copy_only=False), "<i4"))
     yield pa.py_buffer(np.ascontiguousarray(batch.column("position").to_numpy(zero_copy_only=False), "<i4"))
-    tokens = batch.column("token_id")
-    if tokens.null_count:
-        tokens = tokens.fill_null(NO_TOKEN)
-    yield pa.py_buffer(np.ascontiguousarray(tokens.to_numpy(zero_copy_only=False), "<i4"))
+    yield pa.py_buffer(np.ascontiguousarray(token_ids(batch.column("token_id")), "<i4"))
     experts = batch.column("experts").flatten().to_numpy(zero_copy_only=False)
     yield pa.py_buffer(np.ascontiguousarray(experts, experts.dtype.newbyteorder("<")))
     yield pa.py_buffer(np.ascontiguousarray(batch.column("flags").to_numpy(zero_copy_only=False), "<u2"))

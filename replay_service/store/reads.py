@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from replay_format import NO_TOKEN, Flag, LayerAxis, RunShape
+from replay_format.core import token_ids
 from replay_service.store.files import SegmentCache
 from replay_service.store.index import Index
 
@@ -83,16 +84,7 @@ class _Pieces:
 def _piece(batch: pa.RecordBatch, width: int) -> _Pieces:
     positions = batch.column("position").to_numpy()
     experts = batch.column("experts").flatten().to_numpy(zero_copy_only=True).reshape(len(positions), width)
-    return _Pieces(positions, _token_ids(batch.column("token_id")), experts, batch.column("flags").to_numpy())
-
-
-def _token_ids(tokens: pa.Array) -> np.ndarray:
-    """The token ids, NO_TOKEN where null: a view when none is, no Arrow kernel when all are (a writer sent none)."""
-    if not tokens.null_count:
-        return tokens.to_numpy()
-    if tokens.null_count == len(tokens):
-        return np.full(len(tokens), NO_TOKEN, np.int32)
-    return tokens.fill_null(NO_TOKEN).to_numpy(zero_copy_only=False)
+    return _Pieces(positions, token_ids(batch.column("token_id")), experts, batch.column("flags").to_numpy())
 
 
 def _concat(pieces: list[_Pieces], shape: RunShape) -> _Pieces:
