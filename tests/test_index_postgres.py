@@ -233,8 +233,9 @@ def test_a_replica_that_loses_its_index_answers_503_and_recovers(tmp_path):
             again = http.post("/v1/ingest", content=batch_bytes("lost", "w", 1, ["r"] * 16, np.arange(16, 32), second),
                               headers=ARROW)
             assert again.status_code == 200, again.text
+            assert again.json()["duplicate"] is False  # the refused batch was not stored
             assert http.post("/v1/ingest", content=batch_bytes("lost", "w", 1, ["r"] * 16, np.arange(16, 32), second),
-                             headers=ARROW).json()["duplicate"] is False  # the refused batch was not stored
+                             headers=ARROW).json()["duplicate"] is True
             client = ReplayClient(replica.url)
             route = client.get_route("lost", "r", strict=True)
             assert route.experts.tobytes() == np.concatenate([first, second]).tobytes()

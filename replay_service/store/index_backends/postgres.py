@@ -12,6 +12,11 @@ is made explicit:
 - a segment row needs its run row (a foreign key: a batch of a run deleted meanwhile fails with RunDeleted);
 - schema creation and migration run under one advisory lock, so replicas starting together do it once.
 
+A lost server: a call that gets no pooled connection within POOL_WAIT_S answers IndexUnreachable (a 503).
+psycopg_pool reconnects in the background with exponential backoff (it can wait minutes after a long
+outage), so such a call also tries one direct connection: when the server answers again, the pool is
+replaced by a fresh one at once and the call goes on, instead of serving 503s until the backoff ends.
+
 The schema version is the one row of `schema_version`.
 """
 
@@ -28,7 +33,7 @@ import psycopg
 from psycopg import errors as pg_errors
 from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from replay_service.errors import IndexTooNew, IndexUnreachable, RunDeleted, StorageFull
 from replay_service.store.index_backends import Dialect, Params, Row, Transaction
@@ -47,6 +52,7 @@ CONNECT_TIMEOUT_S = 10
 # How long a call waits for a pooled connection: with the server gone none comes, and a 503 soon is better
 # than a client's own timeout (the pool keeps reconnecting in the background meanwhile).
 POOL_WAIT_S = 5
+PROBE_TIMEOUT_S = 2  # the direct connection tried when the pool has none: is the server back?
 
 
 @lru_cache(maxsize=512)
@@ -84,8 +90,9 @@ def _translating() -> Iterator[None]:
 class PostgresTransaction:
     """A transaction on one pooled connection, used by the thread that began it."""
 
-    def __init__(self, backend: PostgresBackend, conn: psycopg.Connection[Any]) -> None:
+    def __init__(self, backend: PostgresBackend, pool: ConnectionPool, conn: psycopg.Connection[Any]) -> None:
         self.backend = backend
+        self.pool = pool  # the pool its connection came from (a replaced pool takes its connection back)
         self.conn = conn
 
     def execute(self, sql: str, params: Params = ()) -> psycopg.Cursor[Any]:
@@ -134,7 +141,7 @@ class PostgresTransaction:
                     pass  # a lost connection: the server rolled it back; the pool replaces the connection
         finally:
             self.backend._local.tx = None
-            self.backend.pool.putconn(self.conn)
+            self.pool.putconn(self.conn)
 
 
 class PostgresBackend:
@@ -148,11 +155,39 @@ class PostgresBackend:
         except psycopg.Error as exc:
             raise IndexUnreachable(f"the index database (REPLAY_INDEX_URL={_redacted(url)}) cannot be reached: "
                                    f"{exc}".strip()) from None
-        self.pool = ConnectionPool(url, min_size=1, max_size=POOL_MAX, open=True, check=ConnectionPool.check_connection,
-                                   timeout=POOL_WAIT_S,
-                                   kwargs={"autocommit": True, "row_factory": dict_row,
-                                           "connect_timeout": CONNECT_TIMEOUT_S})
+        self.url = url
+        self.pool = self._new_pool()
+        self._swap = threading.Lock()
         self._local = threading.local()
+
+    def _new_pool(self) -> ConnectionPool:
+        return ConnectionPool(self.url, min_size=1, max_size=POOL_MAX, open=True,
+                              check=ConnectionPool.check_connection, timeout=POOL_WAIT_S,
+                              kwargs={"autocommit": True, "row_factory": dict_row,
+                                      "connect_timeout": CONNECT_TIMEOUT_S})
+
+    def _getconn(self) -> tuple[ConnectionPool, psycopg.Connection[Any]]:
+        """A pooled connection and its pool; after a lost server, a fresh pool once the server answers again."""
+        pool = self.pool
+        try:
+            return pool, pool.getconn()
+        except PoolClosed:  # replaced by another thread meanwhile
+            pool = self.pool
+            with _translating():
+                return pool, pool.getconn()
+        except PoolTimeout:
+            try:  # is the server back while the pool is still backing off?
+                psycopg.connect(self.url, connect_timeout=PROBE_TIMEOUT_S).close()
+            except psycopg.Error:
+                raise IndexUnreachable("the index database (REPLAY_INDEX_URL) cannot be reached: nothing of this "
+                                       "call was stored; retry") from None
+        with self._swap:
+            if self.pool is pool:  # the first caller to see the server back replaces the pool
+                self.pool = self._new_pool()
+                threading.Thread(target=pool.close, name="index-pool-close", daemon=True).start()
+            pool = self.pool
+        with _translating():
+            return pool, pool.getconn()
 
     def _tx(self) -> PostgresTransaction | None:
         return getattr(self._local, "tx", None)
@@ -162,19 +197,22 @@ class PostgresBackend:
         tx = self._tx()
         if tx is not None:
             return cast(list[Row], tx.execute(sql, params).fetchall())
-        with _translating(), self.pool.connection() as conn:
-            return cast(list[Row], conn.execute(to_pyformat(sql), params).fetchall())
+        pool, conn = self._getconn()
+        try:
+            with _translating():
+                return cast(list[Row], conn.execute(to_pyformat(sql), params).fetchall())
+        finally:
+            pool.putconn(conn)
 
     def begin(self) -> PostgresTransaction:
         """Open a transaction on a pooled connection (this thread's reads use it until it ends)."""
         assert self._tx() is None, "one transaction per thread"
-        with _translating():
-            conn = self.pool.getconn()
-        tx = PostgresTransaction(self, conn)
+        pool, conn = self._getconn()
+        tx = PostgresTransaction(self, pool, conn)
         try:
             tx.execute("BEGIN")
         except BaseException:
-            self.pool.putconn(conn)
+            pool.putconn(conn)
             raise
         self._local.tx = tx
         return tx
