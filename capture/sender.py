@@ -81,7 +81,11 @@ class RouteSender:
         self.stats = SenderStats()
         self.spill_dir = Path(config.spill_dir)
         self.spill_dir.mkdir(parents=True, exist_ok=True)
-        headers = {"authorization": f"Bearer {config.token}"} if config.token else {}
+        # The writer's name on every call: a load balancer in front of replicas keeps a writer on one replica by it
+        # (docs/scale_out.md, "Spreading writers"); the service reads the writer from the body, never from here.
+        headers = {"x-replay-writer": f"{config.run_id}/{config.writer_id}"}
+        if config.token:
+            headers["authorization"] = f"Bearer {config.token}"
         self.http = http or httpx.Client(base_url=config.url.rstrip("/"), timeout=config.request_timeout_s,
                                          headers=headers)
         self._seq = 0

@@ -32,14 +32,19 @@ from replay_format.core import (
 )
 
 FORMAT = "routing-replay.rows"
-# 2.1 added the optional num_hidden_layers; 2.2 the segment file's keys; 2.3 segments may be buffer-compressed
-VERSION = FormatVersion(2, 3)
+# 2.1 added the optional num_hidden_layers; 2.2 the segment file's keys; 2.3 segments may be buffer-compressed;
+# 2.4 segments may carry block checksums and their buffers' offsets (ranged reads from an object store)
+VERSION = FormatVersion(2, 4)
 LEGACY_VERSION = FormatVersion(1, 0)  # no format_version key; `num_layers` where 2.0 says `num_moe_layers`
 COLUMNS = ("request_id", "position", "token_id", "experts", "flags")
 POSITION_MAX = 2**31 - 2
 # Keys only a segment file carries (rows.md, "Segment files"); a body's own keys by these names are not kept.
-SEGMENT_KEYS = ("digest", "written_ns", "padding", "crc32c")
+SEGMENT_KEYS = ("digest", "written_ns", "padding", "crc32c", "block_crc32c", "layout")
 CHECKSUM_KEY = "crc32c"
+# 2.4 (rows.md, "Blocks"): rows are checked in blocks of BLOCK_ROWS, so a read of a few rows checks only theirs
+BLOCK_ROWS = 4096
+BLOCK_CHECKSUM_KEY = "block_crc32c"
+LAYOUT_KEY = "layout"
 SEGMENT_VERSION = FormatVersion(2, 2)  # the first version whose segments carry what their index rows say
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 import uvicorn
 
+from replay_service.errors import ServiceError
 from replay_service.settings import DEFAULT_PORT, ServiceSettings
 
 app = typer.Typer(help="routing-replay: record, check and serve MoE routing for R3.", no_args_is_help=True)
@@ -78,6 +79,19 @@ def serve(
                 limit_concurrency=settings.max_connections)
 
 
+def _refusals() -> tuple[type[ServiceError], ...]:
+    """What stops a command before it does anything, with a message naming the setting (index, bucket, state)."""
+    from replay_service.errors import (
+        Conflict,
+        IndexNeedsRebuild,
+        IndexTooNew,
+        IndexUnreachable,
+        SegmentStoreUnreachable,
+    )
+
+    return Conflict, IndexNeedsRebuild, IndexTooNew, IndexUnreachable, SegmentStoreUnreachable
+
+
 def _progress():
     """A rich progress bar for long store work."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -91,26 +105,35 @@ def reindex(
     restore_quarantine: bool = typer.Option(
         False, "--restore-quarantine", help="first move quarantined segments back under runs/"),
 ) -> None:
-    """Rebuild DATA's index from its segments and run journals (with the service stopped).
+    """Rebuild DATA's index from its segments and run journals (with the service, every replica, stopped).
 
-    The old index, if any, is kept as index.sqlite.before-reindex-<time>. Exit status 1 when a segment
-    could not be indexed (damaged, or written before rows 2.2).
+    Segments and journals are read where REPLAY_SEGMENTS_URL puts them (a bucket: every replica's). The index is
+    <data>/index.sqlite, the old one kept as index.sqlite.before-reindex-<time>; or, with REPLAY_INDEX_URL, the
+    PostgreSQL database it names, which must be empty (a new database after losing the old one): one holding
+    runs is refused, exit status 2. Exit status 1 when a segment could not be indexed (damaged, or written
+    before rows 2.2).
     """
     from replay_service.store.reindex import reindex as rebuild
     from replay_service.store.segment_store import open_segment_store
 
-    total = len(open_segment_store(data, ServiceSettings(data_dir=data).segments_url).paths())
-    with _progress() as progress:
-        scanned = progress.add_task("checking segments", total=total)
-        committed = progress.add_task("indexing segments", total=total)
-        seen: set[str] = set()
+    settings = ServiceSettings(data_dir=data)
+    try:
+        total = len(open_segment_store(data, settings.segments_url).paths())
+        with _progress() as progress:
+            scanned = progress.add_task("checking segments", total=total)
+            committed = progress.add_task("indexing segments", total=total)
+            seen: set[str] = set()
 
-        def step(rel: str) -> None:
-            progress.advance(committed if rel in seen else scanned)
-            seen.add(rel)
+            def step(rel: str) -> None:
+                progress.advance(committed if rel in seen else scanned)
+                seen.add(rel)
 
-        report = rebuild(data, ServiceSettings(data_dir=data), restore=restore_quarantine, progress=step)
-    typer.echo(f"reindexed {data}: {report.runs} runs, {report.segments} segments, {report.rows} rows, "
+            report = rebuild(data, settings, restore=restore_quarantine, progress=step)
+    except _refusals() as exc:
+        typer.echo(f"replay-service: {exc.message}", err=True)
+        raise typer.Exit(2) from None
+    into = "into the database REPLAY_INDEX_URL names" if settings.index_url else str(data)
+    typer.echo(f"reindexed {into}: {report.runs} runs, {report.segments} segments, {report.rows} rows, "
                f"{report.events} journal events replayed")
     if report.restored:
         typer.echo(f"took back {len(report.restored)} quarantined segments")
@@ -130,15 +153,25 @@ def verify(
     data: Path = typer.Option(Path("replay-data"), "--data", help="directory of the Arrow store"),
     run: str | None = typer.Option(None, "--run", help="only this run's segments"),
 ) -> None:
-    """Check every segment's checksum; list the damaged ones (exit status 1 when any). Safe while serving."""
+    """Check every segment's checksum; list the damaged ones (exit status 1 when any). Safe while serving.
+
+    Segments where REPLAY_SEGMENTS_URL puts them, and those the index (REPLAY_INDEX_URL, or <data>/index.sqlite)
+    names: one it names that is not stored counts as damaged.
+    """
     from replay_service.store.integrity import verify_store
     from replay_service.store.segment_store import open_segment_store
 
-    segments = open_segment_store(data, ServiceSettings(data_dir=data).segments_url)
-    with _progress() as progress:
-        task = progress.add_task("verifying segments", total=None)
-        checked, damaged = verify_store(data, run, progress=lambda _: progress.advance(task), store=segments)
-        progress.update(task, total=checked, completed=checked)
+    settings = ServiceSettings(data_dir=data)
+    try:
+        segments = open_segment_store(data, settings.segments_url)
+        with _progress() as progress:
+            task = progress.add_task("verifying segments", total=None)
+            checked, damaged = verify_store(data, run, progress=lambda _: progress.advance(task), store=segments,
+                                            index_url=settings.index_url)
+            progress.update(task, total=checked, completed=checked)
+    except _refusals() as exc:
+        typer.echo(f"replay-service: {exc.message}", err=True)
+        raise typer.Exit(2) from None
     for rel, why in damaged:
         typer.echo(f"DAMAGED runs/{rel}: {why}")
     typer.echo(f"{checked} segments checked, {len(damaged)} damaged")
@@ -146,9 +179,11 @@ def verify(
         raise typer.Exit(1)
 
 
-# delete, gc and export work on the data directory, not through the API: they need no token and no running
-# service, and use the service's own code (store/retention.py, export.py). delete and gc change the index:
-# run them with the service stopped (on a running one: DELETE /v1/runs/{run}, and REPLAY_RETENTION_* settings).
+# delete, gc and export work on the store, not through the API: they need no token and no running service, and
+# use the service's own code and settings (store/retention.py, export.py): the index and segments are where
+# REPLAY_INDEX_URL and REPLAY_SEGMENTS_URL put them, as for `serve`. delete and gc change the index: run them
+# with the service stopped (on a running one: DELETE /v1/runs/{run}, and REPLAY_RETENTION_* settings); with a
+# PostgreSQL index and a bucket, `gc --orphans` is safe beside running replicas.
 
 
 @app.command()
@@ -160,7 +195,11 @@ def delete(
     from replay_service.errors import NotFound
     from replay_service.store import RouteStore
 
-    store = RouteStore(ServiceSettings(data_dir=data))
+    try:
+        store = RouteStore(ServiceSettings(data_dir=data))
+    except _refusals() as exc:
+        typer.echo(f"replay-service: {exc.message}", err=True)
+        raise typer.Exit(2) from None
     try:
         removed = store.delete_run(run)
     except NotFound as exc:
@@ -188,18 +227,32 @@ def gc(
     cap = settings.retention_max_bytes if max_bytes is None else max_bytes
     age = settings.retention_max_age_s if max_age_s is None else max_age_s
     if orphans:
+        from replay_service.store import index_target
         from replay_service.store.index import Index
-        from replay_service.store.segment_store import open_segment_store
+        from replay_service.store.segment_store import LocalSegments, open_segment_store
 
-        index = Index(data / "index.sqlite", fsync=False)  # read only: safe beside the service
         try:
-            found = collect_orphans(open_segment_store(data, settings.segments_url), index, settings.orphan_grace_s)
-        finally:
-            index.close()
+            segments = open_segment_store(data, settings.segments_url)
+            if isinstance(segments, LocalSegments):
+                typer.echo("segments are local files (REPLAY_SEGMENTS_URL unset): nothing to collect, unindexed ones "
+                           f"are quarantined at start-up (under {data / 'quarantine'})")
+                return
+            index = Index(index_target(settings), fsync=False)  # the index replicas share: read only here
+            try:
+                found = collect_orphans(segments, index, settings.orphan_grace_s)
+            finally:
+                index.close()
+        except _refusals() as exc:
+            typer.echo(f"replay-service: {exc.message}", err=True)
+            raise typer.Exit(2) from None
         typer.echo(f"{len(found.deleted)} orphan segments deleted ({found.bytes} bytes), {len(found.young)} younger "
                    f"than REPLAY_ORPHAN_GRACE_S={settings.orphan_grace_s:g} kept")
         return
-    store = RouteStore(settings)
+    try:
+        store = RouteStore(settings)
+    except _refusals() as exc:
+        typer.echo(f"replay-service: {exc.message}", err=True)
+        raise typer.Exit(2) from None
     try:
         import time
 
@@ -235,6 +288,9 @@ def export(
         except NotFound as exc:
             typer.echo(f"replay-service: {exc.message}", err=True)
             raise typer.Exit(1) from None
+        except _refusals() as exc:
+            typer.echo(f"replay-service: {exc.message}", err=True)
+            raise typer.Exit(2) from None
     typer.echo(f"exported {rows} rows of run {run!r} to {to}")
 
 

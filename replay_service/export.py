@@ -10,7 +10,8 @@ Columns (one row per request and position, as a route read serves them, GAP rows
 
 Nested lists read as is in pandas (arrays of arrays), DuckDB (`UTINYINT[][]`) and Polars
 (`List(List(UInt8))`). The file's metadata `routing_replay.run` holds the run's shape as JSON.
-Read-only on the data directory (index and segments), so it may run beside the service; memory stays
+Read-only on the index and segments (wherever the service's settings put them: REPLAY_INDEX_URL,
+REPLAY_SEGMENTS_URL), so it may run beside the service; memory stays
 bounded: one request's rows (at most `max_read_rows` per piece) and one row group at a time.
 """
 
@@ -27,6 +28,7 @@ import pyarrow.parquet as pq
 from replay_format import NO_TOKEN, Flag
 from replay_service.errors import NotFound
 from replay_service.settings import ServiceSettings
+from replay_service.store import index_target
 from replay_service.store.files import SegmentCache
 from replay_service.store.index import Index, count_column
 from replay_service.store.reads import RouteRows, RowReader
@@ -54,14 +56,15 @@ def _table(rows: RouteRows, schema: pa.Schema) -> pa.Table:
 
 
 def export_run(data_dir: Path, run_id: str, target: Path, progress: Callable[[int, int], None] | None = None,
-               segments_url: str | None = None) -> int:
+               segments_url: str | None = None, index_url: str | None = None) -> int:
     """Write run `run_id` of `data_dir` to `target` (Parquet); how many rows. NotFound when the run does not exist.
 
     `progress(done, total)` is called per request. Segments are read from `segments_url` (default:
-    REPLAY_SEGMENTS_URL, or `<data_dir>/runs` when unset).
+    REPLAY_SEGMENTS_URL, or `<data_dir>/runs` when unset), the index from `index_url` (default: REPLAY_INDEX_URL,
+    or `<data_dir>/index.sqlite` when unset) — the service's own settings, so it exports what the service serves.
     """
     settings = ServiceSettings(data_dir=data_dir)
-    index = Index(Path(data_dir) / "index.sqlite", fsync=False)
+    index = Index(index_url or index_target(settings), fsync=False)
     try:
         run = index.run(run_id)
         if run is None:

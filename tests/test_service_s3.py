@@ -218,8 +218,11 @@ def test_a_bucket_gone_at_run_time_answers_503_and_indexes_nothing(tmp_path):
         with ServiceProcess(data, env=own.env(bucket)) as service:
             client = ReplayClient(service.url)
             assert client.ingest(bodies[0])["stored"]  # not read back: its segment is in no cache
+            assert client.http.get("/healthz").status_code == 200
             own.stop()
             url = f"s3://{bucket}/segments"
+            health = client.http.get("/healthz")  # a load balancer's check takes the replica out
+            assert health.status_code == 503 and health.json()["segment_store"] == url, health.text
             read = client.http.get(f"/v1/runs/{RUN}/requests/req-a/routes")
             assert read.status_code == 503, read.text
             assert read.json()["segment_store"] == url and url in read.json()["detail"]

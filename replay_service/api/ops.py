@@ -11,9 +11,14 @@ from replay_service.api.models import Health
 router = APIRouter(tags=["operations"])
 
 
-@router.get("/healthz", summary="Liveness and store status", response_model=Health)
+@router.get("/healthz", summary="Liveness and store status", response_model=Health,
+            responses={503: {"description": "The index or the segment store does not answer"}})
 def healthz(store: Store, settings: Settings) -> dict:
-    return {"status": "ok", "runs": store.run_count(), "data_dir": str(settings.data_dir)}
+    """Counts the index's runs and asks the segment store once: a replica cut off from either answers 503, so a
+    load balancer's health check takes it out (docs/scale_out.md)."""
+    runs = store.run_count()
+    store.segments.ping()
+    return {"status": "ok", "runs": runs, "data_dir": str(settings.data_dir)}
 
 
 @router.get(

@@ -7,7 +7,8 @@ once the commit stage's index rows name it (store/files.py says what start-up do
 files no row names).
 
 In an object store (`REPLAY_SEGMENTS_URL`, store/segment_store.py) the same image is uploaded as one object,
-complete when the upload returns: nothing for the commit stage to sync.
+complete when the upload returns: nothing for the commit stage to sync. Uncompressed, it also carries block
+checksums and its buffers' offsets, so reads fetch only the rows they serve (`object_image`, store/ranges.py).
 
 A segment carries what its index rows say (rows.md, "Segment files"): the batch's run, writer, seq,
 shape, digest, when it was written and the padding dropped per request, and a CRC32C over all of it
@@ -17,6 +18,7 @@ and the rows (`store/integrity.py`), checked whenever the segment is opened for 
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import time
@@ -26,12 +28,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from replay_format.rows import SegmentCompression, SegmentMeta
+from replay_format.rows import CHECKSUM_KEY, LAYOUT_KEY, SegmentCompression, SegmentMeta
 from replay_service.buffers import PAGE, BufferPool
 from replay_service.errors import SegmentStoreUnreachable
 from replay_service.ingest.check import CheckedRows
 from replay_service.store.files import TMP_SUFFIX, fsync_dir
 from replay_service.store.integrity import seal
+from replay_service.store.ranges import fill_layout, layout_of, ranged_metadata
 from replay_service.store.segment_store import LocalSegments, S3Segments, SegmentStore
 
 log = logging.getLogger("replay_service")
@@ -63,12 +66,12 @@ class SegmentWriter:
         """The batch's rows with the service's flags, as a new segment file."""
         path = self.store.new_path(checked.rows.meta.run_id)
         meta = segment_meta(checked)
-        batch = seal(checked.rows.to_record_batch(checked.flags, meta.to_metadata()))
         if isinstance(self.store, S3Segments):  # one upload, complete when it returns
-            image = segment_image(batch, self.compression)
+            image = object_image(checked.rows.to_record_batch(checked.flags, meta.to_metadata()), self.compression)
             self.store.put(path, image)
             return Segment(checked, path, image.size, meta.written_ns)
         assert isinstance(self.store, LocalSegments)
+        batch = seal(checked.rows.to_record_batch(checked.flags, meta.to_metadata()))
         size = write_segment(self.store.root / path, batch, self.staging, fsync=self.fsync, direct=self.direct,
                              compression=self.compression, sync_folder=False)
         return Segment(checked, path, size, meta.written_ns, folder_unsynced=self.fsync)
@@ -97,6 +100,25 @@ def segment_image(batch: pa.RecordBatch, compression: SegmentCompression = Segme
     sink = pa.BufferOutputStream()
     _write_ipc_file(sink, batch, compression.ipc_options())
     return sink.getvalue()
+
+
+def object_image(batch: pa.RecordBatch, compression: SegmentCompression = SegmentCompression.NONE) -> pa.Buffer:
+    """An unsealed segment batch sealed, as the whole image an object store holds.
+
+    Uncompressed, it also carries its block checksums and its buffers' offsets (rows.md, "Blocks";
+    store/ranges.py), so a read fetches only the blocks of the rows it asks for. Finding the offsets takes a
+    second image build (a copy of the batch in memory, small beside the upload); local segments, read through a
+    memory map, carry neither.
+    """
+    if compression is not SegmentCompression.NONE:  # compressed buffers have no byte range per row
+        return segment_image(seal(batch), compression)
+    md = ranged_metadata(batch)
+    first = segment_image(batch.replace_schema_metadata({**md, CHECKSUM_KEY: "0" * 8}))  # the checksum's width
+    md = fill_layout(md, first)
+    image = segment_image(seal(batch.replace_schema_metadata(md)))
+    if json.loads(md[LAYOUT_KEY]) != layout_of(image):  # same widths, same places: checked, never assumed
+        raise RuntimeError("a segment's buffers moved between its two image builds")
+    return image
 
 
 def write_segment(path: Path, batch: pa.RecordBatch, staging: BufferPool, fsync: bool = True,

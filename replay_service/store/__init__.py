@@ -8,7 +8,8 @@ Layout under the data directory:
     trash/                            folders of runs being deleted             retention.py
 
 Segments may live in an S3-compatible bucket instead (`REPLAY_SEGMENTS_URL=s3://bucket/prefix`,
-segment_store.py): `runs/<run_id>/` then holds only the run's journal.
+segment_store.py), the runs' journals with them (journal.py); the index may be a PostgreSQL database
+(`REPLAY_INDEX_URL`) that any number of replicas share (`index_target`).
 
 `RouteStore` is the service's one handle on it. Batches come in through the ingest pipeline
 (`replay_service.ingest`: decode -> check -> segment -> commit); an ingest is acknowledged
@@ -38,18 +39,23 @@ from replay_service.store.compares import CompareStore
 from replay_service.store.ends import upload_end
 from replay_service.store.files import QUARANTINE_DIR, SegmentCache, Sweep, require_index, sweep_unindexed
 from replay_service.store.index import Index, RequestStatus, Row, count_column, load_of
-from replay_service.store.journal import RunJournal
+from replay_service.store.journal import open_journal
 from replay_service.store.reads import RouteRows, RowReader
 from replay_service.store.retention import Removed, delete_run, empty_trash, retention_fields
 from replay_service.store.runs import RunRegistry
-from replay_service.store.segment_store import LocalSegments, open_segment_store
+from replay_service.store.segment_store import LocalSegments, S3Segments, open_segment_store
 from replay_service.store.summaries import expected_rows, request_summary, run_summary
 
 if TYPE_CHECKING:
     from replay_service.ingest.commit import IngestResult
     from replay_service.store.references import Reference, Resolution
 
-__all__ = ["RequestStatus", "RouteRows", "RouteStore"]
+__all__ = ["RequestStatus", "RouteRows", "RouteStore", "index_target"]
+
+
+def index_target(settings: ServiceSettings) -> str | Path:
+    """The index settings name: REPLAY_INDEX_URL (PostgreSQL), or `<data_dir>/index.sqlite` when unset."""
+    return settings.index_url or Path(settings.data_dir) / "index.sqlite"
 
 
 class RouteStore:
@@ -66,31 +72,39 @@ class RouteStore:
         self.settings = settings
         self.root = Path(settings.data_dir)
         self.segments_root = self.root / "runs"
-        self.segments_root.mkdir(parents=True, exist_ok=True)  # local segments, or only the runs' journals
+        self.segments_root.mkdir(parents=True, exist_ok=True)  # local segments and journals (unused with a bucket)
         self.segments = open_segment_store(self.root, settings.segments_url)
         self.segments.check()  # SegmentStoreUnreachable: an unusable bucket refuses the start, naming it
         index_path = self.root / "index.sqlite"
+        # Other replicas may be writing beside this one (a PostgreSQL index: replicas share it): a segment younger
+        # than REPLAY_ORPHAN_GRACE_S may be one of their ingests about to commit, so the start-up checks leave it
+        # alone. A SQLite index has one process: every unindexed segment is this one's past (grace 0).
+        grace = settings.orphan_grace_s if settings.index_url is not None else 0.0
         if settings.index_url is None and not index_path.exists():
-            require_index(self.segments, set(), self.root)  # refused before an empty index file is made
+            require_index(self.segments, set(), self.root, grace)  # refused before an empty index file is made
         # A SQLite file beside the segments, or a PostgreSQL database several replicas share (index_backends/);
         # IndexUnreachable / IndexTooNew refuse the start, naming REPLAY_INDEX_URL.
-        self.index = Index(settings.index_url or index_path, fsync=settings.fsync)
+        self.index = Index(index_target(settings), fsync=settings.fsync)
         indexed = self.index.indexed_paths()
         try:
-            require_index(self.segments, indexed, self.root)  # an index naming no segment beside segments
+            # an index naming no segment beside segments
+            require_index(self.segments, indexed, self.root, grace, shared_index=settings.index_url is not None)
         except Exception:
             self.index.close()
             raise
         # Local files only: in a shared bucket an unindexed object may be another replica's ingest about to
-        # commit; those are deleted after REPLAY_ORPHAN_GRACE_S instead (retention.collect_orphans).
-        self.swept = (sweep_unindexed(self.segments.root, indexed, self.root / QUARANTINE_DIR)
+        # commit; those are deleted after REPLAY_ORPHAN_GRACE_S instead (retention.collect_orphans). Local files
+        # shared by several processes (PostgreSQL index) are swept once older than that grace only.
+        self.swept = (sweep_unindexed(self.segments.root, indexed, self.root / QUARANTINE_DIR, grace)
                       if isinstance(self.segments, LocalSegments) else Sweep())
         empty_trash(self.root)  # what a delete interrupted by a crash left (retention.py)
-        self.journal = RunJournal(self.segments_root, fsync=settings.fsync)  # what reindex replays (journal.py)
+        # what reindex replays, beside the segments: a local file, or objects in their bucket (journal.py)
+        self.journal = open_journal(self.segments, self.segments_root, fsync=settings.fsync)
         self.cache = SegmentCache(self.segments, settings.open_segment_cache, settings.open_segment_cache_bytes)
         self.reader = RowReader(self.index, self.cache)
         self.registry = RunRegistry(self.index)
-        self.compares = CompareStore(self.root / "compares", self.index, fsync=settings.fsync)
+        self.compares = CompareStore(self.root / "compares", self.index, fsync=settings.fsync,
+                                     bucket=self.segments if isinstance(self.segments, S3Segments) else None)
         staging = BufferPool(keep=settings.max_concurrent_ingests)  # segment images before they are written
         segments = SegmentWriter(self.segments, staging, fsync=settings.fsync, direct=settings.direct_io,
                                  compression=settings.segment_compression)

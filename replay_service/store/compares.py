@@ -4,6 +4,10 @@
 file") holds, per compared request, its positions and an `(n, L)` bit-packed mismatch
 matrix; it is written to `.tmp`, fsynced and renamed before the index row commits (as
 segments are). Kept outside `runs/` so the segment sweep never sees it.
+
+With segments in a bucket the file is the object `<prefix>/<run_id>/compares/<compare_id>.npz`
+instead, written whole before the index row names it: every replica reads the comparisons any
+replica stored (not `.arrow`, so segment listings and the orphan collector pass it by).
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from replay_format.compare import CompareFileMeta, RequestMismatch, encode_compare_file, read_compare_file
+from replay_format.core import UndecodableError
 from replay_service.errors import NotFound
 from replay_service.store.files import fsync_dir
 from replay_service.store.index import Index, IndexTransaction
 from replay_service.store.index_backends import Dialect
+from replay_service.store.segment_store import S3Segments
 
 
 def schema(d: Dialect) -> str:
@@ -54,21 +60,31 @@ class CompareNotFound(NotFound):
 class CompareStore:
     """Comparisons of one data directory: files under `root`, answers in the index's `compares` table."""
 
-    def __init__(self, root: Path, index: Index, fsync: bool = True) -> None:
+    def __init__(self, root: Path, index: Index, fsync: bool = True, bucket: S3Segments | None = None) -> None:
         self.root = Path(root)
         self.index = index
         self.fsync = fsync
+        self.bucket = bucket  # where the files go when segments are objects (module docstring)
         index.backend.script(schema(index.backend.dialect))
         self._list_by_run = list_by_run(index.backend.dialect)
 
     def save(self, doc: dict, per_request: Sequence[RequestMismatch]) -> None:
         """Store one comparison: its file first (durably), then the index row naming it."""
-        rel = f"{doc['run_id']}/{doc['compare_id']}.npz"
-        path = self.root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
         names = [item.request_id for item in per_request]
         meta = CompareFileMeta(doc["run_id"], doc["compare_id"], len(doc["per_layer"]), tuple(names))
         data = encode_compare_file(meta, per_request)
+        if self.bucket is not None:
+            rel = f"{doc['run_id']}/compares/{doc['compare_id']}.npz"
+            self.bucket.put(rel, data)
+        else:
+            rel = f"{doc['run_id']}/{doc['compare_id']}.npz"
+            self._write_local(self.root / rel, data)
+        with self.index.transaction() as tx:
+            tx.execute(INSERT, (doc["compare_id"], doc["run_id"], doc["created_at"], rel, json.dumps(names),
+                                json.dumps(doc)))
+
+    def _write_local(self, path: Path, data: bytes) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as fh:
             fh.write(data)
@@ -78,13 +94,22 @@ class CompareStore:
         os.replace(tmp, path)
         if self.fsync:
             fsync_dir(path.parent)
-        with self.index.transaction() as tx:
-            tx.execute(INSERT, (doc["compare_id"], doc["run_id"], doc["created_at"], rel, json.dumps(names),
-                                json.dumps(doc)))
 
     def delete_rows(self, tx: IndexTransaction, run_id: str) -> int:
         """Delete a run's comparison rows inside `tx` (retention.py removes their files after it commits)."""
         return tx.execute(DELETE_BY_RUN, (run_id,)).rowcount
+
+    def delete_objects(self, run_id: str) -> tuple[int, int]:
+        """Delete a run's comparison objects from the bucket (after its rows' commit); (bytes, objects) removed.
+
+        Local files go to the trash with the run's folders instead (retention.py): (0, 0) here.
+        """
+        if self.bucket is None:
+            return 0, 0
+        objects = self.bucket.other_objects(f"{run_id}/compares/", ".npz")
+        for obj in objects:
+            self.bucket.delete(obj.path)
+        return sum(o.size for o in objects), len(objects)
 
     def list(self, run_id: str) -> list[dict]:
         """The stored answers of a run's comparisons, newest first."""
@@ -108,4 +133,11 @@ class CompareStore:
             raise CompareNotFound(f"comparison {compare_id!r} holds no rows of request {request_id!r}")
         # What the index knows: all a file written before the format had a version can be read with.
         known = CompareFileMeta(run_id, compare_id, len(json.loads(row["doc"])["per_layer"]), names)
-        return read_compare_file(self.root / row["path"], request_id, known)
+        if self.bucket is None:
+            return read_compare_file(self.root / row["path"], request_id, known)
+        try:
+            data = self.bucket.read_bytes(row["path"])
+        except FileNotFoundError:
+            raise UndecodableError(f"stored comparison {compare_id!r}: its file {row['path']} is missing from "
+                                   f"{self.bucket.url}") from None
+        return read_compare_file(data, request_id, known)

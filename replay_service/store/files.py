@@ -12,7 +12,8 @@ the index from segments (and can take quarantined ones back).
 With segments in an object store (`REPLAY_SEGMENTS_URL`, segment_store.py) there is no `.tmp` (an object
 appears complete or not at all) and no start-up quarantine: other replicas may be committing objects the
 index does not name yet; objects no index row names are deleted after a grace period instead
-(retention.py, `collect_orphans`).
+(retention.py, `collect_orphans`). Local files shared by several processes (a PostgreSQL index) are swept
+only once older than that same grace period (REPLAY_ORPHAN_GRACE_S).
 
 Every segment opened for reading is checked whole against its checksum (`integrity.py`) before any
 of it is served; a damaged one is remembered and refused without reading it again until its file
@@ -25,6 +26,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,18 +57,28 @@ def segment_files(root: Path) -> list[str]:
     return LocalSegments(root).paths()
 
 
-def require_index(store: SegmentStore | Path, indexed: set[str], data_dir: Path) -> None:
+def require_index(store: SegmentStore | Path, indexed: set[str], data_dir: Path, grace_s: float = 0.0,
+                  shared_index: bool = False) -> None:
     """IndexNeedsRebuild when `store` holds segments but the index names none of them (missing or empty).
 
     Starting would make every segment look unacknowledged; the index is rebuilt from them instead.
+    `grace_s` (a shared index): segments younger than it do not count, they may be another replica's first
+    ingest, uploaded and not yet committed (a fresh database beside a fresh bucket must not refuse the second
+    replica's start). The cost: a database lost within the grace of its first segments is not noticed at start;
+    any older segment is. `shared_index`: the index is the PostgreSQL database REPLAY_INDEX_URL names.
     """
     store = LocalSegments(store) if isinstance(store, Path) else store
-    if indexed or not store.objects():
+    if indexed:
         return
+    now = time.time()
+    if not any(now - o.mtime > grace_s for o in store.objects()):
+        return
+    index = "the PostgreSQL index REPLAY_INDEX_URL names" if shared_index else f"the index {data_dir / 'index.sqlite'}"
+    into = " into it (REPLAY_INDEX_URL set, every replica stopped)" if shared_index else ""
     raise IndexNeedsRebuild(
-        f"the index {data_dir / 'index.sqlite'} is missing or empty, but {store.url} holds segments: the service does "
-        f"not start on it (every stored row would look unacknowledged). Rebuild the index from the segments "
-        f"with `replay-service reindex --data {data_dir}`, then start again.")
+        f"{index} is missing or empty, but {store.url} holds segments: the service does not start on it (every "
+        f"stored row would look unacknowledged). Rebuild the index from the segments with `replay-service reindex "
+        f"--data {data_dir}`{into}, then start again.")
 
 
 @dataclass
@@ -77,14 +89,23 @@ class Sweep:
     quarantined: list[tuple[Path, Path]] = field(default_factory=list)
 
 
-def sweep_unindexed(root: Path, indexed: set[str], quarantine: Path) -> Sweep:
-    """Delete `.tmp` files; move complete segments no index row names into `quarantine` (never delete them)."""
+def sweep_unindexed(root: Path, indexed: set[str], quarantine: Path, grace_s: float = 0.0) -> Sweep:
+    """Delete `.tmp` files; move complete segments no index row names into `quarantine` (never delete them).
+
+    `grace_s`: leave files younger than it. Several processes sharing the data directory (a PostgreSQL index)
+    may be writing or committing them this moment; a crashed one's leftovers are swept by the next start past
+    the grace (REPLAY_ORPHAN_GRACE_S, longer than any ingest). 0 (one process, SQLite): every file.
+    """
     done = Sweep()
     if not root.exists():
         return done
+    now = time.time()
     for path in sorted(root.rglob("*")):
-        if not path.is_file():
-            continue
+        try:
+            if not path.is_file() or grace_s and now - path.stat().st_mtime <= grace_s:
+                continue
+        except FileNotFoundError:
+            continue  # renamed or deleted by another process meanwhile
         rel = path.relative_to(root).as_posix()
         if path.name.endswith(TMP_SUFFIX):
             path.unlink()

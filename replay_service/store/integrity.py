@@ -20,8 +20,9 @@ import pyarrow as pa
 
 from replay_format import FormatError
 from replay_format.core import decode_metadata, token_ids
-from replay_format.rows import CHECKSUM_KEY
+from replay_format.rows import BLOCK_CHECKSUM_KEY, CHECKSUM_KEY
 from replay_service.errors import DamagedSegment
+from replay_service.store.ranges import block_crcs
 from replay_service.store.segment_store import LocalSegments, SegmentStore
 
 
@@ -83,6 +84,10 @@ def open_segment(store: SegmentStore | Path, rel_path: str) -> pa.RecordBatch:
         raise DamagedSegment(f"segment {where} is damaged (CRC32C {actual:08x}, written {stored}): its rows "
                              "are not served; restore it from a backup; `replay-service verify` lists every damaged "
                              "segment", rel_path)
+    blocks = md.get(BLOCK_CHECKSUM_KEY)  # rows 2.4 (ranges.py): what a ranged read checks must hold as well
+    if blocks is not None and blocks != "".join(f"{crc:08x}" for crc in block_crcs(batch)):
+        raise DamagedSegment(f"segment {where} is damaged (its block checksums do not match its rows, which its "
+                             "CRC32C does): its rows are not served; restore it from a backup", rel_path)
     return batch
 
 
@@ -96,20 +101,22 @@ def segment_problem(store: SegmentStore | Path, rel_path: str) -> str | None:
 
 
 def verify_store(data_dir: Path, run_id: str | None = None, progress: Callable[[str], None] | None = None,
-                 store: SegmentStore | None = None) -> tuple[int, list[tuple[str, str]]]:
+                 store: SegmentStore | None = None,
+                 index_url: str | None = None) -> tuple[int, list[tuple[str, str]]]:
     """Check every segment of `store` (`<data_dir>/runs` when not given; of one run when given) and those its index
     names.
 
     Returns how many were checked and the damaged ones as `(relative path, why)`; a segment the index
-    names that is not stored counts as damaged. Read-only: safe beside a running service.
+    names that is not stored counts as damaged. Read-only: safe beside a running service. The index is
+    `index_url` (PostgreSQL, REPLAY_INDEX_URL) when given, else `<data_dir>/index.sqlite` if there is one.
     """
     from replay_service.store.index import Index
 
     store = store or LocalSegments(Path(data_dir) / "runs")
     paths = set(store.paths(run_id))
     index_path = data_dir / "index.sqlite"
-    if index_path.exists():
-        index = Index(index_path, fsync=False)
+    if index_url is not None or index_path.exists():
+        index = Index(index_url or index_path, fsync=False)
         try:
             paths |= index.indexed_paths()
         finally:

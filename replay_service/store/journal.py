@@ -13,6 +13,25 @@ and prefix-cache references. Each is appended, after its index transaction commi
 Every acknowledged call appends, a repeat too (replaying one is a no-op), so a crash between the index
 commit and the append loses nothing a writer's retry does not append again. Lines are fsynced with the
 service's `fsync` setting; a torn last line (a crash mid-append) is skipped on reading.
+
+Where the journal lives follows the segments, so that whatever holds the segments holds everything reindex needs
+(and a replica's journal is never only on its own disk):
+
+- local segments (`<data>/runs`): the file above (`RunJournal`). Several service processes on one machine
+  sharing the data directory (PostgreSQL index) append to the same file: each line is one `write` with
+  O_APPEND, so lines never interleave. (Appends to one file from several machines over a network filesystem
+  are not atomic: several machines use a bucket.)
+- an object store (`REPLAY_SEGMENTS_URL`, any number of replicas): objects are immutable and cannot be
+  appended to, so each event is its own object, `<prefix>/<run_id>/journal/<t:020d>-<random>.jsonl`
+  (`BucketJournal`), written whole by the replica that answered the call (one PUT per finish, route upload
+  end or references call, after its index commit, before the answer). The random part keeps replicas'
+  names apart; the zero-padded time makes the listing's order the appending order (within clock skew between
+  replicas, which only matters for two ends of one request sent to two replicas within that skew). Reindex
+  lists the run's journal objects and reads them all: one GET per event. The objects do not end in `.arrow`,
+  so no segment listing (nor the orphan collector) sees them; deleting a run deletes them (retention.py).
+
+Why not in the index: the journal is what rebuilds a lost index (`replay-service reindex`, PostgreSQL too),
+so it must not live only in it.
 """
 
 from __future__ import annotations
@@ -21,15 +40,19 @@ import json
 import os
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from replay_service.store.files import fsync_dir
+from replay_service.store.segment_store import S3Segments, SegmentStore, StoredObject
 
 if TYPE_CHECKING:
     from replay_service.store.references import Reference
 
 JOURNAL_NAME = "journal.jsonl"
+JOURNAL_DIR = "journal"  # under a run's prefix in an object store: one object per event
+JOURNAL_SUFFIX = ".jsonl"
 
 
 class RunJournal:
@@ -55,7 +78,21 @@ class RunJournal:
                               "references": [[r.request_id, r.start, r.end, r.source_request_id] for r in references]})
 
     def _append(self, run_id: str, event: dict) -> None:
-        line = (json.dumps({"t": time.time_ns(), **event}, separators=(",", ":")) + "\n").encode()
+        t = time.time_ns()
+        self._write(run_id, t, (json.dumps({"t": t, **event}, separators=(",", ":")) + "\n").encode())
+
+    def events(self, run_id: str) -> list[dict]:
+        """A run's events in the order appended (reindex)."""
+        return read_journal(self.root / run_id / JOURNAL_NAME)
+
+    def delete_run(self, run_id: str) -> tuple[int, int]:
+        """Delete a run's journal where it is not in its local run folder; (bytes, objects) removed.
+
+        The file goes with the run's folder, which retention.py moves to the trash whole.
+        """
+        return 0, 0
+
+    def _write(self, run_id: str, t: int, line: bytes) -> None:
         path = self.root / run_id / JOURNAL_NAME
         with self._lock:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -71,12 +108,53 @@ class RunJournal:
                 fsync_dir(path.parent)
 
 
-def read_journal(path: Path) -> list[dict]:
-    """A journal's events in the order appended; a line that does not parse (a torn last append) is skipped."""
-    events: list[dict] = []
-    if not path.exists():
+class BucketJournal(RunJournal):
+    """A run's journal as one object per event in the segments' bucket (module docstring): every replica's events
+    in one place, durable when the PUT returned."""
+
+    def __init__(self, segments: S3Segments) -> None:
+        super().__init__(Path(), fsync=False)
+        self.segments = segments
+
+    def _write(self, run_id: str, t: int, line: bytes) -> None:
+        # SegmentStoreUnreachable (503) when the store fails: the writer's retry appends it again
+        self.segments.put(f"{run_id}/{JOURNAL_DIR}/{t:020d}-{uuid.uuid4().hex[:16]}{JOURNAL_SUFFIX}", line)
+
+    def _objects(self, run_id: str) -> list[StoredObject]:
+        return self.segments.other_objects(f"{run_id}/{JOURNAL_DIR}", JOURNAL_SUFFIX)
+
+    def events(self, run_id: str) -> list[dict]:
+        events: list[dict] = []
+        for obj in self._objects(run_id):  # sorted by name: by time appended
+            try:
+                events += parse_journal(self.segments.read_bytes(obj.path))
+            except FileNotFoundError:
+                continue  # deleted since listed (its run is being deleted)
         return events
-    for line in path.read_bytes().splitlines():
+
+    def delete_run(self, run_id: str) -> tuple[int, int]:
+        objects = self._objects(run_id)
+        for obj in objects:
+            self.segments.delete(obj.path)
+        return sum(o.size for o in objects), len(objects)
+
+
+def open_journal(segments: SegmentStore, segments_root: Path, fsync: bool = True) -> RunJournal:
+    """The journal beside the segments: in their bucket, or files under the local segment root."""
+    if isinstance(segments, S3Segments):
+        return BucketJournal(segments)
+    return RunJournal(segments_root, fsync=fsync)
+
+
+def read_journal(path: Path) -> list[dict]:
+    """A journal file's events in the order appended; a line that does not parse (a torn last append) is skipped."""
+    return parse_journal(path.read_bytes()) if path.exists() else []
+
+
+def parse_journal(data: bytes) -> list[dict]:
+    """The events of journal lines; a line that does not parse (a torn last append) is skipped."""
+    events: list[dict] = []
+    for line in data.splitlines():
         try:
             event = json.loads(line)
         except ValueError:

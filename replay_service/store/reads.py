@@ -8,7 +8,8 @@ served row's flags, or in the index's late flags when the disagreeing row came l
 only picks rows; it decides no flag except GAP (a position nobody sent: ids zero, never clean).
 
 The common case (one span covering the range, nothing to add) stays a zero-copy view of the
-memory-mapped segment.
+memory-mapped segment. From an object store, a span's rows are fetched by the blocks holding them and checked
+(`SegmentStore.read_rows`, store/ranges.py), unless the segment is read whole (compressed, or before rows 2.4).
 """
 
 from __future__ import annotations
@@ -106,8 +107,17 @@ class RowReader:
 
     def _spans(self, run_id: str, request_id: str, lo: int, hi: int) -> list[pa.RecordBatch]:
         """The request's stored rows in spans touching positions `[lo, hi]`, in the order it came to hold them."""
-        return [self.cache.get(s["path"]).slice(s["row_start"], s["row_count"])
+        return [self._rows(s["path"], s["row_start"], s["row_count"])
                 for s in self.index.spans(run_id, request_id, lo, hi)]
+
+    def _rows(self, path: str, start: int, count: int) -> pa.RecordBatch:
+        """Rows `[start, start + count)` of a segment: fetched and checked by themselves where the store reads ranges
+        (an object store: only their blocks travel), else a slice of the whole segment, opened and checked once."""
+        try:
+            rows = self.cache.store.read_rows(path, start, start + count)
+        except FileNotFoundError:
+            rows = None  # the segment cache says what a missing segment means (its run deleted, or damage)
+        return self.cache.get(path).slice(start, count) if rows is None else rows
 
     def served_rows(self, run_id: str, request_id: str, shape: RunShape,
                     positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -17,6 +17,14 @@ writer's retry appends it again).
 
 The rebuilt index is written beside the old one and renamed into place; an old index is kept as
 `index.sqlite.before-reindex-<time>`, never deleted.
+
+PostgreSQL (`REPLAY_INDEX_URL`): what an operator needs after losing the database. The index is rebuilt from the
+segments and journals wherever they are (a bucket holds every replica's, journal.py) into the database the URL
+names, which must hold no run: a new, empty database (the service creates the schema); a database that holds
+runs is refused (Conflict), never merged into or replaced. There is no rename into place: stop every replica
+first, and if the rebuild fails half-way, drop and create the database again before retrying. Segments and
+journals are read through the same interfaces the service uses (SegmentStore, journal.py), so local segments
+with a PostgreSQL index work alike.
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ from replay_service.store.files import (
 )
 from replay_service.store.index import Index, RequestStatus
 from replay_service.store.integrity import open_segment
-from replay_service.store.journal import JOURNAL_NAME, read_journal
+from replay_service.store.journal import JOURNAL_NAME, BucketJournal, open_journal, read_journal
 from replay_service.store.reads import RowReader
 from replay_service.store.runs import RunRegistry
 from replay_service.store.segment_store import LocalSegments, SegmentStore, open_segment_store
@@ -130,27 +138,34 @@ def reindex(data_dir: Path, settings: ServiceSettings | None = None, restore: bo
     settings = settings or ServiceSettings(data_dir=data_dir)
     progress = progress or (lambda _: None)
     report = ReindexReport()
-    if restore:
-        report.restored = restore_quarantine(data_dir)
-    root = data_dir / "runs"  # the runs' journals (and local segments)
-    segments = open_segment_store(data_dir, settings.segments_url)
-    segments.check()
-    runs = scan(segments, report, progress)
-    for run_id, items in runs.items():
-        journal = read_journal(root / run_id / JOURNAL_NAME)
-        items += [_Item(e["t"], (1, n), event=e) for n, e in enumerate(journal)]
-        items.sort(key=lambda item: (item.t, item.order))
+    target = _empty_database(settings.index_url) if settings.index_url is not None else None
+    try:
+        if restore:
+            report.restored = restore_quarantine(data_dir)
+        root = data_dir / "runs"  # the runs' local journals (and local segments)
+        segments = open_segment_store(data_dir, settings.segments_url)
+        segments.check()
+        runs = scan(segments, report, progress)
+        journal = open_journal(segments, root, fsync=False)
+        for run_id, items in runs.items():
+            events = journal.events(run_id)
+            if isinstance(journal, BucketJournal):  # and what was appended locally before journals moved to buckets
+                events += read_journal(root / run_id / JOURNAL_NAME)
+            items += [_Item(e["t"], (1, n), event=e) for n, e in enumerate(events)]
+            items.sort(key=lambda item: (item.t, item.order))
+        if target is not None:
+            _rebuild_into(target, segments, runs, settings, report, progress)
+            return report
+    finally:
+        if target is not None:
+            target.close()
 
     building = data_dir / (INDEX_NAME + ".rebuild")
     for suffix in SIDE_FILES:
         Path(f"{building}{suffix}").unlink(missing_ok=True)  # a rebuild that did not finish
     index = Index(building, fsync=False)  # made durable once, at the end
     try:
-        cache = SegmentCache(segments, settings.open_segment_cache, settings.open_segment_cache_bytes)
-        committer = Committer(index, RowReader(index, cache), _KeepFiles(segments, BufferPool(keep=1), fsync=False))
-        rebuild = _Rebuild(index, cache, committer, report, progress)
-        for run_id in sorted(runs):
-            rebuild.run(run_id, runs[run_id])
+        _rebuild_into(index, segments, runs, settings, report, progress)
         index.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     finally:
         index.close()
@@ -158,6 +173,31 @@ def reindex(data_dir: Path, settings: ServiceSettings | None = None, restore: bo
         os.fsync(f.fileno())
     report.old_index = _put_in_place(data_dir, building)
     return report
+
+
+def _empty_database(url: str) -> Index:
+    """The PostgreSQL index to rebuild into (schema made when new); Conflict when it holds runs already."""
+    index = Index(url)  # IndexUnreachable / IndexTooNew name REPLAY_INDEX_URL
+    try:
+        held = index.count_runs()
+        if held:
+            raise Conflict(f"reindex into PostgreSQL needs an empty database, and the one REPLAY_INDEX_URL names "
+                           f"holds {held} runs: nothing was changed. Point REPLAY_INDEX_URL at a new database "
+                           "(CREATE DATABASE), or drop and create this one, with every replica stopped")
+    except BaseException:
+        index.close()
+        raise
+    return index
+
+
+def _rebuild_into(index: Index, segments: SegmentStore, runs: dict[str, list[_Item]], settings: ServiceSettings,
+                  report: ReindexReport, progress: Callable[[str], None]) -> None:
+    """Commit every run's items (sorted) into `index` through the ingest pipeline's commit stage."""
+    cache = SegmentCache(segments, settings.open_segment_cache, settings.open_segment_cache_bytes)
+    committer = Committer(index, RowReader(index, cache), _KeepFiles(segments, BufferPool(keep=1), fsync=False))
+    rebuild = _Rebuild(index, cache, committer, report, progress)
+    for run_id in sorted(runs):
+        rebuild.run(run_id, runs[run_id])
 
 
 def _put_in_place(data_dir: Path, building: Path) -> Path | None:

@@ -11,9 +11,10 @@ A delete is safe while the run is read or written:
    segment keeps reading it (an unlinked file stays mapped on Linux) and its space is freed when it ends;
 4. the run registry forgets it: the next batch of that id creates a fresh run.
 
-With segments in an object store (segment_store.py) step 3 deletes the run's objects (listed under its prefix)
-and moves only its journal folder; a read already holding a segment keeps its fetched copy. An object uploaded
-by a batch racing the delete is refused at commit and deleted by its writer, or else left as an orphan.
+With segments in an object store (segment_store.py) step 3 deletes the run's objects (listed under its prefix:
+segments, and the journal's objects, journal.py); a read already holding a segment keeps its fetched copy. An
+object uploaded by a batch racing the delete is refused at commit and deleted by its writer, or else left as an
+orphan.
 
 Orphans (`collect_orphans`): objects of an object store that no index row names, older than
 `REPLAY_ORPHAN_GRACE_S`, are deleted by every retention pass and by `replay-service gc --orphans`. The listing
@@ -92,6 +93,10 @@ def delete_run(store: RouteStore, run_id: str, reason: str = "requested") -> Rem
             state.deleted = False
             raise
         object_bytes, objects = store.segments.delete_run(run_id)  # an object store's; local ones go to the trash
+        journal_bytes, journal_objects = store.journal.delete_run(run_id)  # likewise (journal.py)
+        compare_bytes, compare_objects = store.compares.delete_objects(run_id)  # likewise (compares.py)
+        object_bytes = object_bytes + journal_bytes + compare_bytes
+        objects = objects + journal_objects + compare_objects
         trash = store.root / TRASH_DIR / uuid.uuid4().hex
         moved = [_to_trash(folder, trash) for folder in (store.segments_root / run_id, store.compares.root / run_id)]
     store.registry.forget(run_id)

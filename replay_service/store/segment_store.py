@@ -8,8 +8,10 @@ Segments are named by relative paths `<run_id>/<uuid>.arrow` (the index stores t
 - `S3Segments` (`REPLAY_SEGMENTS_URL=s3://bucket/prefix`, through `pyarrow.fs.S3FileSystem`): a segment is one
   object, written whole by one output stream and closed before any index row names it; an object becomes
   visible only complete (a PUT, or a multipart upload's completion, is atomic), so no tmp+rename is needed and
-  durability is "the upload returned". A read fetches the whole object once (one GET: the whole-segment CRC32C
-  check needs every byte anyway) and the segment cache keeps it in memory, counted against
+  durability is "the upload returned". A route read fetches only the blocks of rows it serves (`read_rows`:
+  ranged GETs, each block checked against its CRC32C: store/ranges.py) from a segment that carries block
+  checksums (uncompressed, rows 2.4); one written before, or compressed, is fetched whole once (one GET: its
+  whole-segment CRC32C check needs every byte) and the segment cache keeps it in memory, counted against
   `REPLAY_OPEN_SEGMENT_CACHE_BYTES`. Endpoint, region and credentials come from the usual AWS variables
   (AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY): nothing here is specific to one
   S3 implementation.
@@ -21,11 +23,13 @@ today's start-up quarantine instead (files.py).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,9 +38,14 @@ from urllib.parse import urlsplit
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from replay_service.errors import SegmentStoreUnreachable
+from replay_service.errors import DamagedSegment, SegmentStoreUnreachable
+from replay_service.store.ranges import SegmentLayout, covering_rows, read_blocks, read_layout
+
+log = logging.getLogger("replay_service")
 
 SEGMENT_SUFFIX = ".arrow"
+LAYOUTS_KEPT = 8192  # segment layouts an S3 store keeps (a few hundred bytes and an object handle each)
+ROWS_KEPT_BYTES = 256 << 20  # checked blocks an S3 store keeps in memory, least recently used out first
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,11 @@ class SegmentStore(ABC):
     @abstractmethod
     def open_batch(self, rel: str) -> pa.RecordBatch:
         """The segment's one record batch, unchecked (integrity.open_segment checks it); FileNotFoundError if none."""
+
+    def read_rows(self, rel: str, lo: int, hi: int) -> pa.RecordBatch | None:
+        """Rows `[lo, hi)` of a segment read by themselves and checked, or None where the store reads segments whole
+        (a local map costs nothing per row; a segment without block checksums): `open_batch` then."""
+        return None
 
     @abstractmethod
     def stat(self, rel: str) -> tuple[int, int] | None:
@@ -93,6 +107,10 @@ class SegmentStore(ABC):
     def check(self) -> None:
         """SegmentStoreUnreachable when the store cannot be listed and written (start-up)."""
         return None  # a local directory: made by the store, its errors are the disk's own
+
+    def ping(self) -> None:
+        """SegmentStoreUnreachable when the store does not answer now (the health check: one cheap call)."""
+        return None
 
     def paths(self, run_id: str | None = None) -> list[str]:
         """The relative paths of `objects`."""
@@ -157,6 +175,12 @@ class S3Segments(SegmentStore):
         self.url = url
         self.bytes_fetched = 0  # by reads, since start (tests and benchmarks measure a read's cost with it)
         self._count = threading.Lock()
+        # path -> its ranged-read layout (None: read whole) and open object
+        self._layouts: OrderedDict[str, tuple[SegmentLayout | None, pa.NativeFile]] = OrderedDict()
+        self._damaged: set[str] = set()  # segments a ranged read found damaged (logged once)
+        # (path, first row, end row) -> checked blocks fetched by a ranged read, kept: a segment never changes
+        self._kept: OrderedDict[tuple[str, int, int], pa.RecordBatch] = OrderedDict()
+        self._kept_bytes = 0
 
     def _key(self, rel: str) -> str:
         return f"{self.base}/{rel}"
@@ -213,6 +237,87 @@ class S3Segments(SegmentStore):
             self.bytes_fetched += len(data)
         return pa.ipc.open_file(pa.BufferReader(data)).get_batch(0)
 
+    def read_rows(self, rel: str, lo: int, hi: int) -> pa.RecordBatch | None:
+        """Rows `[lo, hi)` by ranged GETs of the blocks holding them, each checked against its CRC32C
+        (DamagedSegment when one fails: nothing of it is served); None when the segment has no block checksums.
+
+        The layout (footer: one ranged GET) is kept per segment, and the checked blocks a read fetched, up to
+        `ROWS_KEPT_BYTES` (as the segment cache keeps whole segments: checked when fetched, served from memory after).
+        """
+        where = f"{self.url.rstrip('/')}/{rel}"
+        with self._reaching(f"reading {rel}"):
+            try:
+                layout, source = self._layout(rel, where)
+                if layout is None:
+                    return None
+                r0, r1 = covering_rows(layout, lo, hi, rel, where)
+                with self._count:
+                    blocks = self._kept.get((rel, r0, r1))
+                    if blocks is not None:
+                        self._kept.move_to_end((rel, r0, r1))
+                if blocks is None:
+                    blocks = read_blocks(layout, self._counted(source), r0, r1, rel, where)
+                    self._keep((rel, r0, r1), blocks)
+                return blocks.slice(lo - r0, hi - lo)
+            except DamagedSegment as exc:
+                with self._count:  # metrics count a damaged segment once, refused reads each time (as files.py)
+                    self._layouts.pop(rel, None)  # a restored object is read afresh, footer included
+                    exc.newly_found = rel not in self._damaged
+                    self._damaged.add(rel)
+                if exc.newly_found:
+                    log.error("%s", exc.message)
+                raise
+            except OSError as exc:
+                if isinstance(exc, FileNotFoundError) or self.stat(rel) is None:  # the store answers: no object
+                    with self._count:
+                        self._layouts.pop(rel, None)
+                    raise FileNotFoundError(rel) from exc
+                raise
+
+    def _keep(self, key: tuple[str, int, int], blocks: pa.RecordBatch) -> None:
+        with self._count:
+            if key in self._kept:
+                return
+            self._kept[key] = blocks
+            self._kept_bytes += blocks.nbytes
+            while self._kept_bytes > ROWS_KEPT_BYTES and len(self._kept) > 1:
+                self._kept_bytes -= self._kept.popitem(last=False)[1].nbytes
+
+    def _forget_rows(self, prefix: str) -> None:
+        """Drop what is kept of the segments under `prefix` (a path, or a run and "/"): deleted."""
+        with self._count:
+            for key in [k for k in self._kept if k[0].startswith(prefix)]:
+                self._kept_bytes -= self._kept.pop(key).nbytes
+            for rel in [r for r in self._layouts if r.startswith(prefix)]:
+                del self._layouts[rel]
+
+    def _counted(self, source: pa.NativeFile) -> Callable[[int, int], pa.Buffer]:
+        def read_at(offset: int, length: int) -> pa.Buffer:
+            data = pa.py_buffer(source.read_at(length, offset))  # one ranged GET
+            with self._count:
+                self.bytes_fetched += data.size
+            return data
+        return read_at
+
+    def _layout(self, rel: str, where: str) -> tuple[SegmentLayout | None, pa.NativeFile]:
+        """The segment's ranged-read layout, read from its footer once, and its open object (a HEAD, once): both kept,
+        a segment never changes (one replaced by a restore fails its checks, and is read afresh)."""
+        with self._count:
+            if rel in self._layouts:
+                self._layouts.move_to_end(rel)
+                return self._layouts[rel]
+        source = self.fs.open_input_file(self._key(rel))  # FileNotFoundError when absent (the caller's)
+        try:
+            layout = read_layout(self._counted(source), source.size())
+        except (pa.ArrowException, ValueError, KeyError, UnicodeDecodeError) as exc:
+            raise DamagedSegment(f"segment {where} cannot be read ({exc}): restore it from a backup; "
+                                 "`replay-service verify` lists every damaged segment", rel) from None
+        with self._count:
+            self._layouts[rel] = layout, source
+            while len(self._layouts) > LAYOUTS_KEPT:
+                self._layouts.popitem(last=False)
+        return layout, source
+
     def stat(self, rel: str) -> tuple[int, int] | None:
         with self._reaching(f"looking up {rel}"):
             info = self.fs.get_file_info(self._key(rel))
@@ -239,11 +344,29 @@ class S3Segments(SegmentStore):
         except FileNotFoundError:
             pass
 
+    def other_objects(self, prefix: str, suffix: str) -> list[StoredObject]:
+        """Objects under `<base>/<prefix>` whose names end with `suffix`, sorted by path (run journals: journal.py)."""
+        selector = pafs.FileSelector(self._key(prefix), recursive=True, allow_not_found=True)
+        with self._reaching(f"listing {prefix}"):
+            infos = self.fs.get_file_info(selector)
+        return sorted((StoredObject(i.path[len(self.base) + 1:], i.size, (i.mtime_ns or 0) / 1e9) for i in infos
+                       if i.type == pafs.FileType.File and i.path.endswith(suffix)), key=lambda o: o.path)
+
+    def read_bytes(self, rel: str) -> bytes:
+        """One whole object's bytes (FileNotFoundError when there is none)."""
+        with self._reaching(f"reading {rel}"), self.fs.open_input_stream(self._key(rel)) as source:
+            return source.read()
+
     def delete_run(self, run_id: str) -> tuple[int, int]:
         objects = self.objects(run_id)
+        self._forget_rows(run_id + "/")  # (a single discarded segment was never read: nothing kept of it)
         for obj in objects:
             self.delete(obj.path)
         return sum(o.size for o in objects), len(objects)
+
+    def ping(self) -> None:
+        with self._reaching("a health check"):
+            self.fs.get_file_info(self.base)
 
     def check(self) -> None:
         """List the prefix, then write and delete a probe object: reachable, bucket present, credentials allowed."""

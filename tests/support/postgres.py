@@ -4,9 +4,10 @@
 under /usr/lib/postgresql/*/bin (the newest). initdb refuses to run as root, so when the tests run as root
 the cluster belongs to the unprivileged `nobody` user: its files lie in a fresh directory under /tmp that
 `nobody` owns, and every server command runs through `runuser -u nobody --`. The server listens on
-127.0.0.1 only, trusts local connections (a throwaway cluster: no password) and is stopped, its files
-deleted, when the test session ends. `Cluster.new_database()` makes a fresh database and answers its URL;
-`stop()` / `start()` take the server away and bring it back on the same port (the index lost mid-run).
+127.0.0.1 (and the addresses `listen` adds), trusts local connections (a throwaway cluster: no password)
+and is stopped, its files deleted, when the test session ends. `Cluster.new_database()` makes a fresh
+database and answers its URL; `stop()` / `start()` take the server away and bring it back on the same port
+(the index lost mid-run).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 from tests.support.service import free_port
@@ -34,7 +36,9 @@ def binaries() -> Path | None:
 class Cluster:
     """One running PostgreSQL server, owned by an unprivileged user when the tests run as root."""
 
-    def __init__(self) -> None:
+    def __init__(self, listen: Sequence[str] = (), trusted: Sequence[str] = ()) -> None:
+        """`listen`: addresses to listen on beside 127.0.0.1; `trusted`: client networks (CIDR) let in, as loopback
+        is, without a password (a replica in a network namespace reaching the server over a veth link)."""
         bin_dir = binaries()
         if bin_dir is None:
             raise RuntimeError("PostgreSQL is not installed (no /usr/lib/postgresql/*/bin/initdb): run "
@@ -48,7 +52,11 @@ class Cluster:
         self.as_root = os.geteuid() == 0
         if self.as_root:
             shutil.chown(self.root, UNPRIVILEGED)
+        self.listen = ",".join(["127.0.0.1", *listen])
         self._run("initdb", "-D", str(self.data), "-U", SUPERUSER, "--auth=trust", "-E", "UTF8", "--locale=C")
+        if trusted:
+            with open(self.data / "pg_hba.conf", "a") as hba:  # the file belongs to `nobody`; root may append
+                hba.writelines(f"host all all {net} trust\n" for net in trusted)
         try:
             self.start()
         except BaseException:
@@ -58,7 +66,7 @@ class Cluster:
     def start(self) -> None:
         """Start the server on its port (again, after `stop`: the same data, the same URL)."""
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60", "-o",
-                  f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off "
+                  f"-p {self.port} -k {self.root} -c listen_addresses={self.listen} -c fsync=off "
                   "-c max_connections=200", "start")
 
     def stop(self) -> None:

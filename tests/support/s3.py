@@ -27,17 +27,20 @@ REGION = "us-east-1"
 class MotoS3:
     """A moto S3 server on a free loopback port; `bucket()` makes a fresh bucket, `env()` what a service needs."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1") -> None:
+        """`host`: the address to listen on (another local address than loopback: a replica in a network
+        namespace reaches the server over a veth link; every client then uses that address)."""
+        self.host = host
         self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self, timeout: float = 30.0) -> MotoS3:
         """Start the server (an empty store: moto keeps nothing across starts) and wait until it answers."""
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -65,7 +68,7 @@ class MotoS3:
 
     def fs(self) -> pafs.S3FileSystem:
         """A client of this server, for the test's own looks into the bucket."""
-        return pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{self.port}", scheme="http", region=REGION,
+        return pafs.S3FileSystem(endpoint_override=f"{self.host}:{self.port}", scheme="http", region=REGION,
                                  access_key="testing", secret_key="testing", allow_bucket_creation=True)
 
     def bucket(self, name: str | None = None) -> str:

@@ -22,7 +22,7 @@ def free_port() -> int:
 class ServiceProcess:
     def __init__(self, data_dir: Path, port: int | None = None, env: dict[str, str] | None = None,
                  log_path: Path | None = None, demo: bool = False, cpus: set[int] | None = None, nice: int = 0,
-                 args: list[str] | None = None) -> None:
+                 args: list[str] | None = None, host: str = "127.0.0.1", netns: str | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.env = {**os.environ, **(env or {})}
@@ -31,18 +31,22 @@ class ServiceProcess:
         self.cpus = cpus  # pin the service to these CPUs (benchmarks: keep it off the measured cores)
         self.nice = nice  # benchmarks: below the measured processes, as if on another machine
         self.args = list(args or [])  # more `serve` options (e.g. --host 0.0.0.0 --insecure)
+        self.host = host  # the address it listens on (not loopback: pass args=["--insecure"] too)
+        self.netns = netns  # run it inside this network namespace (`ip netns exec`, which execs: same pid)
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self, timeout: float = 60.0) -> ServiceProcess:
         cmd = [sys.executable, "-m", "replay_service.cli", "serve", "--data", str(self.data_dir),
-               "--port", str(self.port), "--log-level", "warning"]
+               "--host", self.host, "--port", str(self.port), "--log-level", "warning"]
         if self.demo:
             cmd.append("--demo")
         cmd += self.args
+        if self.netns:
+            cmd = ["ip", "netns", "exec", self.netns, *cmd]
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
                                      preexec_fn=self._place if self.cpus or self.nice else None)

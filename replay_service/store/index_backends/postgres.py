@@ -31,6 +31,7 @@ from typing import Any, cast
 
 import psycopg
 from psycopg import errors as pg_errors
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
@@ -53,6 +54,12 @@ CONNECT_TIMEOUT_S = 10
 # than a client's own timeout (the pool keeps reconnecting in the background meanwhile).
 POOL_WAIT_S = 5
 PROBE_TIMEOUT_S = 2  # the direct connection tried when the pool has none: is the server back?
+# libpq's liveness settings, where REPLAY_INDEX_URL names none of them. Without them a connection open when the
+# network goes silent (a cut link, not a stopped server, which refuses at once) waits out the kernel's
+# retransmissions, ~15 minutes, and the replica hangs instead of answering 503: data unacknowledged for 10 s
+# (tcp_user_timeout, ms) or an idle wait with 3 probes unanswered after 10 s + 3 x 3 s (keepalives) ends it.
+LIVENESS = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 3, "keepalives_count": 3,
+            "tcp_user_timeout": 10_000}
 
 
 @lru_cache(maxsize=512)
@@ -155,7 +162,8 @@ class PostgresBackend:
         except psycopg.Error as exc:
             raise IndexUnreachable(f"the index database (REPLAY_INDEX_URL={_redacted(url)}) cannot be reached: "
                                    f"{exc}".strip()) from None
-        self.url = url
+        named = conninfo_to_dict(url)
+        self.url = make_conninfo(url, **{k: v for k, v in LIVENESS.items() if k not in named})
         self.pool = self._new_pool()
         self._swap = threading.Lock()
         self._local = threading.local()
