@@ -68,9 +68,15 @@ class Config:
 
 def post_all(url: str, jobs: list[tuple[str, bytes, dict]], writers: int) -> float:
     """POST every `(path, body, headers)` of `jobs`, split across `writers` threads; seconds elapsed."""
+    return post_parts([url], [jobs[w::writers] for w in range(writers)])
+
+
+def post_parts(urls: list[str], parts: list[list[tuple[str, bytes, dict]]]) -> float:
+    """Writer w POSTs its part's `(path, body, headers)` in order to urls[w mod n], all writers at once; seconds
+    until the last answer (bench/scale_out.py spreads writers over replicas with it)."""
     errors: list[BaseException] = []
-    clients = [httpx.Client(base_url=url, timeout=300) for _ in range(writers)]
-    go = threading.Barrier(writers + 1)
+    clients = [httpx.Client(base_url=urls[w % len(urls)], timeout=300) for w in range(len(parts))]
+    go = threading.Barrier(len(parts) + 1)
 
     def worker(http: httpx.Client, part: list) -> None:
         go.wait()
@@ -81,7 +87,7 @@ def post_all(url: str, jobs: list[tuple[str, bytes, dict]], writers: int) -> flo
                 errors.append(exc)
                 return
 
-    threads = [threading.Thread(target=worker, args=(clients[w], jobs[w::writers])) for w in range(writers)]
+    threads = [threading.Thread(target=worker, args=(clients[w], part)) for w, part in enumerate(parts)]
     for t in threads:
         t.start()
     go.wait()

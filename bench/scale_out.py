@@ -54,7 +54,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +65,7 @@ if ROOT not in sys.path:  # `python bench/scale_out.py` from anywhere: tests.sup
 import httpx
 import numpy as np
 
+from bench.ingest import post_parts
 from replay_format import ARROW_STREAM_MEDIA_TYPE, RunShape, Source
 from replay_format.rows import RowsMeta, build_rows, encode_stream
 from replay_service.demo import bulk_routes
@@ -128,32 +128,7 @@ def round_jobs(ids: np.ndarray, run_ids: list[str]) -> list[list[bytes]]:
 
 def post_all(urls: list[str], jobs: list[list[bytes]]) -> float:
     """Writer w posts its bodies to urls[w mod n], all writers at once; seconds until the last answer."""
-    errors: list[BaseException] = []
-    clients = [httpx.Client(base_url=urls[w % len(urls)], timeout=300) for w in range(len(jobs))]
-    go = threading.Barrier(len(jobs) + 1)
-
-    def worker(http: httpx.Client, bodies: list[bytes]) -> None:
-        go.wait()
-        for body in bodies:
-            try:
-                http.post("/v1/ingest", content=body, headers=HEADERS).raise_for_status()
-            except Exception as exc:  # surfaced after the run
-                errors.append(exc)
-                return
-
-    threads = [threading.Thread(target=worker, args=(clients[w], jobs[w])) for w in range(len(jobs))]
-    for t in threads:
-        t.start()
-    go.wait()
-    started = time.perf_counter()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - started
-    for http in clients:
-        http.close()
-    if errors:
-        raise errors[0]
-    return elapsed
+    return post_parts(urls, [[("/v1/ingest", body, HEADERS) for body in bodies] for bodies in jobs])
 
 
 def spread(values: list[float], scale: float = 1.0, digits: int = 2) -> str:

@@ -70,6 +70,7 @@ SLOW = {
     "test_contract_scaleout.py::test_the_contract_suite_on_postgresql_and_s3": "the contract modules again on "
     "PostgreSQL and S3 in a child pytest (~45 s)",
     "test_tools_scaleout.py": "the CLI on PostgreSQL and S3: services, reindex and refused starts",
+    "test_range_reads.py": "a moto S3 server, 60k-row segments and services on the bucket",
     "test_compares_scaleout.py": "two replicas on PostgreSQL and S3 (~30 s)",
     "test_replicas.py": "three replicas on PostgreSQL and S3, a kill -9 and a network namespace cut (~90 s)",
 }

@@ -21,7 +21,7 @@ from replay_service.store.integrity import verify_store
 from replay_service.store.reindex import reindex
 from replay_service.store.retention import collect_orphans
 from replay_service.store.segment_store import S3Segments, open_segment_store
-from tests.support.data import batch_bytes, routes
+from tests.support.data import two_halves
 from tests.support.s3 import MotoS3
 from tests.support.service import ServiceProcess, free_port
 
@@ -45,19 +45,8 @@ def aws(s3, monkeypatch):
 
 
 def _batches() -> tuple[list[bytes], dict[str, np.ndarray]]:
-    """Two batches of run RUN (every request's first half, then the rest) and each request's full route."""
-    rng = np.random.default_rng(3)
-    full = {rid: routes(rng, n) for rid, n in LENGTHS.items()}
-    bodies = []
-    for seq, half in enumerate((0, 1)):
-        ids, pos, ex = [], [], []
-        for rid, n in LENGTHS.items():
-            p = np.arange(n)[: n // 2] if half == 0 else np.arange(n)[n // 2:]
-            ids += [rid] * len(p)
-            pos.append(p)
-            ex.append(full[rid][p])
-        bodies.append(bytes(batch_bytes(RUN, "w", seq, ids, np.concatenate(pos), np.concatenate(ex))))
-    return bodies, full
+    """Two batches of RUN (every request's first half, then the rest) and each request's full route."""
+    return two_halves(RUN, LENGTHS, seed=3)
 
 
 def _store(client: ReplayClient, bodies: list[bytes]) -> None:

@@ -34,7 +34,7 @@ from replay_service.store import RouteStore
 from replay_service.store.files import QUARANTINE_DIR
 from replay_service.store.journal import JOURNAL_DIR, JOURNAL_NAME
 from replay_service.store.segment_store import S3Segments
-from tests.support.data import QWEN3_SHAPE, batch_bytes, routes
+from tests.support.data import QWEN3_SHAPE, batch_bytes, routes, two_halves
 from tests.support.service import ServiceProcess
 
 RUN = "tools"
@@ -43,18 +43,7 @@ LENGTHS = {"req-a": 300, "req-b": 41, "req-c": 120}
 
 def _bodies() -> tuple[list[bytes], dict[str, np.ndarray]]:
     """Two batches of RUN (every request's first half, then the rest) and each request's full route."""
-    rng = np.random.default_rng(11)
-    full = {rid: routes(rng, n) for rid, n in LENGTHS.items()}
-    bodies = []
-    for seq in (0, 1):
-        ids, pos, ex = [], [], []
-        for rid, n in LENGTHS.items():
-            p = np.arange(n)[: n // 2] if seq == 0 else np.arange(n)[n // 2:]
-            ids += [rid] * len(p)
-            pos.append(p)
-            ex.append(full[rid][p])
-        bodies.append(bytes(batch_bytes(RUN, "w", seq, ids, np.concatenate(pos), np.concatenate(ex))))
-    return bodies, full
+    return two_halves(RUN, LENGTHS, seed=11)
 
 
 def _snapshot(url: str, run: str) -> dict:

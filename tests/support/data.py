@@ -59,3 +59,19 @@ def store_requests(client: ReplayClient, run: str, lengths: dict[str, int], seed
     for rid, tokens in lengths.items():
         client.finish(run, rid, tokens)
     return full
+
+
+def two_halves(run: str, lengths: dict[str, int], seed: int) -> tuple[list[bytes], dict[str, np.ndarray]]:
+    """Two batches of `run` by writer "w" (every request's first half, then the rest) and each request's route."""
+    rng = np.random.default_rng(seed)
+    full = {rid: routes(rng, n) for rid, n in lengths.items()}
+    bodies = []
+    for seq in (0, 1):
+        ids, pos, ex = [], [], []
+        for rid, n in lengths.items():
+            p = np.arange(n)[: n // 2] if seq == 0 else np.arange(n)[n // 2:]
+            ids += [rid] * len(p)
+            pos.append(p)
+            ex.append(full[rid][p])
+        bodies.append(bytes(batch_bytes(run, "w", seq, ids, np.concatenate(pos), np.concatenate(ex))))
+    return bodies, full

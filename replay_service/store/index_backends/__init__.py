@@ -10,7 +10,7 @@ across processes, and translating its driver's errors into the domain errors cal
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -94,3 +94,15 @@ def open_backend(target: str | Path, fsync: bool = True) -> Backend:
     from replay_service.store.index_backends.sqlite import SqliteBackend
 
     return SqliteBackend(Path(target), fsync=fsync)
+
+
+@contextmanager
+def translating(driver_error: type[Exception], translated: Callable[[Exception], Exception]) -> Iterator[None]:
+    """Raise the domain error (replay_service.errors) a driver's error stands for; others pass through unchanged."""
+    try:
+        yield
+    except driver_error as exc:
+        domain = translated(exc)
+        if domain is exc:
+            raise
+        raise domain from exc

@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from functools import lru_cache
 from typing import Any, cast
 
@@ -37,7 +37,7 @@ from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from replay_service.errors import IndexTooNew, IndexUnreachable, RunDeleted, StorageFull
-from replay_service.store.index_backends import Dialect, Params, Row, Transaction
+from replay_service.store.index_backends import Dialect, Params, Row, Transaction, translating
 
 DIALECT = Dialect(
     name="postgresql", greatest="GREATEST", least="LEAST", text='TEXT COLLATE "C"', integer="BIGINT",
@@ -83,15 +83,8 @@ def translated(exc: psycopg.Error) -> Exception:
     return exc
 
 
-@contextmanager
-def _translating() -> Iterator[None]:
-    try:
-        yield
-    except psycopg.Error as exc:
-        domain = translated(exc)
-        if domain is exc:
-            raise
-        raise domain from exc
+def _translating() -> AbstractContextManager[None]:
+    return translating(psycopg.Error, translated)  # type: ignore[arg-type]
 
 
 class PostgresTransaction:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from replay_service.errors import IndexTooNew, RunDeleted, StorageFull
-from replay_service.store.index_backends import Dialect, Params, Row, Transaction
+from replay_service.store.index_backends import Dialect, Params, Row, Transaction, translating
 
 DIALECT = Dialect(
     name="sqlite", greatest="MAX", least="MIN", text="TEXT", integer="INTEGER", real="REAL", blob="BLOB",
@@ -35,15 +35,8 @@ def translated(exc: sqlite3.Error) -> Exception:
     return exc
 
 
-@contextmanager
-def _translating() -> Iterator[None]:
-    try:
-        yield
-    except sqlite3.Error as exc:
-        domain = translated(exc)
-        if domain is exc:
-            raise
-        raise domain from exc
+def _translating() -> AbstractContextManager[None]:
+    return translating(sqlite3.Error, translated)  # type: ignore[arg-type]
 
 
 class SqliteTransaction:
