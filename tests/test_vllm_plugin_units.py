@@ -139,7 +139,7 @@ def test_config_refusals_name_the_fix():
 
     from vllm.config import CUDAGraphMode
 
-    from capture.vllm.config import PluginConfig
+    from capture.vllm.config import CaptureMode, PluginConfig
     from capture.vllm.worker.worker_capture import StartupError, WorkerCapture
 
     wc = WorkerCapture(PluginConfig("http://x", "r", None, None))
@@ -149,8 +149,10 @@ def test_config_refusals_name_the_fix():
     wc.check_config(eager)  # what the tests' engines run with: accepted
     piecewise = SimpleNamespace(cudagraph_mode=CUDAGraphMode.PIECEWISE)
     graphs = SimpleNamespace(**{**vars(eager), "compilation_config": piecewise})
+    wc.check_config(graphs)  # the default (auto) mode captures graph-safe on a GPU (tests/test_graph_capture.py)
+    eager_mode = WorkerCapture(PluginConfig("http://x", "r", None, None, capture_mode=CaptureMode.EAGER))
     with pytest.raises(StartupError, match="CUDA graphs are on.*--enforce-eager"):
-        wc.check_config(graphs)
+        eager_mode.check_config(graphs)
     cached = SimpleNamespace(**{**vars(eager), "cache_config": SimpleNamespace(enable_prefix_caching=True)})
     wc.check_config(cached)  # prefix caching (vLLM's default) is supported: hits are sent as references
     connector = SimpleNamespace(**{**vars(cached), "kv_transfer_config": SimpleNamespace(kv_connector="X")})

@@ -6,7 +6,10 @@ routing_replay = "capture.vllm:register"`. vLLM calls `register()` in every proc
 set (see `capture.vllm.config` for the variables). When active it checks the vLLM
 version and every symbol it hooks (`capture.vllm.version`), patches the scheduler
 (`capture.vllm.engine_core`: finish/abort events) and the V1 model runner
-(`capture.vllm.worker`), and each worker logs one line once its routers are bound.
+(`capture.vllm.worker`), and each worker logs one line once its routers are bound. When the
+user turned on vLLM's own `enable_return_routed_experts`, the workers bind nothing and the
+engine core tees the rows vLLM's aux-output connector commits instead
+(`capture.vllm.engine_core.routed_experts_tee`; one log line says which path runs).
 Errors are raised, not logged: vLLM does not catch exceptions from a plugin's function,
 so a misconfigured or unsupported setup stops at startup instead of recording garbage.
 
@@ -34,10 +37,12 @@ def register() -> None:
     from capture.vllm.version import check_supported
 
     check_supported()
+    from capture.vllm.engine_core.routed_experts_tee import patch_tee
     from capture.vllm.engine_core.scheduler import patch_scheduler
     from capture.vllm.worker.runner import patch_v1_runner
 
     patch_scheduler()
+    patch_tee(config)  # with vLLM's enable_return_routed_experts on: tee its rows, no second capture
     patch_v1_runner(config)
 
 

@@ -7,10 +7,12 @@
 | `ROUTING_REPLAY_TOKEN` | optional bearer token for the service |
 | `ROUTING_REPLAY_SPILL_DIR` | where unsent batches are spilled (default `./replay-spill/<run_id>`) |
 | `ROUTING_REPLAY_VERBOSE` | `1`: log one line per captured step |
+| `ROUTING_REPLAY_CAPTURE_MODE` | `auto` (default: `graph_safe` on CUDA, `eager` elsewhere), `eager`, `graph_safe` |
 """
 
 from __future__ import annotations
 
+import enum
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,12 +22,27 @@ ENV_RUN = "ROUTING_REPLAY_RUN_ID"
 ENV_TOKEN = "ROUTING_REPLAY_TOKEN"
 ENV_SPILL = "ROUTING_REPLAY_SPILL_DIR"
 ENV_VERBOSE = "ROUTING_REPLAY_VERBOSE"
+ENV_CAPTURE_MODE = "ROUTING_REPLAY_CAPTURE_MODE"
 # Set by the worker for its sink process only: the token stays off the command line, where `ps` shows it.
 ENV_SINK_TOKEN = "ROUTING_REPLAY_SINK_TOKEN"
 
 
 class PluginConfigError(RuntimeError):
     """The URL is set but the rest of the settings are wrong."""
+
+
+class CaptureMode(enum.StrEnum):
+    """How the worker records the router's ids (docs/vllm_notes.md: what runs where)."""
+
+    AUTO = "auto"  # GRAPH_SAFE on a CUDA device, EAGER elsewhere
+    EAGER = "eager"  # `capture.worker.recorder.StepRecorder`: Python per router call; needs --enforce-eager on GPU
+    GRAPH_SAFE = "graph_safe"  # `capture.worker.graph_recorder`: fixed-shape device writes, CUDA graphs allowed
+
+    def resolve(self, device_type: str) -> CaptureMode:
+        """EAGER or GRAPH_SAFE for a worker whose model runs on `device_type` ("cuda", "cpu", ...)."""
+        if self is CaptureMode.AUTO:
+            return CaptureMode.GRAPH_SAFE if device_type == "cuda" else CaptureMode.EAGER
+        return self
 
 
 def _truthy(value: str | None) -> bool:
@@ -41,6 +58,7 @@ class PluginConfig:
     token: str | None
     spill_dir: Path
     verbose: bool = False
+    capture_mode: CaptureMode = CaptureMode.AUTO
 
     @classmethod
     def from_env(cls, env=None) -> PluginConfig | None:
@@ -58,10 +76,15 @@ class PluginConfig:
         if not valid_id(run_id):
             raise PluginConfigError(f"routing-replay: {ENV_RUN}={run_id!r} is not a valid id ({ID_RULE})")
         spill = env.get(ENV_SPILL) or os.path.join("replay-spill", run_id)
+        mode = (env.get(ENV_CAPTURE_MODE) or CaptureMode.AUTO.value).strip().lower()
+        if mode not in set(CaptureMode):
+            raise PluginConfigError(
+                f"routing-replay: {ENV_CAPTURE_MODE}={mode!r}; one of {', '.join(m.value for m in CaptureMode)}")
         return cls(
             url=url.rstrip("/"),
             run_id=run_id,
             token=(env.get(ENV_TOKEN) or None),
             spill_dir=Path(spill),
             verbose=_truthy(env.get(ENV_VERBOSE)),
+            capture_mode=CaptureMode(mode),
         )

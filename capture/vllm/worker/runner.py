@@ -7,8 +7,8 @@ does): `load_model` (and `CPUModelRunner.load_model`) -> `startup`; `execute_mod
 router runs) is wrapped in the gathered padding mask. None of them raises into the engine
 after startup. `rpc_set_enabled` / `rpc_cost` are for `LLM.collective_rpc` (bench/vllm_overhead.py).
 
-The V2 runner (`vllm.v1.worker.gpu.model_runner`, GPU default in 0.32/0.33) is refused
-at startup with a message to set `VLLM_USE_V2_MODEL_RUNNER=0`.
+The V2 runner (`vllm.v1.worker.gpu.model_runner`, GPU default in 0.32/0.33) gets its own hooks
+(`runner_v2.py`), which hand the same data to the same `WorkerCapture` calls.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _start(config: PluginConfig, model_runner) -> None:
 
 
 def patch_v1_runner(config: PluginConfig) -> None:
-    """Patch the V1 model runner's hooks (module docstring); refuse the V2 runner (idempotent)."""
+    """Patch the V1 model runner's hooks (module docstring), then the V2 runner's (`runner_v2.py`) (idempotent)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     if is_patched(GPUModelRunner.execute_model):
@@ -130,29 +130,22 @@ def patch_v1_runner(config: PluginConfig) -> None:
             patch(CPUModelRunner, "load_model", cpu_load_model)
     except ImportError:
         pass
-    _refuse_v2_runner()
+    patch_v2_runner(config)
 
 
-def _refuse_v2_runner() -> None:
-    try:
-        from vllm.v1.worker.gpu import model_runner as v2
-    except Exception:  # any error: not present (CPU build without triton etc.)
-        return
-    cls = getattr(v2, "GPUModelRunner", None)
-    if cls is None or is_patched(cls.load_model):
-        return
-
-    def load_model(self, *a, **kw):
-        raise StartupError(
-            "routing-replay: vLLM is using Model Runner V2, which the plugin does not hook yet; "
-            "set VLLM_USE_V2_MODEL_RUNNER=0 (or unset ROUTING_REPLAY_URL)"
-        )
-
-    patch(cls, "load_model", load_model)
+def _current() -> WorkerCapture | None:
+    return _CURRENT
 
 
-__all__ = ["StartupError", "WorkerCapture", "patch_v1_runner", "rpc_cost", "rpc_profile", "rpc_profile_report",
-           "rpc_set_enabled"]
+def patch_v2_runner(config: PluginConfig) -> bool:
+    """Patch Model Runner V2's hooks (`runner_v2.py`) onto this worker's capture; False where vLLM has no V2."""
+    from capture.vllm.worker.runner_v2 import patch_v2_runner as patch_v2
+
+    return patch_v2(_current, lambda runner: _start(config, runner))
+
+
+__all__ = ["StartupError", "WorkerCapture", "patch_v1_runner", "patch_v2_runner", "rpc_cost", "rpc_profile",
+           "rpc_profile_report", "rpc_set_enabled"]
 
 
 def rpc_set_enabled(worker, enabled: bool, send: bool = True) -> bool:

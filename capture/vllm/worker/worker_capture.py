@@ -3,7 +3,10 @@
 What each model-runner hook (`runner.py`) does with it:
 - `load_model` -> `startup`: checks (KV connectors, CUDA graphs, pipeline parallel),
   `bind_model` on every MoE router, the recorder, the PCP router mask, the sink process
-  (only on the TP/PCP rank 0 of each DP rank) and one log line per worker.
+  (only on the TP/PCP rank 0 of each DP rank) and one log line per worker. The capture mode
+  (`config.CaptureMode`, by default GRAPH_SAFE on a CUDA device, EAGER elsewhere) picks the
+  recorder: `GraphStepRecorder` through `graph_capture.GraphCapture` (fixed-shape device writes:
+  CUDA graphs allowed for the layouts it covers) or `StepRecorder` (the eager path below).
 - `execute_model` -> `on_execute`: notes the `SchedulerOutput`; the engine core's prefix-cache
   hits of newly scheduled requests go to the sink as references, finished/aborted requests as
   finish events.
@@ -15,6 +18,8 @@ What each model-runner hook (`runner.py`) does with it:
   records them in the `StepRecorder` (a layer that did not write a row this step leaves it
   `STALE`); when the layer routes this DP rank's whole batch on CPU it only keeps the
   tensor (`StepRecorder.keep`).
+  In GRAPH_SAFE mode `on_topk` writes every call (a graph is captured outside any step) and
+  `close_forward` starts the asynchronous copy of the step's real rows.
 - `sample_tokens` -> `on_sampled`: closes the step in the recorder straight into the frame's
   experts slot (`StepRecorder.end_step_into`), finishes the frame (flags, what spec decode
   verified and accepted, request names) and hands it to the sink (`handoff.StepHandoff.step_packed`:
@@ -29,17 +34,19 @@ import logging
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 
-from capture.vllm.config import PluginConfig
+from capture.vllm.config import CaptureMode, PluginConfig
 from capture.vllm.engine_core.prefix_hits import ATTR as HITS_ATTR
 from capture.vllm.engine_core.scheduler import ATTR as FINISH_ATTR
 from capture.vllm.worker.binder import bind_model, install_set_hook
 from capture.vllm.worker.frame_buffer import StepFrameBuffer
+from capture.vllm.worker.graph_capture import GraphCapture, graph_refusal, layout_of
 from capture.vllm.worker.sharding import Parallel, pcp_mask_fixed_upstream, restore, routes_local_batch
+from capture.worker.graph_recorder import GraphStepRecorder
 from capture.worker.pcp_mask import PcpPaddingMask
 from capture.worker.recorder import StepRecorder
 from replay_format import RunShape, Source
@@ -107,7 +114,9 @@ class WorkerCapture:
         self.config = config
         self.handoff: StepHandoff | None = None  # on the rank that sends
         self._paused_handoff: StepHandoff | None = None  # set_sending(False) keeps it here
-        self.recorder: StepRecorder | None = None  # from startup() on
+        self.recorder: StepRecorder | GraphStepRecorder | None = None  # from startup() on
+        self.graph: GraphCapture | None = None  # GRAPH_SAFE mode: the fixed-shape router callback
+        self.mode = config.capture_mode  # resolved (EAGER / GRAPH_SAFE) at startup
         self.frame: StepFrameBuffer | None = None  # from startup() on: the step frame built in place
         self.par = Parallel()
         self.layers: dict[int, int] = {}  # model layer -> MoE ordinal (its place in moe_layers)
@@ -137,6 +146,13 @@ class WorkerCapture:
         if model is None or self.model_id == id(model):
             return
         vcfg = getattr(runner, "vllm_config", None)
+        from capture.vllm.engine_core.routed_experts_tee import CaptureRoute, capture_route
+
+        if capture_route(vcfg) is CaptureRoute.VLLM_TEE:  # vLLM captures itself; the engine core tees its rows
+            self.model_id = id(model)
+            info("routing-replay: worker capture off: vLLM's enable_return_routed_experts is on, the engine core "
+                 "tees the rows vLLM commits (pid %d)", os.getpid())
+            return
         self.check_config(vcfg)
         install_set_hook()
         bound = bind_model(model, self.on_topk)
@@ -150,17 +166,17 @@ class WorkerCapture:
         shape = RunShape(len(bound), int(first.top_k), int(first.global_num_experts), moe_layers,
                          model_num_hidden_layers(vcfg, moe_layers))
         max_tokens = int(getattr(getattr(vcfg, "scheduler_config", None), "max_num_batched_tokens", 0) or 8192)
-        self.recorder = StepRecorder(shape, max_tokens=max_tokens + 64)
+        self.start_recorder(vcfg, runner, bound, shape, max_tokens + 64)
         self.frame = StepFrameBuffer(shape)
         self.install_pcp_mask()
         if self.par.sends:
             self.handoff = self.make_handoff(shape)
         info(
             "routing-replay: capturing %d MoE layers (top-%d of %d experts) -> %s run %r; worker tp=%d/%d pcp=%d/%d "
-            "dp=%d/%d; %s (pid %d)",
+            "dp=%d/%d; %s capture; %s (pid %d)",
             shape.num_moe_layers, shape.top_k, shape.num_experts, self.config.url, self.config.run_id,
             self.par.tp_rank, self.par.tp_size, self.par.pcp_rank, self.par.pcp_size, self.par.dp_rank,
-            self.par.dp_size,
+            self.par.dp_size, self.mode,
             f"sending through sink pid {self.handoff.pid}" if self.handoff
             else "not sending (rank 0 of its TP/PCP group sends)",
             os.getpid(),
@@ -177,18 +193,44 @@ class WorkerCapture:
                 "routing this worker never sees, so those positions would read GAP; capture on the engine that "
                 "computes the KV, or start this one without the connector"
             )
-        graphs = getattr(getattr(vcfg, "compilation_config", None), "cudagraph_mode", None)
-        if graphs is not None and getattr(graphs, "name", str(graphs)) != "NONE":
+        graphs = cuda_graphs(vcfg)
+        if graphs is not None and self.mode == CaptureMode.EAGER:
             problems.append(
-                f"CUDA graphs are on ({graphs}): a replayed graph runs the MoE kernels without calling the router's "
-                "capture callback, so every row would arrive STALE; start vLLM with enforce_eager=True "
-                "(--enforce-eager)"
+                f"CUDA graphs are on ({graphs}) and {self.config.capture_mode} capture was asked for: a replayed "
+                "graph runs the MoE kernels without calling the router's capture callback, so every row would "
+                "arrive STALE; start vLLM with enforce_eager=True (--enforce-eager), or unset "
+                "ROUTING_REPLAY_CAPTURE_MODE (graph-safe capture on a GPU)"
             )
         par = getattr(vcfg, "parallel_config", None)
         if int(getattr(par, "pipeline_parallel_size", 1) or 1) > 1:
             problems.append("pipeline parallelism is not supported (each stage holds only its layers)")
         if problems:
             raise StartupError("routing-replay: refusing to start: " + "; ".join(problems))
+
+    def start_recorder(self, vcfg, runner, bound: list, shape: RunShape, max_tokens: int) -> None:
+        """The recorder of the resolved capture mode; a StartupError when CUDA graphs meet a layout it cannot cover."""
+        device = torch.device(getattr(runner, "device", None) or "cpu")
+        self.mode = self.config.capture_mode.resolve(device.type)
+        if self.mode == CaptureMode.EAGER:
+            if cuda_graphs(vcfg) is not None:  # e.g. AUTO on a device type other than "cuda"
+                raise StartupError(f"routing-replay: refusing to start: CUDA graphs are on ({cuda_graphs(vcfg)}) on "
+                                   f"a {device.type} device, where the capture is eager; start vLLM with "
+                                   "enforce_eager=True (--enforce-eager) or set ROUTING_REPLAY_CAPTURE_MODE=graph_safe")
+            self.recorder = StepRecorder(shape, max_tokens=max_tokens)
+            return
+        layouts = {self.layers[b.layer_id]: layout_of(b.runner) for b in bound}
+        refusal = graph_refusal({getattr(b.runner, "layer_name", str(b.layer_id)): layouts[self.layers[b.layer_id]]
+                                 for b in bound}, cuda_graphs(vcfg))
+        if refusal is not None and cuda_graphs(vcfg) is not None:
+            raise StartupError("routing-replay: refusing to start: " + refusal)
+        if refusal is not None:  # eager engine: the eager path restores every layout
+            info("routing-replay: graph-safe capture does not cover this layout; using the eager capture")
+            self.mode = CaptureMode.EAGER
+            self.recorder = StepRecorder(shape, max_tokens=max_tokens)
+            return
+        recorder = GraphStepRecorder(shape, max_tokens=max_tokens, device=device)
+        self.recorder = recorder
+        self.graph = GraphCapture(recorder, layouts, self.par)
 
     def make_handoff(self, shape: RunShape):
         """Start this worker's sink process; it sends as one writer, spilling under its own directory.
@@ -247,7 +289,7 @@ class WorkerCapture:
 
     def cost(self) -> dict:
         """Capture cost so far, for `collective_rpc` (bench/vllm_overhead.py)."""
-        return {"steps": self.steps, "hook_s": self.hook_s, "capture_s": self.capture_s,
+        return {"steps": self.steps, "mode": str(self.mode), "hook_s": self.hook_s, "capture_s": self.capture_s,
                 "ignored_captures": self.ignored_captures, "sending": self.handoff is not None,
                 "lost_frames": self.handoff.lost_frames if self.handoff is not None else 0,
                 "backlogged_frames": self.handoff.backlogged_frames if self.handoff is not None else 0,
@@ -287,13 +329,20 @@ class WorkerCapture:
         self.capturing = True
 
     def close_forward(self) -> None:
-        """The model returned: later captures are not this step's."""
+        """The model returned: later captures are not this step's (GRAPH_SAFE: start copying its rows out)."""
         self.capturing = False
         self.pending, self.open = self.open, None
+        if self.graph is not None and self.pending is not None:
+            self.graph.recorder.start_close(self.pending.num_tokens)
 
     def on_topk(self, runner, topk_ids: torch.Tensor) -> None:
         """BaseRouter.capture_fn (logical ids, before EPLB). Never raises into the model."""
-        if not self.capturing or self.open is None or self.recorder is None:
+        if self.graph is not None:
+            self.on_topk_graph(runner, topk_ids)
+            return
+        # EAGER mode (GRAPH_SAFE returned above): the recorder is a StepRecorder.
+        recorder = cast(StepRecorder, self.recorder)
+        if not self.capturing or self.open is None or recorder is None:
             self.ignored_captures += 1
             return
         t0 = time.perf_counter()
@@ -308,7 +357,7 @@ class WorkerCapture:
                 # This rank routed this DP rank's whole batch: nothing to restore. The rows are
                 # kept by reference and copied once per step for all layers (recorder.keep):
                 # inside the engine each call per layer costs microseconds.
-                self.recorder.keep(layer, topk_ids)
+                recorder.keep(layer, topk_ids)
                 rows = None
             elif local:
                 rows = topk_ids[: self.open.num_tokens]
@@ -318,8 +367,27 @@ class WorkerCapture:
                 ctx = get_forward_context() if is_forward_context_available() else None
                 rows = restore(topk_ids, runner, ctx, self.par, self.open.num_tokens, local_padding=self.local_padding)
             if rows is not None:
-                self.recorder.record(layer, rows)
+                recorder.record(layer, rows)
         except Exception:  # any error: the layer's rows stay unstamped: the step is flagged STALE
+            log.exception("routing-replay: capture failed in layer %s; its rows are sent flagged STALE",
+                          getattr(runner, "layer_name", "?"))
+        spent = time.perf_counter() - t0
+        self.capture_s += spent
+        self.hook_s += spent
+
+    def on_topk_graph(self, runner, topk_ids: torch.Tensor) -> None:
+        """GRAPH_SAFE: every call writes, in a step or not (vLLM captures its graphs outside any step).
+
+        What a write outside a step leaves carries an old stamp: the next step reads it STALE
+        unless it writes the row again. Host work here runs once per captured graph, not per replay."""
+        assert self.graph is not None
+        t0 = time.perf_counter()
+        try:
+            layer = self.ordinals.get(id(runner))
+            if layer is None:  # a runner bound without startup (tests, benches): read its layer id
+                layer = self.layers[int(runner.layer_id)]
+            self.graph.on_topk(layer, topk_ids)
+        except Exception:  # any error: the layer's rows keep old stamps: the step is flagged STALE
             log.exception("routing-replay: capture failed in layer %s; its rows are sent flagged STALE",
                           getattr(runner, "layer_name", "?"))
         spent = time.perf_counter() - t0
@@ -343,6 +411,12 @@ class WorkerCapture:
         if self.config.verbose:
             info("routing-replay: step %d: %d rows (%d stale) of %d requests", self.steps, step.num_tokens,
                  0 if flags is None else int(np.count_nonzero(flags)), len(step.req_ids))
+
+
+def cuda_graphs(vcfg) -> object | None:
+    """vLLM's cudagraph_mode when CUDA graphs are on (anything but NONE), else None."""
+    graphs = getattr(getattr(vcfg, "compilation_config", None), "cudagraph_mode", None)
+    return graphs if graphs is not None and getattr(graphs, "name", str(graphs)) != "NONE" else None
 
 
 def spec_counts(req_ids: list[str], sched, output) -> tuple[np.ndarray | None, np.ndarray | None]:

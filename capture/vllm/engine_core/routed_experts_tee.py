@@ -1,0 +1,292 @@
+"""Runs in vLLM's engine core: tee the routed experts vLLM's own aux-output connector commits to the sink.
+
+When the user turns on vLLM's `enable_return_routed_experts` (vLLM 0.32+, Model Runner V2 only:
+`VllmConfig._verify_aux_output_compatibility`), vLLM already captures every MoE router's top-k ids
+(`RoutedExpertsCapturer`, a persistent device buffer written inside the captured graph) and commits
+each request's rows itself: the worker connector (`vllm/distributed/aux_output_connector/worker.py`,
+`_commit_output`) drops rejected spec-decode drafts and materialises prefix-cache hit blocks from its
+block store, and the scheduler connector (`connector.py`, `AuxOutputSchedulerConnector.take_output`)
+cuts each step's rows to the tokens the scheduler accepted (`request.num_tokens - 1`). What
+`take_output` returns is what vLLM hands the user in `CompletionOutput.routed_experts`.
+Capturing a second time would only cost time, so the plugin's router capture stays off
+(`CaptureRoute.VLLM_TEE`; `WorkerCapture.startup` checks `capture_route`) and this module copies
+those rows out instead:
+
+- `take_output` (wrapped) -> `RoutedExpertsTee.committed`: the rows, their first position
+  (`AuxRequestOutput.token_start`) and the request's token ids at those positions are noted; no copy
+  of the rows, no I/O (the scheduler's thread goes on at once).
+- `build_connector_meta` (wrapped: once per scheduled step) -> `flush`: the rows noted since the last
+  step go to this engine core's sink as one `StepFrame` (the rows' MoE layers only: vLLM's rows hold
+  every model layer, dense ones zero), through the same `StepHandoff` the workers use (one
+  non-blocking pipe write; the sink process maps vLLM's internal ids to the user's request ids,
+  `capture.vllm.sink.book.external_id`, and streams to the service).
+- `request_finished` (wrapped; vLLM also calls it on preemption, which is no finish) -> a finish
+  event after the request's rows, with vLLM's token count and status.
+
+Which model layers are MoE layers the engine core cannot tell from the config (Qwen3's
+`mlp_only_layers`, DeepSeek's `first_k_dense_replace`, ...): at engine start it asks its workers
+(`moe_layers_rpc`, over `collective_rpc`) for the `layer_id` of every module vLLM's own
+`bind_routed_experts_capturer` binds, the same ids vLLM uses as its rows' layer index.
+`EngineCore.shutdown` (wrapped) flushes and closes the sink without waiting for it.
+
+Where the stored route differs from the user's `routed_experts`: with `routed_experts_prompt_start`
+set vLLM never emits the positions before it, so they read GAP; rows of tokens the front end trims
+past a stop string are stored (the engine core accepted them; the plugin's own capture stores them too).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+from typing import Any, Protocol
+
+import numpy as np
+
+from capture.vllm.config import PluginConfig
+from capture.vllm.patching import is_patched, patch
+from replay_format import NO_TOKEN, RunShape, Source
+from replay_format.step_frame import Ended, FinishStatus, StepFrame
+
+log = logging.getLogger("routing_replay.vllm")
+
+ATTR = "_routing_replay_tee"  # on the AuxOutputSchedulerConnector instance: its RoutedExpertsTee
+_CONNECTOR = "vllm.distributed.aux_output_connector.connector"
+# What the tee hooks or calls (checked like `capture.vllm.version.REQUIRED` where vLLM has the connector).
+REQUIRED = (
+    (_CONNECTOR, "AuxOutputSchedulerConnector.take_output"),
+    (_CONNECTOR, "AuxOutputSchedulerConnector.request_finished"),
+    (_CONNECTOR, "AuxOutputSchedulerConnector.build_connector_meta"),
+    (_CONNECTOR, "AuxRequestOutput"),
+    ("vllm.v1.engine.core", "EngineCore.shutdown"),
+    ("vllm.model_executor.layers.fused_moe.routed_experts_capturer", "RoutedExpertsCaptureSource"),
+    ("vllm.model_executor.layers.fused_moe.layer", "MoERunner"),
+)
+
+
+class CaptureRoute(enum.Enum):
+    """Where a run's routing rows come from."""
+
+    PLUGIN = "plugin"  # the plugin's own router callbacks in each worker (capture/vllm/worker/)
+    VLLM_TEE = "vllm-tee"  # vLLM's aux-output connector captures; the engine core tees what it commits
+
+
+def capture_route(vllm_config: Any) -> CaptureRoute:
+    """`VLLM_TEE` when the user turned on vLLM's own routed-experts output, else `PLUGIN`."""
+    aux = getattr(vllm_config, "aux_output_config", None)
+    return CaptureRoute.VLLM_TEE if bool(getattr(aux, "enable_return_routed_experts", False)) else CaptureRoute.PLUGIN
+
+
+def moe_layer_ids(model: Any) -> list[int]:
+    """The `layer_id` of every module vLLM's `bind_routed_experts_capturer` binds (its rows' layer index), sorted."""
+    from vllm.model_executor.layers.fused_moe.layer import MoERunner
+    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import RoutedExpertsCaptureSource
+
+    ids = {int(m.layer_id) for m in model.modules() if isinstance(m, (RoutedExpertsCaptureSource, MoERunner))}
+    return sorted(ids)
+
+
+def moe_layers_rpc(worker: Any) -> list[int]:
+    """For `collective_rpc`: this worker's MoE layer ids (`moe_layer_ids` of its runner's model)."""
+    return moe_layer_ids(worker.model_runner.model)
+
+
+def tee_shape(vllm_config: Any, moe_layers: list[int]) -> RunShape:
+    """The run shape of the teed rows: vLLM's own counts (`_get_routed_experts_shape`) and the workers' MoE layers."""
+    model_config = vllm_config.model_config
+    return RunShape(len(moe_layers), int(model_config.get_num_experts_per_tok()), int(model_config.get_num_experts()),
+                    tuple(moe_layers), int(model_config.get_total_num_hidden_layers()))
+
+
+class FrameSink(Protocol):
+    """Where the tee's frames go: `capture.vllm.worker.handoff.StepHandoff` (or a test's reader)."""
+
+    def step(self, frame: StepFrame) -> None: ...
+
+    def finish(self, ended: list[Ended]) -> None: ...
+
+    def close(self, timeout: float = 30.0, wait: bool = True) -> bool: ...
+
+
+class RoutedExpertsTee:
+    """The committed rows of one engine core, noted per step and handed to its sink (module docstring)."""
+
+    def __init__(self, shape: RunShape, sink: FrameSink) -> None:
+        self.shape = shape
+        self.sink = sink
+        self._layers = np.asarray(shape.moe_layers, np.intp)
+        # Noted since the last flush: (internal id, first position, vLLM's rows [n, layers, K], token ids [n]).
+        self._noted: list[tuple[str, int, np.ndarray, np.ndarray]] = []
+        self.rows = 0  # rows handed to the sink so far
+
+    def committed(self, request_id: str, token_start: int, rows: np.ndarray, all_token_ids: Any) -> None:
+        """vLLM committed `rows` of `request_id` at positions `token_start ..` (what `take_output` returned)."""
+        n = len(rows)
+        if n == 0:
+            return
+        tokens = np.full(n, NO_TOKEN, np.int32)
+        known = np.asarray(all_token_ids[token_start : token_start + n], np.int32)  # position p ran token p
+        tokens[: len(known)] = known
+        self._noted.append((request_id, int(token_start), rows, tokens))
+
+    def flush(self) -> None:
+        """Hand the rows noted so far to the sink as one step frame."""
+        if not self._noted:
+            return
+        noted, self._noted = self._noted, []
+        counts = [len(rows) for _, _, rows, _ in noted]
+        experts = np.concatenate([rows for _, _, rows, _ in noted])[:, self._layers].astype(self.shape.dtype)
+        frame = StepFrame(
+            req_ids=[rid for rid, _, _, _ in noted],
+            query_start_loc=np.concatenate(([0], np.cumsum(counts))).astype(np.int32),
+            positions=np.concatenate([np.arange(s, s + n, dtype=np.int32) for (_, s, _, _), n in zip(noted, counts)]),
+            token_ids=np.concatenate([tokens for _, _, _, tokens in noted]),
+            experts=experts,
+            flags=np.zeros(len(experts), np.uint16),
+        )
+        self.sink.step(frame)
+        self.rows += len(experts)
+
+    def finished(self, request_id: str, num_tokens: int, status: FinishStatus) -> None:
+        """The request ended: its finish goes after every row noted for it."""
+        self.flush()
+        self.sink.finish([Ended(request_id, int(num_tokens), status)])
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Flush, then close the sink without waiting for it (it sends or spills on its own)."""
+        self.flush()
+        self.sink.close(timeout, wait=False)
+
+
+def make_sink(config: PluginConfig, shape: RunShape, dp_rank: int) -> FrameSink:
+    """This engine core's sink process (one writer), closed at the process's exit like a worker's."""
+    from multiprocessing.util import Finalize
+
+    from capture.sender_config import SenderConfig
+    from capture.vllm.worker.handoff import StepHandoff
+
+    writer = f"vllm-tee-dp{dp_rank}-{os.getpid()}-{os.urandom(3).hex()}"
+    handoff = StepHandoff(SenderConfig(
+        url=config.url, run_id=config.run_id, shape=shape, writer_id=writer, source=Source.VLLM_OUTPUT,
+        token=config.token, spill_dir=config.spill_dir / writer,
+    ))
+    Finalize(None, handoff.close, args=(30.0,), kwargs={"wait": False}, exitpriority=10)
+    return handoff
+
+
+def attach(connector: Any, tee: RoutedExpertsTee) -> None:
+    """Tee what `connector` (vLLM's `AuxOutputSchedulerConnector`) commits from now on."""
+    connector.__dict__[ATTR] = tee
+
+
+def _start(engine_core: Any, config: PluginConfig) -> None:
+    """After `EngineCore.__init__`: attach a tee to the scheduler's connector when vLLM's output is on."""
+    scheduler = getattr(engine_core, "scheduler", None)
+    connector = getattr(scheduler, "aux_output_connector", None)
+    vllm_config: Any = getattr(scheduler, "vllm_config", None)
+    if connector is None or capture_route(vllm_config) is not CaptureRoute.VLLM_TEE:
+        return
+    replies = engine_core.model_executor.collective_rpc(moe_layers_rpc)
+    moe_layers = next((r for r in replies if r), None)
+    if not moe_layers:
+        raise RuntimeError("routing-replay: no worker reported a MoE layer bound to vLLM's routed-experts capturer")
+    shape = tee_shape(vllm_config, list(moe_layers))
+    dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+    tee = RoutedExpertsTee(shape, make_sink(config, shape, dp_rank))
+    attach(connector, tee)
+    from capture.vllm.worker.worker_capture import info
+
+    info("routing-replay: vLLM's enable_return_routed_experts is on: teeing the rows its aux-output connector "
+         "commits (%d MoE layers %s of %d, top-%d) -> %s run %r; the plugin's router capture is off (engine core "
+         "dp=%d, pid %d)", shape.num_moe_layers, list(shape.moe_layers), shape.num_hidden_layers, shape.top_k,
+         config.url, config.run_id, dp_rank, os.getpid())
+
+
+def _tee(connector: Any) -> RoutedExpertsTee | None:
+    return connector.__dict__.get(ATTR)
+
+
+def patch_connector() -> None:
+    """Wrap `AuxOutputSchedulerConnector.take_output`, `request_finished`, `build_connector_meta` (idempotent).
+
+    None of the wrappers raises into the scheduler: a tee error is logged and vLLM's own output goes on.
+    """
+    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector as Connector
+
+    if is_patched(Connector.take_output):
+        return
+    orig_take, orig_finished = Connector.take_output, Connector.request_finished
+    orig_meta = Connector.build_connector_meta
+
+    def take_output(self, request, output):
+        rows = orig_take(self, request, output)
+        tee = _tee(self)
+        if tee is not None and rows is not None:
+            try:
+                tee.committed(request.request_id, output[request.request_id].token_start, rows, request.all_token_ids)
+            except Exception:  # any error: never break vLLM's output for the tee
+                log.exception("routing-replay: failed to tee the routed experts of %s", request.request_id)
+        return rows
+
+    def request_finished(self, request):
+        out = orig_finished(self, request)
+        tee = _tee(self)
+        if tee is not None and request.is_finished():  # vLLM calls this on preemption too
+            try:
+                from capture.vllm.engine_core.scheduler import finish_status
+
+                tee.finished(request.request_id, request.num_tokens, finish_status(request.status))
+            except Exception:  # any error: as above
+                log.exception("routing-replay: failed to tee the finish of %s", request.request_id)
+        return out
+
+    def build_connector_meta(self, *a, **kw):
+        tee = _tee(self)
+        if tee is not None:
+            try:
+                tee.flush()
+            except Exception:  # any error: as above
+                log.exception("routing-replay: failed to hand teed routed experts to the sink")
+        return orig_meta(self, *a, **kw)
+
+    patch(Connector, "take_output", take_output)
+    patch(Connector, "request_finished", request_finished)
+    patch(Connector, "build_connector_meta", build_connector_meta)
+
+
+def patch_tee(config: PluginConfig) -> None:
+    """In the engine core: start a tee at `EngineCore.__init__` when vLLM's routed-experts output is on; close it at
+    `shutdown` (idempotent; nothing on a vLLM without the aux-output connector)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm.distributed.aux_output_connector") is None:
+        return  # a vLLM without the connector: `enable_return_routed_experts` does not exist there
+    from capture.vllm.version import UnsupportedVLLM, missing_symbols
+
+    missing = missing_symbols(REQUIRED)
+    if missing:
+        raise UnsupportedVLLM(f"routing-replay: this vLLM's aux-output connector lacks what the tee hooks: "
+                              f"{'; '.join(missing)}")
+    from vllm.v1.engine.core import EngineCore
+
+    if is_patched(EngineCore.__init__):
+        return
+    patch_connector()
+    orig_init, orig_shutdown = EngineCore.__init__, EngineCore.shutdown
+
+    def __init__(self, *a, **kw):
+        orig_init(self, *a, **kw)
+        _start(self, config)
+
+    def shutdown(self, *a, **kw):
+        connector = getattr(getattr(self, "scheduler", None), "aux_output_connector", None)
+        tee = _tee(connector) if connector is not None else None
+        if tee is not None:
+            try:
+                tee.close()
+            except Exception:  # any error: vLLM's shutdown goes on
+                log.exception("routing-replay: failed to close the routed-experts tee")
+        return orig_shutdown(self, *a, **kw)
+
+    patch(EngineCore, "__init__", __init__)
+    patch(EngineCore, "shutdown", shutdown)

@@ -1,0 +1,108 @@
+"""The graph-safe router callback for vLLM: which layouts it covers and the fixed-shape restore of each.
+
+Runs in each vLLM worker. Used when the capture mode resolves to `CaptureMode.GRAPH_SAFE`
+(`capture.vllm.config`; by default on a CUDA device): `WorkerCapture.on_topk` hands each
+router call to `GraphCapture.on_topk`, which slices this DP rank's rows with shapes fixed by
+the tensor and by Python ints, then `GraphStepRecorder.write`s them (no host sync, no use
+of the real token count: `capture.worker.graph_recorder` says why).
+
+Under CUDA graphs vLLM calls the router's `capture_fn` only while it captures a graph (the
+MoE layer is an opaque custom op, `torch.ops.vllm.moe_forward`, whose kernels the graph
+records); a replay re-runs the recorded kernels. Whatever the callback decides on the host is
+therefore decided once per captured size, so a layout is covered only when that decision holds
+for every replay of that size:
+
+- `GraphLayout.LOCAL`: the router sees exactly this DP rank's batch (TP replicates the gate;
+  no dispatch, or the modular all2all kernels dispatch after the router): rows 0..n-1 are
+  this rank's, the rest padding. The whole tensor is written.
+- `GraphLayout.DP_CONCAT`: naive DP dispatch, every DP rank's rows concatenated (under
+  sequence-parallel MoE each DP rank's TP pieces, DP-major). The slice comes from the
+  forward context's dispatch sizes (host ints). With CUDA graphs on, vLLM pads every DP rank
+  to the same count for any step that runs a graph (`vllm/v1/worker/dp_utils.py`:
+  `should_dp_pad = synced_cudagraph_mode != 0`), so the slice a graph captured is
+  `[d * n_pad, (d + 1) * n_pad)` for each of its replays; an eager step reads its own sizes.
+- not covered, eager only: `TP_GATHER` (all2all kernels + sequence-parallel MoE: the router
+  sees a TP shard; restoring it needs an all-gather in the callback, unproven in a graph) and
+  `PCP` (the PCP restore index and padding mask are per-step data and need a gather). Under
+  CUDA graphs these are refused at start-up naming `--enforce-eager`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+
+import torch
+
+from capture.vllm.worker.sharding import Parallel, _moe_flags, dispatch_sizes
+from capture.worker.graph_recorder import GraphStepRecorder
+
+log = logging.getLogger("routing_replay.vllm")
+
+
+class GraphLayout(enum.StrEnum):
+    """Where one MoE layer's router finds this DP rank's rows (module docstring)."""
+
+    LOCAL = "local"
+    DP_CONCAT = "dp_concat"
+    TP_GATHER = "tp_gather"
+    PCP = "pcp"
+
+
+COVERED = (GraphLayout.LOCAL, GraphLayout.DP_CONCAT)
+
+
+def layout_of(runner) -> GraphLayout:
+    """The layout of one MoE layer, from its static MoE config (the same flags `sharding.restore` reads)."""
+    naive, sp, a2a, pcp_size = _moe_flags(runner)
+    if pcp_size > 1 and not a2a:
+        return GraphLayout.PCP
+    if naive:
+        return GraphLayout.DP_CONCAT
+    if sp and a2a:
+        return GraphLayout.TP_GATHER
+    return GraphLayout.LOCAL
+
+
+def graph_refusal(layouts: dict[str, GraphLayout], graphs: object) -> str | None:
+    """The start-up refusal for CUDA graphs with layers the graph-safe capture does not cover; None if all are."""
+    bad = {name: layout for name, layout in layouts.items() if layout not in COVERED}
+    if not bad:
+        return None
+    kinds = sorted({str(layout) for layout in bad.values()})
+    return (
+        f"CUDA graphs are on ({graphs}) and {len(bad)} MoE layer(s) route rows laid out as {', '.join(kinds)} "
+        f"(e.g. {next(iter(bad))}): the graph-safe capture restores only {', '.join(map(str, COVERED))} rows with "
+        "fixed shapes; start vLLM with enforce_eager=True (--enforce-eager)"
+    )
+
+
+def dp_block(topk_ids: torch.Tensor, sizes: tuple[int, ...], par: Parallel) -> torch.Tensor:
+    """This DP rank's rows of a naive-dispatch tensor: a slice whose bounds are host ints.
+
+    `sizes`: rows each rank fed the dispatch, per DP rank, or per EP rank (DP x TP, DP-major)
+    under sequence-parallel MoE, whose TP pieces of one DP rank are contiguous."""
+    per_rank = par.tp_size if len(sizes) == par.dp_size * par.tp_size else 1
+    start = sum(sizes[: par.dp_rank * per_rank])
+    length = sum(sizes[par.dp_rank * per_rank : (par.dp_rank + 1) * per_rank])
+    return topk_ids[start : start + length]
+
+
+class GraphCapture:
+    """The graph-safe router callback of one worker (module docstring)."""
+
+    def __init__(self, recorder: GraphStepRecorder, layouts: dict[int, GraphLayout], par: Parallel) -> None:
+        self.recorder = recorder
+        self.layouts = layouts  # MoE ordinal -> its layout (all in COVERED)
+        self.par = par
+
+    def on_topk(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """Write this DP rank's rows of one layer; fixed-shape device work, whatever step state the host is in."""
+        rows = topk_ids
+        if self.layouts[layer] == GraphLayout.DP_CONCAT:
+            from vllm.forward_context import get_forward_context
+
+            rows = dp_block(topk_ids, dispatch_sizes(get_forward_context()), self.par)
+        if rows.device != self.recorder.device:  # never on the graph path (the router runs on the device)
+            rows = rows.to(self.recorder.device)
+        self.recorder.write(layer, rows)

