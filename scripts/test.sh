@@ -8,6 +8,7 @@ cd "$root"
 export REPLAY_REQUIRE_ALL=1  # a test that would skip for a missing package or browser fails instead
 if [ "${1:-}" = "--fast" ]; then
   shift
-  exec python -m pytest -q -p no:cacheprovider -m "not slow" "$@"
+  # schemathesis' and hypothesis' pytest plugins cost ~2 s of imports; only the (slow) API fuzz test uses them
+  exec python -m pytest -q -p no:cacheprovider -p no:schemathesis -p no:hypothesispytest -m "not slow" "$@"
 fi
 exec python -m pytest -q -p no:cacheprovider "$@"

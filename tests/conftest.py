@@ -52,6 +52,7 @@ SLOW = {
     "test_service_auth.py::test_insecure_serves_a_public_address": "a second service start",
     "test_trainer_compare.py::test_demo": "loads the demo run",
     "test_trainer_verl_megatron.py": "four gloo ranks run verl 0.9.1 and megatron-core parallel state",
+    "test_trainer_megatron.py": "imports megatron-core's RouterReplay (~6 s of imports)",
     "test_trainer_router_replay.py": "builds megatron-core GPT models and imports verl",
     "test_trainer_nemo_rl.py": "megatron-core routers with a real service",
     "test_service_limits.py::test_stalled_uploads": "8 uploads stalled until their body timeout",
@@ -65,13 +66,8 @@ SLOW = {
     # an S3 server and two services (~9 s); the rest: reindex, refused starts, a server stopped under a service
     "test_service_s3.py": "a moto S3 server and services on it",
     # PostgreSQL: replicas on the session cluster, or a cluster of their own stopped under a replica
-    "test_index_postgres.py::test_two_replicas_ingest_one_run_at_once": "two replicas, concurrent writers (~9 s)",
-    "test_index_postgres.py::test_a_run_deleted_on_one_replica": "two replicas, a delete (~7 s)",
-    "test_index_postgres.py::test_expert_load_is_exact_on_every_replica": "two replicas, concurrent writers (~6 s)",
-    "test_index_postgres.py::test_a_replica_that_loses_its_index": "its own cluster, stopped and started again",
-    "test_index_postgres.py::test_a_replica_that_cannot_reach_its_index": "a refused service start (~2.5 s)",
-    "test_contract_scaleout.py::test_the_contract_suite_on_postgresql_and_s3": "the contract modules again on "
-    "PostgreSQL and S3 in a child pytest (~45 s)",
+    "test_index_postgres.py": "a PostgreSQL cluster (initdb), replicas on it, one stopped under a replica",
+    "test_contract_scaleout.py": "the contract modules again on PostgreSQL and S3 in a child pytest (~65 s)",
     "test_tools_scaleout.py": "the CLI on PostgreSQL and S3: services, reindex and refused starts",
     "test_range_reads.py": "a moto S3 server, 60k-row segments and services on the bucket",
     "test_compares_scaleout.py": "two replicas on PostgreSQL and S3 (~30 s)",
