@@ -11,4 +11,4 @@ if [ "${1:-}" = "--fast" ]; then
   # schemathesis' and hypothesis' pytest plugins cost ~2 s of imports; only the (slow) API fuzz test uses them
   exec python -m pytest -q -p no:cacheprovider -p no:schemathesis -p no:hypothesispytest -m "not slow" "$@"
 fi
-exec python -m pytest -q -p no:cacheprovider "$@"
+exec python -m pytest -q -p no:cacheprovider --durations=25 "$@"
