@@ -5,7 +5,6 @@ COPY replay_format ./replay_format
 COPY replay_service ./replay_service
 COPY replay_client ./replay_client
 COPY capture ./capture
-COPY web ./web
 RUN pip install --no-cache-dir -e ".[service]"
 EXPOSE 8470
 VOLUME ["/data"]

@@ -5,7 +5,7 @@ restore_rows: an 8192-token step of top-8 int32 ids (vLLM's topk dtype) on 2 glo
 collective floor) in the same run. Recorder: record 48 layers of 8192 x top-8 + end_step.
 Enqueue: RouteSender.submit of that step's rows (what the forward pass pays; the sending
 itself runs on the sender's threads against a real service process).
-vLLM step: the plugin's per-step hooks (`WorkerCapture`: execute, step open, router
+vLLM step: the plugin's per-step hooks (`StepHooks`: execute, step open, router
 callbacks, step close and hand-off to a real sink process and service) on a stand-in
 runner, decode steps of the tests' toy model (8 sequences, 2 layers, top-2 of 8) and of
 `--model small` (16 sequences, 8 layers, top-4 of 32), outside the engine: the fixed
@@ -193,27 +193,22 @@ def bench_vllm_step(steps: int, blocks: int) -> dict:
 def _hook_step(url: str, tmp, label: str, seqs: int, layers: int, k: int, experts: int, steps: int,
                blocks: int) -> dict:
     from capture.sender import SenderConfig
-    from capture.vllm.config import PluginConfig
+    from capture.vllm.sink.handoff import StepHandoff
     from capture.vllm.worker.binder import ChainedCapture
-    from capture.vllm.worker.handoff import StepHandoff
+    from capture.vllm.worker.forward_sharding import Parallel
+    from capture.vllm.worker.frame_buffer import StepFrameBuffer
+    from capture.vllm.worker.runner import v1_sampled_counts
+    from capture.vllm.worker.step_hooks import StepHooks
     from capture.vllm.worker.step_profile import StepProfile
-    from capture.vllm.worker.worker_capture import WorkerCapture
 
     shape = RunShape(num_moe_layers=layers, top_k=k, num_experts=experts)
-    wc = WorkerCapture(PluginConfig(url, "bench", None, tmp / "spill"))
-    wc.recorder = StepRecorder(shape, max_tokens=2048 + 64)
-    try:  # the step frame built in place (absent from older trees this bench is run against)
-        from capture.vllm.worker.frame_buffer import StepFrameBuffer
-
-        wc.frame = StepFrameBuffer(shape)
-    except ImportError:
-        pass
-    wc.handoff = StepHandoff(SenderConfig(url=url, run_id=f"bench-{label}", shape=shape, writer_id=label,
-                                          spill_dir=tmp / "spill" / label))
-    wc.layers = {i: i for i in range(layers)}
+    handoff = StepHandoff(SenderConfig(url=url, run_id=f"bench-{label}", shape=shape, writer_id=label,
+                                       spill_dir=tmp / "spill" / label))
+    wc = StepHooks(StepRecorder(shape, max_tokens=2048 + 64), Parallel(), {i: i for i in range(layers)},
+                   frame=StepFrameBuffer(shape), handoff=handoff)
     wc.local_layers = dict.fromkeys(range(layers), True)
-    chains = wc.chains = [ChainedCapture(wc.on_topk, None, _MoERunner(i)) for i in range(layers)]
-    wc.ordinals = {id(chain.runner): i for i, chain in enumerate(chains)}  # what startup() notes
+    chains = [ChainedCapture(wc.on_topk, None, _MoERunner(i)) for i in range(layers)]
+    wc.moe_ordinal_by_runner = {id(chain.runner): i for i, chain in enumerate(chains)}  # what startup() notes
     runner = _Ns(input_batch=_Ns(num_reqs=seqs, req_ids=[f"req-{i}-0123abcd" for i in range(seqs)]),
                  query_start_loc=_Ns(np=np.arange(2048 + 1, dtype=np.int32)),
                  input_ids=_Ns(gpu=torch.zeros(2048, dtype=torch.int32)))
@@ -237,17 +232,17 @@ def _hook_step(url: str, tmp, label: str, seqs: int, layers: int, k: int, expert
             for chain, rows in zip(chains, fresh):
                 chain(rows)
             wc.close_forward()
-            wc.on_sampled(None)
+            wc.on_sampled(None, v1_sampled_counts)
             spent.append(clock() - t0)
         return spent
 
     run(steps, 0)  # warm-up
     each = sorted(run(steps * blocks, steps))
     profile = StepProfile()
-    profile.install(wc)
+    profile.install(wc, chains)
     run(steps, (blocks + 1) * steps)
     profile.uninstall()
-    wc.handoff.close(60.0)
+    handoff.close(60.0)
     quartiles = (each[len(each) // 4] / 1e3, each[3 * len(each) // 4] / 1e3)
     return {"us_per_step": statistics.median(each) / 1e3, "quartiles": quartiles, "steps": len(each),
             "parts": profile.report(steps), "seqs": seqs, "layers": layers}

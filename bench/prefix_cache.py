@@ -51,7 +51,7 @@ def main() -> int:
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-    from replay_service.client import ReplayClient
+    from replay_client.client import ReplayClient
     from tests.support.service import ServiceProcess
     from tests.support.vllm_model import build_model
     from tests.test_vllm_e2e import wait_finished

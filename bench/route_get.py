@@ -38,7 +38,7 @@ import pyarrow as pa
 from bench.fetch import SHAPE, print_rows_table, read_files_directly, timed_rounds
 from replay_client import ReplayClient
 from replay_format.rows import RowsMeta, build_rows, encode_stream
-from replay_service.demo import bulk_routes
+from replay_service.ops.demo import bulk_routes
 from tests.support.service import ServiceProcess
 
 

@@ -68,9 +68,10 @@ import numpy as np
 from bench.ingest import post_parts
 from replay_format import ARROW_STREAM_MEDIA_TYPE, RunShape, Source
 from replay_format.rows import RowsMeta, build_rows, encode_stream
-from replay_service.demo import bulk_routes
-from replay_service.ingest.check import check
+from replay_service.app import open_store
+from replay_service.checks.check import check
 from replay_service.ingest.decode import decode_batch
+from replay_service.ops.demo import bulk_routes
 from replay_service.settings import ServiceSettings
 from replay_service.store import RouteStore
 from tests.support.postgres import Cluster
@@ -258,8 +259,8 @@ def main() -> None:
             figures = print_ingest(args, ingest_times, load, load_ingest)
 
             os.environ.update(s3.aws_env())  # this process's own S3 store (part 2) reads the AWS variables
-            stores = {"SQLite + local files": RouteStore(ServiceSettings(data_dir=tmp / "pieces-local")),
-                      "PostgreSQL + S3 (moto)": RouteStore(ServiceSettings(
+            stores = {"SQLite + local files": open_store(ServiceSettings(data_dir=tmp / "pieces-local")),
+                      "PostgreSQL + S3 (moto)": open_store(ServiceSettings(
                           data_dir=tmp / "pieces-remote", index_url=cluster.new_database("pieces"),
                           segments_url=f"s3://{bucket}/pieces"))}
             try:

@@ -55,7 +55,7 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
 
     from capture.vllm.worker.runner import rpc_cost, rpc_set_enabled
-    from replay_service.client import ReplayClient
+    from replay_client.client import ReplayClient
     from tests.support.service import ServiceProcess
     from tests.support.vllm_model import build_model, prompts
     from tests.test_vllm_e2e import _engine_env, start_engine, stop_engine

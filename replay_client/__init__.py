@@ -6,8 +6,6 @@
     batch = client.megatron_batch([("run-1", "req-7")], cp_size=2, cp_rank=r)   # TrainerBatch
     plan = plan_for_model(model, moe_layers)   # megatron-core: this rank's routers (router_replay.py)
     routes = client.get_openai_routes("run-1", completion, n=2)   # vLLM OpenAI server ids (openai_ids.py)
-
-`replay_service.client` re-exports the same names (the design names it).
 """
 
 from replay_client.client import NotFoundError, ReplayClient, ReplayError, Route, StrictReadError, routes_from_stream

@@ -314,14 +314,14 @@ class ReplayClient:
         moe_ordinals or model_layer_range for this pipeline stage, strict). Only this rank's
         slice travels.
         """
-        doc = megatron_query(sequences, packing, **options)
-        return TrainerBatch.read(self._fetch_bulk("POST", "/v1/trainer/megatron", doc))
+        query = megatron_query(sequences, packing, **options)
+        return TrainerBatch.read(self._fetch_bulk("POST", "/v1/trainer/megatron", query.to_json()))
 
     def verl_batch(self, sequences, prompt_lengths: Sequence[int], prompt_width: int, response_width: int,
                    **options: Any) -> TrainerBatch:
         """verl's dense `[batch, prompt_width + response_width, L, K]` and its mask (options: `verl_query`'s)."""
-        doc = verl_query(sequences, prompt_lengths, prompt_width, response_width, **options)
-        return TrainerBatch.read(self._fetch_bulk("POST", "/v1/trainer/verl", doc))
+        query = verl_query(sequences, prompt_lengths, prompt_width, response_width, **options)
+        return TrainerBatch.read(self._fetch_bulk("POST", "/v1/trainer/verl", query.to_json()))
 
     # ---- comparisons ------------------------------------------------------
 

@@ -11,8 +11,9 @@
     verl = client.verl_batch([...], prompt_lengths=[...], prompt_width=P, response_width=R, layer_axis="model")
     routes, mask = verl.dense(), verl.mask()              # [batch, seq, layers, K] and [batch, seq]
 
-`megatron_query` / `verl_query` write the JSON requests, the answer is a trainer slice
-(replay_format/trainer_slice.md) read by `read_slice`, and `TrainerBatch` adds the torch views;
+`megatron_query` / `verl_query` build the queries (replay_format/trainer_query.md; the body
+is their `to_json()`), the answer is a trainer slice (replay_format/trainer_slice.md) read by
+`read_slice`, and `TrainerBatch` adds the torch views;
 `compare_body` writes what `RouterReplay` chose in RECORD mode for `POST .../compare` (compare.md).
 Padding and the last token of a sequence carry router-valid filler ids (distinct, never all
 zero) and `valid == 0`. A real token whose row is flagged or missing follows `missing`:
@@ -24,14 +25,14 @@ picks that token's experts itself (a RouterReplay that routes -1 rows: NeMo-RL's
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
 
 import numpy as np
 
 from replay_format import LayerAxis, RunShape
 from replay_format.compare import build_compare_body
 from replay_format.core import Backing
+from replay_format.trainer_query import MegatronQuery, SequenceRef, StageLayers, VerlQuery, strict_alias
 from replay_format.trainer_slice import (
     Convention,
     CpSplit,
@@ -42,6 +43,7 @@ from replay_format.trainer_slice import (
     read_slice,
 )
 
+SEQUENCE_FIELDS = frozenset(f.name for f in fields(SequenceRef))  # what a sequence given as a dict may hold
 MISSING_ROUTE = -1  # the id `replay_data` gives a fallback token on every k (NeMo-RL's missing-route sentinel)
 
 
@@ -145,33 +147,42 @@ class TrainerBatch(TrainerSlice):
         return reqs, self.position[real], ids[real]
 
 
-def sequences_doc(sequences: Iterable) -> list[dict]:
-    """(run, request) tuples, or dicts with run, request and optional start / num_tokens."""
-    out = []
+def sequence_refs(sequences: Iterable) -> tuple[SequenceRef, ...]:
+    """(run, request) tuples, or dicts with run, request and optional start / num_tokens.
+
+    ValueError for a dict with another field (the service would refuse it: an unknown field is never ignored).
+    """
+    refs = []
     for s in sequences:
         if isinstance(s, dict):
-            out.append(dict(s))
+            unknown = sorted(set(s) - SEQUENCE_FIELDS)
+            if unknown:
+                raise ValueError(f"a sequence has fields {', '.join(map(str, unknown))}; it takes "
+                                 f"{', '.join(sorted(SEQUENCE_FIELDS))}")
+            refs.append(SequenceRef(s["run"], s["request"], s.get("start", 0), s.get("num_tokens")))
         else:
-            run, request = s[0], s[1]
-            out.append({"run": run, "request": request})
-    return out
+            refs.append(SequenceRef(s[0], s[1]))
+    return tuple(refs)
 
 
-def _stage(doc: dict[str, Any], moe_ordinals: Sequence[int] | None, model_layer_range: tuple[int, int] | None,
-           missing: MissingPolicy | str | None, layer_axis: LayerAxis | str, strict: bool | None) -> dict[str, Any]:
-    """The fields both trainers share: this pipeline stage's layers, the layer axis, the missing-row policy."""
-    if moe_ordinals is not None:
-        doc["moe_ordinals"] = [int(x) for x in moe_ordinals]
+def _layers(moe_ordinals: Sequence[int] | None, model_layer_range: tuple[int, int] | None,
+            layer_axis: LayerAxis | str) -> StageLayers:
+    """This pipeline stage's layers and the axis they are held on."""
+    ordinals = None if moe_ordinals is None else tuple(int(x) for x in moe_ordinals)
+    stage_range = None
     if model_layer_range is not None:
         lo, hi = model_layer_range
-        doc["model_layer_range"] = [int(lo), int(hi)]
-    doc["layer_axis"] = LayerAxis(layer_axis).value
-    if strict is not None:  # the older flag: true = strict, false = filler
+        stage_range = (int(lo), int(hi))
+    return StageLayers(ordinals, stage_range, LayerAxis(layer_axis))
+
+
+def _missing(missing: MissingPolicy | str | None, strict: bool | None) -> MissingPolicy:
+    """The missing-row policy asked for (strict by default); `strict=` is its older alias, never given with it."""
+    if strict is not None:
         if missing is not None:
             raise ValueError("give missing= only (strict= is its older alias)")
-        missing = MissingPolicy.STRICT if strict else MissingPolicy.FILLER
-    doc["missing"] = MissingPolicy(missing or MissingPolicy.STRICT).value
-    return doc
+        return strict_alias(strict)
+    return MissingPolicy(missing or MissingPolicy.STRICT)
 
 
 def megatron_query(
@@ -196,8 +207,8 @@ def megatron_query(
     layer_axis: LayerAxis | str = LayerAxis.MOE,
     missing: MissingPolicy | str | None = None,
     strict: bool | None = None,
-) -> dict[str, Any]:
-    """The JSON body of `POST /v1/trainer/megatron` for one rank.
+) -> MegatronQuery:
+    """The query of `POST /v1/trainer/megatron` for one rank (its body: `to_json()`).
 
     `convention` ("verl", "slime", "miles") pads as that trainer does (with its knobs
     `fp8_padding` / `data_pad_size_multiplier`); otherwise `pad_multiple`, `total_multiple`
@@ -207,16 +218,14 @@ def megatron_query(
     pipeline stage's layers; `layer_axis="model"` holds every model layer, dense ones zero.
     `missing`: "strict" (default), "router" or "filler" (`strict=` is its older alias).
     """
-    doc: dict[str, Any] = {"sequences": sequences_doc(sequences), "packing": Packing(packing).value,
-                           "cp_split": CpSplit(cp_split).value, "cp_size": cp_size, "cp_rank": cp_rank,
-                           "tp_size": tp_size, "tp_rank": tp_rank, "sequence_parallel": bool(sequence_parallel)}
-    optional = {"convention": None if convention is None else Convention(convention).value,
-                "pad_multiple": pad_multiple, "total_multiple": total_multiple,
-                "total_pad": None if total_pad is None else TotalPad(total_pad).value,
-                "data_pad_size_multiplier": data_pad_size_multiplier, "fp8_padding": fp8_padding,
-                "seq_length": seq_length}
-    doc.update({k: v for k, v in optional.items() if v is not None})
-    return _stage(doc, moe_ordinals, model_layer_range, missing, layer_axis, strict)
+    return MegatronQuery(
+        sequences=sequence_refs(sequences), packing=Packing(packing), cp_split=CpSplit(cp_split), cp_size=cp_size,
+        cp_rank=cp_rank, tp_size=tp_size, tp_rank=tp_rank, sequence_parallel=bool(sequence_parallel),
+        convention=None if convention is None else Convention(convention), pad_multiple=pad_multiple,
+        total_multiple=total_multiple, total_pad=None if total_pad is None else TotalPad(total_pad),
+        data_pad_size_multiplier=data_pad_size_multiplier, fp8_padding=fp8_padding, seq_length=seq_length,
+        layers=_layers(moe_ordinals, model_layer_range, layer_axis), missing=_missing(missing, strict),
+    )
 
 
 def verl_query(
@@ -230,15 +239,17 @@ def verl_query(
     layer_axis: LayerAxis | str = LayerAxis.MOE,
     missing: MissingPolicy | str | None = None,
     strict: bool | None = None,
-) -> dict[str, Any]:
-    """The JSON body of `POST /v1/trainer/verl`: dense `[batch, prompt_width + response_width]`.
+) -> VerlQuery:
+    """The query of `POST /v1/trainer/verl`: dense `[batch, prompt_width + response_width]` (its body: `to_json()`).
 
     verl's `set_router_replay_data` wants every layer (it picks each stage's itself): leave the
     stage fields unset; `layer_axis="model"` gives `num_hidden_layers` layers, as vLLM does.
     """
-    doc: dict[str, Any] = {"sequences": sequences_doc(sequences), "prompt_lengths": [int(p) for p in prompt_lengths],
-                           "prompt_width": prompt_width, "response_width": response_width}
-    return _stage(doc, moe_ordinals, model_layer_range, missing, layer_axis, strict)
+    return VerlQuery(
+        sequences=sequence_refs(sequences), prompt_lengths=tuple(int(p) for p in prompt_lengths),
+        prompt_width=prompt_width, response_width=response_width,
+        layers=_layers(moe_ordinals, model_layer_range, layer_axis), missing=_missing(missing, strict),
+    )
 
 
 def compare_body(run_id: str, shape: RunShape, request_ids, positions, experts) -> bytes:
@@ -249,4 +260,4 @@ def compare_body(run_id: str, shape: RunShape, request_ids, positions, experts) 
     return build_compare_body(shape, list(request_ids), positions, experts, run_id=run_id)
 
 
-__all__ = ["TrainerBatch", "compare_body", "megatron_query", "sequences_doc", "verl_query"]
+__all__ = ["TrainerBatch", "compare_body", "megatron_query", "sequence_refs", "verl_query"]

@@ -2,14 +2,14 @@
 
 Writers build them (`build_rows`: the capture sender, the trainer's compare body, the
 demo); the service reads them (`read_rows_stream` + `RowsMeta.from_metadata` +
-`read_rows`) and writes the same schema to its segment files (`Rows.to_record_batch`).
+`read_rows`) and writes the same schema to its segment files (`Rows.to_record_batch`,
+with the metadata of `replay_format.segment`, segment.md).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 from typing import Any
 
 import numpy as np
@@ -32,34 +32,12 @@ from replay_format.core import (
 )
 
 FORMAT = "routing-replay.rows"
-# 2.1 added the optional num_hidden_layers; 2.2 the segment file's keys; 2.3 segments may be buffer-compressed;
-# 2.4 segments may carry block checksums and their buffers' offsets (ranged reads from an object store)
+# 2.1 added the optional num_hidden_layers; 2.2, 2.3 and 2.4 changed segment files only (segment.md, which has
+# its own version since): the row batch itself is unchanged since 2.1
 VERSION = FormatVersion(2, 4)
 LEGACY_VERSION = FormatVersion(1, 0)  # no format_version key; `num_layers` where 2.0 says `num_moe_layers`
 COLUMNS = ("request_id", "position", "token_id", "experts", "flags")
 POSITION_MAX = 2**31 - 2
-# Keys only a segment file carries (rows.md, "Segment files"); a body's own keys by these names are not kept.
-SEGMENT_KEYS = ("digest", "written_ns", "padding", "crc32c", "block_crc32c", "layout")
-CHECKSUM_KEY = "crc32c"
-# 2.4 (rows.md, "Blocks"): rows are checked in blocks of BLOCK_ROWS, so a read of a few rows checks only theirs
-BLOCK_ROWS = 4096
-BLOCK_CHECKSUM_KEY = "block_crc32c"
-LAYOUT_KEY = "layout"
-SEGMENT_VERSION = FormatVersion(2, 2)  # the first version whose segments carry what their index rows say
-
-
-class SegmentCompression(StrEnum):
-    """Arrow IPC buffer compression of a segment file (rows.md, "Segment files"); Arrow readers undo it unasked."""
-
-    NONE = "none"  # memory-mapped reads are zero-copy views of the page cache
-    LZ4 = "lz4"  # Arrow's LZ4_FRAME
-    ZSTD = "zstd"  # Arrow's ZSTD, level 1 (bench/compression.py: level 3 saved no byte more on routes)
-
-    def ipc_options(self) -> pa.ipc.IpcWriteOptions:
-        """The IPC write options that apply this compression."""
-        codec = {SegmentCompression.NONE: None, SegmentCompression.LZ4: pa.Codec("lz4"),
-                 SegmentCompression.ZSTD: pa.Codec("zstd", compression_level=1)}[self]
-        return pa.ipc.IpcWriteOptions(compression=codec)
 
 
 def rows_schema(shape: RunShape, metadata: dict[str, str] | None = None) -> pa.Schema:
@@ -153,7 +131,7 @@ class RowsMeta:
                 f"{what}: schema metadata source={md['source']!r} is not one of {', '.join(s.value for s in Source)}"
             ) from None
         known = {"format", "format_version", "run_id", "writer_id", "seq", "num_layers", "num_moe_layers", "top_k",
-                 "num_experts", "moe_layers", "num_hidden_layers", "source", *SEGMENT_KEYS}
+                 "num_experts", "moe_layers", "num_hidden_layers", "source"}
         return cls(
             run_id=check_id("run_id", md["run_id"]),
             writer_id=check_id("writer_id", md["writer_id"]),
@@ -163,45 +141,6 @@ class RowsMeta:
             version=version,
             extra={k: v for k, v in md.items() if k not in known},
         )
-
-
-@dataclass(frozen=True)
-class SegmentMeta:
-    """What a segment file says beside its rows (rows.md, "Segment files"): enough to rebuild its index rows."""
-
-    rows: RowsMeta
-    digest: str  # the batch's digest: a retry of (run, writer, seq) must match it
-    written_ns: int  # ns since the epoch, when written: reindex commits a run's segments in this order
-    padding: dict[str, int] = field(default_factory=dict)  # request id -> writer padding rows dropped, where not 0
-    crc32c: int | None = None  # the checksum (rows.md says over what); None before it is computed
-
-    def to_metadata(self) -> dict[str, str]:
-        """The segment's schema metadata (a body's unknown keys are not carried into segments)."""
-        md = replace(self.rows, extra={}).to_metadata()
-        md.update({"digest": self.digest, "written_ns": str(self.written_ns)})
-        if self.padding:
-            md["padding"] = json.dumps(self.padding, sort_keys=True)
-        if self.crc32c is not None:
-            md[CHECKSUM_KEY] = f"{self.crc32c:08x}"
-        return md
-
-    @classmethod
-    def from_metadata(cls, md: dict[str, str]) -> SegmentMeta:
-        """Parse a segment's metadata; FormatError when it was written before 2.2 or a key is bad."""
-        what = "segment"
-        version = metadata_version(md, what, VERSION, LEGACY_VERSION)
-        if (version.major, version.minor) < (SEGMENT_VERSION.major, SEGMENT_VERSION.minor) or "digest" not in md:
-            raise FormatError(f"{what}: format_version {version} carries no run, writer and seq (written before "
-                              f"{SEGMENT_VERSION}); its index rows cannot be rebuilt from it")
-        rows = RowsMeta.from_metadata(md)
-        try:
-            padding = json.loads(md.get("padding", "{}"))
-            if not isinstance(padding, dict) or not all(isinstance(v, int) for v in padding.values()):
-                raise ValueError
-            crc = int(md[CHECKSUM_KEY], 16) if CHECKSUM_KEY in md else None
-        except (ValueError, RecursionError):
-            raise FormatError(f"{what}: schema metadata padding or crc32c is malformed") from None
-        return cls(rows, md["digest"], metadata_int(md, "written_ns", what), padding, crc)
 
 
 @dataclass
@@ -271,7 +210,7 @@ def build_rows(
     """One record batch; `experts` is `(n, L, K)` or `(n, L*K)` in the run's dtype.
 
     With a `RowsMeta` the batch carries its metadata (what ingest needs); with a bare
-    `RunShape` the format, its version and `metadata` (a segment passes `SegmentMeta.to_metadata()`).
+    `RunShape` the format, its version and `metadata` (a segment passes `segment.SegmentMeta.to_metadata()`).
     """
     if isinstance(meta_or_shape, RowsMeta):
         shape, md = meta_or_shape.shape, meta_or_shape.to_metadata()

@@ -1,6 +1,6 @@
 """Step frames: the pipe between an inference worker and its sink process (spec: step_frame.md).
 
-The vLLM plugin's worker (`capture.vllm.worker.handoff`) writes them, its sink process
+The vLLM plugin's worker or engine core (`capture.vllm.sink.handoff`) writes them, its sink process
 (`capture.vllm.sink.process`) reads them. One builder, `pack(frame)`; one reader,
 `FrameReader.read(body)` (it learns the run shape from the configuration frame, the
 stream's typed metadata `ConfigFrame`, and refuses an unknown major version there).
@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from replay_format.core import FormatError, FormatVersion, RunShape
+from replay_format.request_notes import FinishStatus, Reference
 
 FORMAT = "routing-replay.step-frame"
 VERSION = FormatVersion(1, 2)  # 1.1: the shape carries num_hidden_layers; 1.2: reference frames
@@ -40,13 +41,6 @@ class FrameKind(enum.Enum):
     FINISH = b"F"
     REFERENCES = b"R"
     CLOSE = b"X"
-
-
-class FinishStatus(enum.StrEnum):
-    """How a request ended (the service's finish call takes the same words)."""
-
-    FINISHED = "finished"
-    ABORTED = "aborted"
 
 
 @dataclass(frozen=True)
@@ -136,21 +130,9 @@ class FinishFrame:
     ended: list[Ended]
 
 
-class Reference(NamedTuple):
-    """A request's positions `[start, end)` hold what `source_request_id` computed there (prefix-cache hits).
-
-    Ids are the engine's (internal) ids; both requests ran the same tokens at the same positions.
-    """
-
-    request_id: str
-    start: int
-    end: int
-    source_request_id: str
-
-
 @dataclass(frozen=True)
 class ReferencesFrame:
-    """Prefix-cache hits of requests the step scheduled, sent before that step's frame."""
+    """Prefix-cache hits of requests the step scheduled, sent before that step's frame (engine ids)."""
 
     references: list[Reference]
 
@@ -193,7 +175,8 @@ def pack(frame: Frame) -> bytes:
                   "status": None if e.status is None else FinishStatus(e.status).value} for e in frame.ended]
         return _framed(FrameKind.FINISH.value + json.dumps(ended).encode())
     if isinstance(frame, ReferencesFrame):
-        return _framed(FrameKind.REFERENCES.value + json.dumps([list(r) for r in frame.references]).encode())
+        hits = [[r.request_id, r.start, r.end, r.source_request_id] for r in frame.references]
+        return _framed(FrameKind.REFERENCES.value + json.dumps(hits).encode())
     if isinstance(frame, CloseFrame):
         return _framed(FrameKind.CLOSE.value + _CLOSE.pack(frame.timeout_s))
     if isinstance(frame, ConfigFrame):

@@ -1,4 +1,4 @@
-"""The FastAPI app factory: settings and store in, routers and web view mounted."""
+"""The FastAPI app factory: settings and store in, routers and web view mounted; `open_store` wires a store."""
 
 from __future__ import annotations
 
@@ -11,16 +11,19 @@ from pathlib import Path
 from fastapi import Depends, FastAPI
 from fastapi.staticfiles import StaticFiles
 
+from replay_service import __version__
 from replay_service.api import compares, ingest, ops, references, requests, runs, trainer
 from replay_service.api.auth import Authenticator, authorize
 from replay_service.api.errors import install_error_handlers
 from replay_service.api.models import AUTH
 from replay_service.buffers import BufferPool
+from replay_service.ingest.pipeline import IngestPipeline
 from replay_service.metrics import ServiceMetrics
 from replay_service.settings import ServiceSettings
 from replay_service.store import RouteStore
 
-WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+# The web view ships inside the package (package data in pyproject.toml), so an installed wheel serves it too.
+WEB_DIR = Path(__file__).resolve().parent / "web"
 
 
 class LatencyMiddleware:
@@ -56,6 +59,11 @@ class LatencyMiddleware:
             )
 
 
+def open_store(settings: ServiceSettings) -> RouteStore:
+    """The store `settings` name, with its ingest pipeline: what the app and every command-line tool open."""
+    return RouteStore(settings, IngestPipeline.for_store)
+
+
 async def retention_loop(store: RouteStore, settings: ServiceSettings) -> None:
     """Retention passes every `retention_interval_s` while a limit is set or segments are in an object store (its
     orphans are collected by every pass); store/retention.py logs each run and orphan removed."""
@@ -79,7 +87,7 @@ def create_app(settings: ServiceSettings | None = None, store: RouteStore | None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.store = store or RouteStore(settings)
+        app.state.store = store or open_store(settings)
         app.state.ingest_slots = asyncio.Semaphore(settings.max_concurrent_ingests)
         app.state.body_buffers = BufferPool(keep=settings.max_concurrent_ingests)
         retention = asyncio.create_task(retention_loop(app.state.store, settings))
@@ -92,7 +100,7 @@ def create_app(settings: ServiceSettings | None = None, store: RouteStore | None
 
     app = FastAPI(
         title="routing-replay",
-        version="0.1.0",
+        version=__version__,
         summary="Record, check and serve MoE routing for Rollout Routing Replay",
         lifespan=lifespan,
     )
@@ -106,6 +114,5 @@ def create_app(settings: ServiceSettings | None = None, store: RouteStore | None
 
     app.add_middleware(LatencyMiddleware, metrics=app.state.metrics)
 
-    if WEB_DIR.is_dir():
-        app.mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web")
+    app.mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web")
     return app

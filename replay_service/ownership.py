@@ -14,12 +14,9 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from replay_service.errors import Forbidden
-
-if TYPE_CHECKING:
-    from replay_service.store.index import IndexTransaction
 
 
 @dataclass(frozen=True)
@@ -54,7 +51,22 @@ def require_owner(run_id: str, request_id: str, owner: str | None) -> None:
                     "(or an admin token) may add rows to it or finish it")
 
 
-def claim_requests(tx: IndexTransaction, run_id: str, request_ids: list[str]) -> None:
+class RequestOwners(Protocol):
+    """Who owns which request, inside one index transaction (`store.index.IndexTransaction` is one).
+
+    The store stands above this module: `claim_requests` names what it needs of the store's transaction here.
+    """
+
+    def owners(self, run_id: str, request_ids: list[str]) -> dict[str, str]:
+        """The owners of those of `request_ids` that have one (request id -> owner)."""
+        ...
+
+    def claim(self, run_id: str, request_id: str, owner: str) -> None:
+        """Make `owner` the request's owner when it has none (creating its row)."""
+        ...
+
+
+def claim_requests(tx: RequestOwners, run_id: str, request_ids: list[str]) -> None:
     """Forbidden when any of the requests is another writer's; else the caller claims the unowned ones.
 
     Runs in the transaction that writes to them, so of two writers racing for a new request exactly

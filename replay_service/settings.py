@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from replay_format.rows import SegmentCompression
+from replay_format.segment import SegmentCompression
 
 DEFAULT_PORT = 8470
 

@@ -30,7 +30,7 @@ def sets(a) -> np.ndarray:
 
 
 def main() -> int:
-    from replay_service.client import ReplayClient
+    from replay_client.client import ReplayClient
     from tests.support.service import ServiceProcess
     from tests.support.vllm_model import build_model, hf_reference, prompts
     from tests.test_vllm_e2e import check_against_reference, generate, start_engine, stop_engine, wait_finished

@@ -41,6 +41,7 @@ SLOW = {
     "test_service_integrity.py::test_index_loss": "three service starts and a reindex",
     "test_service_integrity.py::test_stray_segment": "a service restart",
     "test_web_view.py": "headless Chromium",
+    "test_wheel.py": "builds the wheel, installs it into a fresh venv and serves it (~10 s)",
     "test_capture_restore.py": "gloo grids up to 8 ranks",
     "test_capture_pcp_mask.py": "gloo grids up to 8 ranks",
     "test_capture_recorder.py::test_seed_002": "an 8-rank gloo grid",

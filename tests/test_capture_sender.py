@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from capture.sender import RouteSender, SenderConfig
+from replay_client.client import ReplayClient
 from replay_format import FormatError, FormatVersion
 from replay_format.spill import ItemKind, SpillHeader, created_ns, decode_item, encode_item, item_name
-from replay_service.client import ReplayClient
 from tests.support.data import QWEN3_SHAPE, batch_bytes, many_routes
 from tests.support.service import ServiceProcess, free_port
 
@@ -151,6 +151,30 @@ def test_refused_batches_are_counted_not_retried(tmp_path):
 
 
 # ---- spill items (replay_format/spill.md) and the config another process sends ----------
+
+def test_request_note_bodies_are_the_ones_posted_before_and_what_the_api_reads():
+    """The finish and references bodies (replay_format/request_notes.md), byte for byte as the sender wrote them by
+    hand before that module, and read back by the service's API models under the same field names."""
+    from dataclasses import fields
+
+    from replay_format.request_notes import Finish, FinishStatus, Reference, references_body, references_path
+    from replay_service.api.ingest import FinishBody
+    from replay_service.api.models import PrefixReference, ReferenceBatch
+
+    end = Finish("req-1", 17, FinishStatus.ABORTED)
+    assert end.body() == json.dumps({"num_tokens": 17, "status": "aborted"}).encode()
+    assert end.path("r") == "/v1/runs/r/requests/req-1/finish" and references_path("r") == "/v1/runs/r/references"
+    hits = [Reference("b", 0, 64, "a"), Reference("1_c", 32, 48, "c")]
+    assert references_body(hits) == json.dumps({"references": [
+        {"request_id": r, "start": s, "end": e, "source_request_id": src} for r, s, e, src in
+        (("b", 0, 64, "a"), ("1_c", 32, 48, "c"))]}).encode()
+    read = FinishBody.model_validate_json(end.body())
+    assert (read.num_tokens, read.status) == (17, "aborted")
+    batch = ReferenceBatch.model_validate_json(references_body(hits))
+    assert [Reference(**r.model_dump()) for r in batch.references] == hits
+    assert set(FinishBody.model_fields) == {f.name for f in fields(Finish)} - {"request_id"}  # it is in the path
+    assert set(PrefixReference.model_fields) == {f.name for f in fields(Reference)}
+
 
 def _old_item(header: dict, payload: bytes) -> bytes:
     """An item as the sender wrote it before spill.md: u32 header length, a JSON header without a version."""

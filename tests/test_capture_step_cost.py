@@ -7,7 +7,7 @@
 - `StepRecorder.end_step_into` gives the experts and flags `end_step` gives: clean steps, ids
   out of range (-1 and >= num_experts), a layer missing, a layer kept twice, padding rows,
   too few rows, the `record` path.
-- The whole hook path of `WorkerCapture` (step open, router callbacks, step close) on a
+- The whole hook path of `StepHooks` (step open, router callbacks, step close) on a
   stand-in runner (its `layer_id` property is never read per call: startup notes the ordinal),
   handing frames from the reused buffer to a real sink process and service:
   with the sink stopped (SIGSTOP) the pipe fills and frames wait in the backlog while the
@@ -160,23 +160,22 @@ class _MoERunner:
 def test_hook_path_through_a_stopped_sink_delivers_every_route(shared_service, tmp_path):
     """Frames from the reused buffer that wait in the backlog (sink stopped) are the steps' own bytes."""
     from capture.sender import SenderConfig
-    from capture.vllm.config import PluginConfig
+    from capture.vllm.sink.handoff import StepHandoff
     from capture.vllm.worker.binder import ChainedCapture
-    from capture.vllm.worker.handoff import StepHandoff
-    from capture.vllm.worker.worker_capture import WorkerCapture
-    from replay_service.client import ReplayClient
+    from capture.vllm.worker.forward_sharding import Parallel
+    from capture.vllm.worker.runner import v1_sampled_counts
+    from capture.vllm.worker.step_hooks import StepHooks
+    from replay_client.client import ReplayClient
 
     shape = RunShape(num_moe_layers=4, top_k=8, num_experts=64)
     requests, rows_per_step, steps = 8, 64, 80  # ~20 KB a frame: far over the pipe
-    wc = WorkerCapture(PluginConfig(shared_service.url, "step-cost", None, tmp_path / "spill"))
-    wc.recorder = StepRecorder(shape, max_tokens=requests * rows_per_step)
-    wc.frame = StepFrameBuffer(shape)
-    wc.handoff = StepHandoff(SenderConfig(url=shared_service.url, run_id="step-cost", shape=shape, writer_id="w0",
-                                          spill_dir=tmp_path / "spill" / "w0", flush_interval_s=0.05))
-    wc.layers = {layer: layer for layer in range(4)}
+    handoff = StepHandoff(SenderConfig(url=shared_service.url, run_id="step-cost", shape=shape, writer_id="w0",
+                                       spill_dir=tmp_path / "spill" / "w0", flush_interval_s=0.05))
+    wc = StepHooks(StepRecorder(shape, max_tokens=requests * rows_per_step), Parallel(),
+                   {layer: layer for layer in range(4)}, frame=StepFrameBuffer(shape), handoff=handoff)
     wc.local_layers = dict.fromkeys(range(4), True)
     chains = [ChainedCapture(wc.on_topk, None, _MoERunner(layer)) for layer in range(4)]
-    wc.ordinals = {id(chain.runner): layer for layer, chain in enumerate(chains)}  # as startup() notes them
+    wc.moe_ordinal_by_runner = {id(chain.runner): layer for layer, chain in enumerate(chains)}  # as startup() notes
     n = requests * rows_per_step
     runner = _Ns(input_batch=_Ns(num_reqs=requests, req_ids=[f"user-{r}-0123abcd" for r in range(requests)]),
                  query_start_loc=_Ns(np=np.arange(requests + 1, dtype=np.int32) * rows_per_step),
@@ -195,7 +194,7 @@ def test_hook_path_through_a_stopped_sink_delivers_every_route(shared_service, t
             for chain, layer_rows in zip(chains, topk):
                 chain(layer_rows)
             wc.close_forward()
-            wc.on_sampled(None)
+            wc.on_sampled(None, v1_sampled_counts)
             step_rows = torch.stack(topk, 1).numpy().astype(np.uint8)
             for r in range(requests):
                 sent[r].append(step_rows[r * rows_per_step:(r + 1) * rows_per_step])

@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pyarrow.fs as pafs
 
-from replay_service.client import ReplayClient
+from replay_client.client import ReplayClient
 from tests.support.data import QWEN3_SHAPE, store_requests
 from tests.support.service import ServiceProcess
 

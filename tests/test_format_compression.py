@@ -1,4 +1,4 @@
-"""Segment compression is lossless (rows.md, "Compression"): every id dtype the rows format allows (uint8 up to
+"""Segment compression is lossless (segment.md, "Compression"): every id dtype the rows format allows (uint8 up to
 256 experts, uint16 beyond) and every shape (top-1, top-8, one layer, many layers, an empty batch), through the
 service's own writer (`write_segment`) and reader (`open_segment`: map, decompress, check the CRC32C).
 """
@@ -10,7 +10,8 @@ import pyarrow as pa
 import pytest
 
 from replay_format import RunShape
-from replay_format.rows import RowsMeta, SegmentCompression, SegmentMeta, build_rows
+from replay_format.rows import RowsMeta, build_rows
+from replay_format.segment import SegmentCompression, SegmentMeta
 from replay_service.buffers import BufferPool
 from replay_service.ingest.segment import write_segment
 from replay_service.settings import ServiceSettings

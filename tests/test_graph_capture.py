@@ -14,7 +14,6 @@ import operator
 import os
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,8 +21,8 @@ import pytest
 import torch
 
 from capture.vllm.config import CaptureMode, PluginConfig, PluginConfigError
-from capture.vllm.worker.graph_capture import GraphLayout, dp_block, graph_refusal, layout_of
-from capture.vllm.worker.sharding import Parallel
+from capture.vllm.worker.forward_sharding import Parallel
+from capture.vllm.worker.graph_capture import GraphSharding, dp_block, graph_refusal, graph_sharding
 from capture.worker.graph_recorder import GraphStepRecorder
 from capture.worker.recorder import StepRecorder
 from replay_format import Flag, RunShape
@@ -191,21 +190,21 @@ def test_dp_concatenated_rows_restore_with_fixed_shapes():
 
 
 def _runner(naive=False, sp=False, a2a=False, pcp=1):
-    """The MoE config flags `layout_of` reads (vLLM's MoERunner.moe_config / do_naive_dispatch_combine)."""
+    """The MoE config flags `graph_sharding` reads (vLLM's MoERunner.moe_config / do_naive_dispatch_combine)."""
     cfg = SimpleNamespace(is_sequence_parallel=sp, pcp_size=pcp,
                           moe_parallel_config=SimpleNamespace(use_all2all_kernels=a2a))
     return SimpleNamespace(moe_config=cfg, do_naive_dispatch_combine=naive)
 
 
-def test_layouts_covered_and_the_refusal_names_the_flag():
-    assert layout_of(_runner()) == GraphLayout.LOCAL
-    assert layout_of(_runner(a2a=True)) == GraphLayout.LOCAL  # modular all2all: the router sees its own rows
-    assert layout_of(_runner(naive=True)) == GraphLayout.DP_CONCAT
-    assert layout_of(_runner(naive=True, sp=True)) == GraphLayout.DP_CONCAT
-    assert layout_of(_runner(sp=True, a2a=True)) == GraphLayout.TP_GATHER
-    assert layout_of(_runner(pcp=2)) == GraphLayout.PCP
-    assert graph_refusal({"l0": GraphLayout.LOCAL, "l1": GraphLayout.DP_CONCAT}, "FULL") is None
-    refusal = graph_refusal({"l0": GraphLayout.LOCAL, "model.layers.1.mlp": GraphLayout.PCP}, "PIECEWISE")
+def test_shardings_covered_and_the_refusal_names_the_flag():
+    assert graph_sharding(_runner()) == GraphSharding.LOCAL
+    assert graph_sharding(_runner(a2a=True)) == GraphSharding.LOCAL  # modular all2all: the router sees its own rows
+    assert graph_sharding(_runner(naive=True)) == GraphSharding.DP_CONCAT
+    assert graph_sharding(_runner(naive=True, sp=True)) == GraphSharding.DP_CONCAT
+    assert graph_sharding(_runner(sp=True, a2a=True)) == GraphSharding.TP_GATHER
+    assert graph_sharding(_runner(pcp=2)) == GraphSharding.PCP
+    assert graph_refusal({"l0": GraphSharding.LOCAL, "l1": GraphSharding.DP_CONCAT}, "FULL") is None
+    refusal = graph_refusal({"l0": GraphSharding.LOCAL, "model.layers.1.mlp": GraphSharding.PCP}, "PIECEWISE")
     assert refusal is not None and "--enforce-eager" in refusal and "pcp" in refusal and "model.layers.1" in refusal
 
 
@@ -225,30 +224,28 @@ def test_capture_mode_from_env():
 def test_cuda_graphs_are_refused_only_for_eager_capture():
     from vllm.config import CUDAGraphMode
 
-    from capture.vllm.worker.worker_capture import StartupError, WorkerCapture
+    from capture.vllm.worker.startup_checks import StartupError, check_config
 
     graphs = SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE),
                              parallel_config=SimpleNamespace(pipeline_parallel_size=1))
-    WorkerCapture(PluginConfig("http://x", "r", None, Path("spill"))).check_config(graphs)  # AUTO: graph-safe on a GPU
-    eager = WorkerCapture(PluginConfig("http://x", "r", None, Path("spill"), capture_mode=CaptureMode.EAGER))
+    check_config(graphs, CaptureMode.AUTO)  # AUTO: graph-safe on a GPU
     with pytest.raises(StartupError, match="CUDA graphs are on.*--enforce-eager"):
-        eager.check_config(graphs)
+        check_config(graphs, CaptureMode.EAGER)
 
-    # The recorder each mode and layout gets (start_recorder runs in startup, after the routers are bound).
+    # The recorder each mode and sharding gets (chosen in startup, after the routers are bound).
     from capture.vllm.worker.binder import BoundLayer
+    from capture.vllm.worker.recorder_choice import choose_recorder
     from capture.worker.recorder import StepRecorder as Eager
 
     def started(mode: CaptureMode, vcfg, *runners):
-        wc = WorkerCapture(PluginConfig("http://x", "r", None, Path("spill"), capture_mode=mode))
         bound = [BoundLayer(i, r, None) for i, r in enumerate(runners)]
-        wc.layers = {i: i for i in range(len(runners))}
-        wc.start_recorder(vcfg, SimpleNamespace(device=torch.device("cpu")), bound, RunShape(len(runners), K, E), 64)
-        return wc
+        return choose_recorder(mode, vcfg, torch.device("cpu"), bound, {i: i for i in range(len(runners))},
+                               RunShape(len(runners), K, E), 64, Parallel())
 
     no_graphs = SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.NONE))
     wc = started(CaptureMode.GRAPH_SAFE, graphs, _runner(), _runner(naive=True))
     assert wc.mode == CaptureMode.GRAPH_SAFE and isinstance(wc.recorder, GraphStepRecorder)
-    assert wc.graph is not None and wc.graph.layouts == {0: GraphLayout.LOCAL, 1: GraphLayout.DP_CONCAT}
+    assert wc.graph is not None and wc.graph.shardings == {0: GraphSharding.LOCAL, 1: GraphSharding.DP_CONCAT}
     with pytest.raises(StartupError, match="pcp.*--enforce-eager"):
         started(CaptureMode.GRAPH_SAFE, graphs, _runner(), _runner(pcp=2))
     wc = started(CaptureMode.GRAPH_SAFE, no_graphs, _runner(sp=True, a2a=True))  # eager engine: the eager path
@@ -293,7 +290,7 @@ def test_vllm_cpu_engine_in_graph_safe_mode_records_transformers_routing(model_d
     pytest.importorskip("vllm")
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function (rpc_cost)
     from capture.vllm.worker.runner import rpc_cost
-    from replay_service.client import ReplayClient
+    from replay_client.client import ReplayClient
     from tests.support.vllm_model import prompts
     from tests.test_vllm_e2e import check_against_reference, generate, start_engine, stop_engine, wait_finished
 

@@ -14,13 +14,13 @@ import numpy as np
 import psycopg
 import pytest
 
+from replay_client.client import ReplayClient
 from replay_format import ARROW_STREAM_MEDIA_TYPE, RunShape
 from replay_format.rows import Rows, RowsMeta
-from replay_service.client import ReplayClient
+from replay_service.app import open_store
+from replay_service.checks.check import check
 from replay_service.errors import IndexTooNew, IndexUnreachable, RunDeleted
-from replay_service.ingest.check import check
 from replay_service.settings import ServiceSettings
-from replay_service.store import RouteStore
 from replay_service.store.index import SCHEMA_VERSION, Index
 from tests.support.data import batch_bytes, many_routes
 from tests.support.service import ServiceProcess, free_port
@@ -180,7 +180,7 @@ def test_a_run_deleted_on_one_replica_is_gone_on_the_other(tmp_path, postgres_ur
 def test_a_batch_in_flight_when_another_replica_deletes_its_run(tmp_path, postgres_url):
     """A batch whose run another replica deletes between its shape check and its commit: a clear 404
     (RunDeleted), nothing kept; the next batch of that id on the same replica starts a fresh run."""
-    a, b = (RouteStore(ServiceSettings(data_dir=tmp_path / "data", fsync=False, index_url=postgres_url))
+    a, b = (open_store(ServiceSettings(data_dir=tmp_path / "data", fsync=False, index_url=postgres_url))
             for _ in range(2))  # two replicas on one index and one directory
     try:
         rng = np.random.default_rng(4)

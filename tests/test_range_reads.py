@@ -1,15 +1,18 @@
-"""Ranged reads from a bucket (rows 2.4, "Blocks"): a route read fetches only the blocks of its rows, each checked.
+"""Ranged reads from a bucket (segment 2.4, "Blocks"): a route read fetches only the blocks of its rows, each checked.
 
 A real S3 HTTP endpoint (moto server) underneath the store; the bytes a read fetched are counted at the store
 (`S3Segments.bytes_fetched`, every ranged GET's body). A large segment (15 blocks) is written by the service's
 own object writer (`object_image`): reading one request's rows fetches about one block and the footer, far less
 than the object, and returns exactly what a whole-object read returns. A byte flipped in the bucket object inside
 a requested block is refused (DamagedSegment naming the segment and the rows), never served, while rows in
-other blocks still are. Segments without block checksums (before 2.4, or compressed) are read whole, as before.
+other blocks still are. Segments without block checksums (before 2.4, or compressed) are read whole, as before;
+one written by 2.4 (its buffer offsets under the key `layout`, before 2.5's `buffer_offsets`) range-reads as a new one.
 Through a real service on the bucket: routes read byte-equal, a damaged block answers 503 naming the segment.
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pyarrow as pa
@@ -17,12 +20,20 @@ import pytest
 
 from replay_client.client import ReplayClient
 from replay_format import RunShape
-from replay_format.rows import BLOCK_ROWS, RowsMeta, SegmentCompression, SegmentMeta, build_rows
+from replay_format.rows import RowsMeta, build_rows
+from replay_format.segment import (
+    BLOCK_ROWS,
+    BUFFER_OFFSETS_KEY,
+    CHECKSUM_KEY,
+    LEGACY_OFFSETS_KEY,
+    SegmentCompression,
+    SegmentMeta,
+)
 from replay_service.errors import DamagedSegment
 from replay_service.ingest.segment import object_image, segment_image
 from replay_service.store.files import SegmentCache
 from replay_service.store.integrity import open_segment, seal
-from replay_service.store.ranges import SERVED, TAIL_BYTES, layout_of
+from replay_service.store.ranges import SERVED, TAIL_BYTES, buffer_offsets, ranged_metadata
 from replay_service.store.segment_store import S3Segments
 from tests.support.data import batch_bytes, routes
 from tests.support.s3 import MotoS3
@@ -101,14 +112,14 @@ def test_a_read_fetches_only_the_blocks_of_its_rows(bucket, lo, hi, blocks):
     other.read_rows(rel, 0, 1)
     if lo >= BLOCK_ROWS:
         before = other.bytes_fetched
-        other.read_rows(rel, lo, hi)  # the layout is kept: only the blocks travel
+        other.read_rows(rel, lo, hi)  # the buffer offsets are kept: only the blocks travel
         assert other.bytes_fetched - before <= blocks * BLOCK_ROWS * (ROW_BYTES + 1)
     whole = open_segment(store, rel)  # the whole-object read, its CRC32C checked
     _assert_same_rows(got, whole, lo, hi)
     _assert_same_rows(again, whole, lo, hi)
 
 
-def test_the_layout_states_the_objects_own_offsets(bucket):
+def test_the_buffer_offsets_are_the_objects_own(bucket):
     """The offsets the writer found by reading its image back are those of the object in the bucket."""
     fs, base, rel, image = bucket
     with fs.open_input_stream(f"{base}/{rel}") as source:
@@ -116,15 +127,14 @@ def test_the_layout_states_the_objects_own_offsets(bucket):
     assert stored == image.to_pybytes()
     batch = open_segment(_store(fs, base), rel)
     assert batch.num_rows == REQUESTS * LENGTH
-    layout = layout_of(image)
-    assert layout["rows"] == batch.num_rows and layout["token_id_validity"] is not None  # some tokens unknown
+    offsets = buffer_offsets(image)
+    assert offsets["rows"] == batch.num_rows and offsets["token_id_validity"] is not None  # some tokens unknown
 
 
 @pytest.mark.parametrize("column", ["experts", "position", "token_id", "token_id_validity", "flags"])
 def test_a_flipped_byte_in_a_requested_block_is_never_served(s3, bucket, column):
     fs, base, rel, image = bucket
-    layout = layout_of(image)
-    offset = layout[column]
+    offset = buffer_offsets(image)[column]
     assert offset is not None
     block, row = 7, 7 * BLOCK_ROWS + 1000  # a row of request 49 (rows 29,400..29,999)
     per_row = {"experts": SHAPE.row_width, "position": 4, "token_id": 4, "flags": 2}
@@ -165,7 +175,7 @@ def test_wide_ids_and_every_token_known(s3):
     batch = build_rows(shape, ["only"] * n, np.arange(n, dtype=np.int32), ids, np.arange(n, dtype=np.int32),
                        None, md)
     image = object_image(batch)
-    assert layout_of(image)["token_id_validity"] is None
+    assert buffer_offsets(image)["token_id_validity"] is None
     base = f"{s3.bucket()}/segments"
     store = _store(s3.fs(), base)
     store.put("wide/w.arrow", image)
@@ -199,6 +209,36 @@ def test_segments_without_block_checksums_are_read_whole(s3, kind):
     _assert_same_rows(whole, expected, 30_000, 30_600)
     if sealed is not None:
         assert open_segment(store, rel).equals(sealed)
+
+
+def _image_as_2_4_wrote_it(batch: pa.RecordBatch) -> pa.Buffer:
+    """An uncompressed object image as a 2.4 service wrote it: the buffer offsets under `layout`, format_version 2.4.
+
+    The 2.4 writer's steps (`object_image` then): block checksums and an offsets placeholder, a first image, the
+    offsets found in it and padded to the placeholder's width, sealed, a second image whose offsets are the same.
+    """
+    md = {**ranged_metadata(batch), "format_version": "2.4"}
+    md = {LEGACY_OFFSETS_KEY if k == BUFFER_OFFSETS_KEY else k: v for k, v in md.items()}
+    first = segment_image(batch.replace_schema_metadata({**md, CHECKSUM_KEY: "0" * 8}))
+    md[LEGACY_OFFSETS_KEY] = json.dumps(buffer_offsets(first), separators=(",", ":")).ljust(len(md[LEGACY_OFFSETS_KEY]))
+    image = segment_image(seal(batch.replace_schema_metadata(md)))
+    assert json.loads(md[LEGACY_OFFSETS_KEY]) == buffer_offsets(image)
+    return image
+
+
+def test_a_segment_written_with_the_old_offsets_key_still_range_reads(s3):
+    """A 2.4 segment (offsets under `layout`) is read by its blocks, as a 2.5 one (`buffer_offsets`) is, and new
+    segments are written under `buffer_offsets` only."""
+    fs, base = s3.fs(), f"{s3.bucket()}/segments"
+    store = _store(fs, base)
+    old = _image_as_2_4_wrote_it(_batch())
+    store.put("ranges/written-by-2.4.arrow", old)
+    new_md = pa.ipc.open_file(pa.BufferReader(object_image(_batch()))).schema.metadata
+    assert BUFFER_OFFSETS_KEY.encode() in new_md and LEGACY_OFFSETS_KEY.encode() not in new_md
+    got = store.read_rows("ranges/written-by-2.4.arrow", 30_000, 30_600)
+    assert got is not None  # a ranged read, not a whole-object one
+    assert store.bytes_fetched <= TAIL_BYTES + BLOCK_ROWS * (ROW_BYTES + 1)
+    _assert_same_rows(got, open_segment(store, "ranges/written-by-2.4.arrow"), 30_000, 30_600)
 
 
 def _body(n_requests: int, length: int, seq: int = 0) -> tuple[bytes, dict[str, np.ndarray]]:
@@ -236,7 +276,7 @@ def test_a_service_on_the_bucket_serves_ranges_and_refuses_a_damaged_block(s3, t
     key = f"{name}/segments/{obj.path}"
     with fs.open_input_stream(key) as source:
         image = bytearray(source.read())
-    at = layout_of(pa.py_buffer(bytes(image)))["experts"]
+    at = buffer_offsets(pa.py_buffer(bytes(image)))["experts"]
     assert at is not None
     image[at + (3 * BLOCK_ROWS + 5) * SHAPE.row_width] ^= 0xFF  # row 12,293: req-1 (rows 9,000..17,999) only
     with fs.open_output_stream(key) as out:

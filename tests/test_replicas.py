@@ -29,8 +29,8 @@ import numpy as np
 import psycopg
 import pytest
 
+from replay_client.client import ReplayClient, ReplayError, routes_from_stream
 from replay_format import ARROW_STREAM_MEDIA_TYPE
-from replay_service.client import ReplayClient, ReplayError, routes_from_stream
 from tests.support.data import batch_bytes, many_routes
 from tests.support.netns import Island
 from tests.support.postgres import Cluster, binaries

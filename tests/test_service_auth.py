@@ -18,11 +18,11 @@ import pytest
 from fastapi.routing import APIRoute
 from typer.testing import CliRunner
 
+from replay_client.client import ReplayClient
 from replay_format import ARROW_STREAM_MEDIA_TYPE
-from replay_service import cli
 from replay_service.api.auth import ROUTE_NEEDS, Role, listen_refusal, load_tokens, need_of
-from replay_service.app import create_app
-from replay_service.client import ReplayClient
+from replay_service.app import WEB_DIR, create_app
+from replay_service.ops import cli
 from tests.support.data import batch_bytes, routes
 from tests.support.service import ServiceProcess
 
@@ -210,8 +210,8 @@ NODE = shutil.which("node")
 
 @pytest.mark.skipif(NODE is None, reason="node is not installed")
 def test_web_view_asks_for_a_token_once_per_tab(tmp_path):
-    """web/js/api.js under node with stand-ins for fetch, prompt and sessionStorage (no browser)."""
-    web = Path(__file__).resolve().parent.parent / "web" / "js"
+    """replay_service/web/js/api.js under node with stand-ins for fetch, prompt and sessionStorage (no browser)."""
+    web = WEB_DIR / "js"
     shutil.copytree(web, tmp_path / "js")
     (tmp_path / "js" / "package.json").write_text('{"type": "module"}')
     script = tmp_path / "js" / "check.mjs"

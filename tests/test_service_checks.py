@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from replay_service.ingest import kernels as checks
+from replay_service.checks import kernels as checks
 
 LAYERS, TOP_K, ROWS = 6, 8, 4000
 

@@ -1,4 +1,4 @@
-"""Segment compression through a real server (`REPLAY_SEGMENT_COMPRESSION`, rows.md "Compression").
+"""Segment compression through a real server (`REPLAY_SEGMENT_COMPRESSION`, segment.md "Compression").
 
 One run written by three service starts, each with another codec (zstd, lz4, none): every request reads back
 byte-equal on every read path (Arrow GET, .npy GET, the batch read, the trainer slice) while its own codec's
@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from replay_client.client import ReplayClient
 from replay_format import RunShape
-from replay_format.rows import SegmentCompression
-from replay_service.client import ReplayClient
+from replay_format.segment import SegmentCompression
 from tests.support.data import batch_bytes
 from tests.support.service import ServiceProcess
 
@@ -57,7 +57,7 @@ def _check_reads(client: ReplayClient, run: str, sent: dict[str, np.ndarray]) ->
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "replay_service.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "replay_service.ops.cli", *args], capture_output=True, text=True,
                           timeout=120)
 
 

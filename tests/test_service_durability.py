@@ -8,8 +8,8 @@ import time
 import httpx
 import numpy as np
 
+from replay_client.client import ReplayClient, ReplayError
 from replay_format import ARROW_STREAM_MEDIA_TYPE
-from replay_service.client import ReplayClient, ReplayError
 from tests.support.data import batch_bytes, many_routes, routes
 from tests.support.service import ServiceProcess
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from replay_client.client import ReplayClient, StrictReadError
 from replay_format import Flag
-from replay_service.client import ReplayClient, StrictReadError
 from tests.support.data import batch_bytes, routes
 
 N = 200

@@ -14,14 +14,14 @@ from collections.abc import Callable
 import httpx
 import numpy as np
 
+from replay_client.client import ReplayClient
 from replay_format import ARROW_STREAM_MEDIA_TYPE
 from replay_format.rows import Rows, RowsMeta
-from replay_service.client import ReplayClient
+from replay_service.app import open_store
 from replay_service.errors import Conflict, Forbidden, RunDeleted
-from replay_service.ingest.commit import IngestOutcome
 from replay_service.ownership import Actor, acting
 from replay_service.settings import ServiceSettings
-from replay_service.store import RouteStore
+from replay_service.store.ingest_stage import IngestOutcome
 from tests.support.data import QWEN3_SHAPE, batch_bytes, many_routes, routes
 from tests.support.service import ServiceProcess
 
@@ -44,7 +44,7 @@ def _until(condition: Callable[[], bool], what: str) -> None:
 
 
 def test_one_group_keeps_its_good_batches_and_answers_each_failure_to_its_batch(tmp_path):
-    store = RouteStore(ServiceSettings(data_dir=tmp_path / "data", fsync=True))  # fsync: folders synced per group
+    store = open_store(ServiceSettings(data_dir=tmp_path / "data", fsync=True))  # fsync: folders synced per group
     rng = np.random.default_rng(7)
     owner_a, owner_b = Actor("writer-a", admin=False), Actor("writer-b", admin=False)
     sent = {name: routes(rng, 16) for name in ("first", "owned", "lead", "g1", "g2", "c1", "c2", "late", "gone")}
@@ -105,14 +105,14 @@ def test_one_group_keeps_its_good_batches_and_answers_each_failure_to_its_batch(
         assert stored(request) == sent[request].reshape(16, -1).tobytes()
     assert stored("c1") == sent[kept].reshape(16, -1).tobytes()
     assert stored("owned") == sent["owned"].reshape(16, -1).tobytes()  # the refused batch left nothing
-    assert store.request_summary("run", "owned")["rows"] == 16
+    assert store.request_summary("run", "owned").rows == 16
     assert not store.has_run("gone")
     # Only the stored batches' segments remain (failed and duplicate ones were deleted), no temp file.
     files = list((tmp_path / "data" / "runs" / "run").glob("*.arrow*"))
     assert len(files) == 7  # owned, first, lead, g1, g2, the kept c, late
     load = store.expert_load("run")[1].copy()
     store.close()
-    again = RouteStore(ServiceSettings(data_dir=tmp_path / "data", fsync=False))
+    again = open_store(ServiceSettings(data_dir=tmp_path / "data", fsync=False))
     try:
         assert np.array_equal(again.expert_load("run")[1], load)  # memory and index agree after the group
     finally:

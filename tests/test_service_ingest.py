@@ -15,6 +15,7 @@ import pytest
 
 from replay_format import NO_TOKEN, Flag, FormatError
 from replay_format.rows import Rows, RowsMeta, build_rows, encode_stream
+from replay_service.app import open_store
 from replay_service.errors import Conflict, UnsupportedMediaType
 from replay_service.ingest.decode import decode_route
 from replay_service.settings import ServiceSettings
@@ -27,7 +28,7 @@ SHAPE = QWEN3_SHAPE
 
 @pytest.fixture
 def store(tmp_path):
-    store = RouteStore(ServiceSettings(data_dir=tmp_path / "data", fsync=False))
+    store = open_store(ServiceSettings(data_dir=tmp_path / "data", fsync=False))
     yield store
     store.close()
 
@@ -39,7 +40,7 @@ def _rows(seq: int, positions, experts: np.ndarray, request: str = "a", run: str
 
 
 def _conflicts(store: RouteStore, request: str = "a") -> int:
-    return store.request_summary("run", request)["flagged"]["CONFLICT"]
+    return store.request_summary("run", request).flagged[Flag.CONFLICT]
 
 
 def test_identical_repeat_in_one_batch_is_stored_once_and_quiet(store):
@@ -49,7 +50,7 @@ def test_identical_repeat_in_one_batch_is_stored_once_and_quiet(store):
     route = store.read_route("run", "a")
     assert route.positions.tolist() == list(range(6)) and not route.flags.any()
     assert route.experts.tobytes() == ex.reshape(6, -1).tobytes()
-    assert store.request_summary("run", "a")["rows"] == 6 and _conflicts(store) == 0
+    assert store.request_summary("run", "a").rows == 6 and _conflicts(store) == 0
 
 
 @pytest.mark.parametrize("order", [[0, 1], [0, 0, 1], [0, 1, 1], [0, 1, 0]])
@@ -64,7 +65,7 @@ def test_differing_repeat_in_one_batch_flags_the_served_first_row(store, order):
     assert route.experts[2].tobytes() == ex[2].tobytes()  # the first sent is served
     assert route.flags.tolist() == [0, 0, int(Flag.CONFLICT), 0]
     assert answer.flagged == {"CONFLICT": 1} and _conflicts(store) == 1
-    assert store.request_summary("run", "a")["first_flagged_position"] == 2
+    assert store.request_summary("run", "a").first_flagged_position == 2
 
 
 def test_repeat_of_a_stored_row_resend_or_conflict(store):
@@ -80,7 +81,7 @@ def test_repeat_of_a_stored_row_resend_or_conflict(store):
     assert route.experts[:8].tobytes() == ex.reshape(8, -1).tobytes()
     assert np.flatnonzero(route.flags).tolist() == [3, 7] and set(route.flags[[3, 7]]) == {int(Flag.CONFLICT)}
     summary = store.request_summary("run", "a")
-    assert summary["rows"] == 9 and summary["flagged"]["CONFLICT"] == 2
+    assert summary.rows == 9 and summary.flagged[Flag.CONFLICT] == 2
     store.ingest(_rows(3, [3], other[:1]))  # the same disagreement again: still one CONFLICT at 3
     assert _conflicts(store) == 2
     shape, load = store.expert_load("run")
@@ -99,8 +100,8 @@ def test_reads_pick_the_first_stored_row_and_decide_no_conflict():
 
 def test_finish_status_and_its_conflicts(store):
     store.ingest(_rows(0, np.arange(4), routes(np.random.default_rng(5), 4)))
-    assert store.finish("run", "a", 5, "aborted")["status"] == "aborted"
-    assert store.finish("run", "a", 5, "aborted")["num_tokens"] == 5  # the same end again is fine
+    assert store.finish("run", "a", 5, "aborted").status == "aborted"
+    assert store.finish("run", "a", 5, "aborted").num_tokens == 5  # the same end again is fine
     with pytest.raises(Conflict, match="already aborted with 5 tokens"):
         store.finish("run", "a", 5, "finished")
 
@@ -124,14 +125,14 @@ def test_arrow_route_upload_takes_the_run_shape_when_the_body_names_none(store):
 
 def test_an_index_written_before_the_rename_is_migrated(tmp_path):
     data = tmp_path / "data"
-    store = RouteStore(ServiceSettings(data_dir=data, fsync=False))
+    store = open_store(ServiceSettings(data_dir=data, fsync=False))
     ex = routes(np.random.default_rng(7), 4)
     store.ingest(_rows(0, np.arange(4), ex))
     store.close()
     with sqlite3.connect(data / "index.sqlite") as conn:  # as the previous release left it
         conn.execute("ALTER TABLE runs RENAME COLUMN num_moe_layers TO num_layers")
         conn.execute("PRAGMA user_version = 0")
-    again = RouteStore(ServiceSettings(data_dir=data, fsync=False))
+    again = open_store(ServiceSettings(data_dir=data, fsync=False))
     assert again.run_summary("run")["num_moe_layers"] == SHAPE.num_moe_layers
     assert again.ingest(_rows(1, np.arange(4, 8), ex)).stored
     assert again.read_route("run", "a").num_rows == 8
@@ -145,8 +146,8 @@ def test_all_padding_request_is_counted_not_stored(store):
     rows.flags[1:] = Flag.PADDING
     answer = store.ingest(rows)
     assert answer.rows == 1 and answer.padding_dropped == 2
-    assert store.request_summary("run", "pad")["flagged"]["PADDING"] == 2
-    assert store.request_summary("run", "pad")["rows"] == 0
+    assert store.request_summary("run", "pad").flagged[Flag.PADDING] == 2
+    assert store.request_summary("run", "pad").rows == 0
 
 
 def test_batch_of_padding_only_is_stored_empty(store):
@@ -154,7 +155,7 @@ def test_batch_of_padding_only_is_stored_empty(store):
     rows.flags[:] = Flag.PADDING
     answer = store.ingest(rows)
     assert answer.stored and answer.rows == 0 and answer.padding_dropped == 2
-    assert store.request_summary("run", "a")["flagged"]["PADDING"] == 2
+    assert store.request_summary("run", "a").flagged[Flag.PADDING] == 2
     assert store.ingest(rows).outcome == "duplicate"
 
 

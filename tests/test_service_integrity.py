@@ -20,8 +20,8 @@ import httpx
 import numpy as np
 import pytest
 
+from replay_client.client import ReplayClient
 from replay_format import RunShape
-from replay_service.client import ReplayClient
 from replay_service.store.index import Index
 from tests.support.data import batch_bytes, routes
 from tests.support.service import ServiceProcess
@@ -30,7 +30,7 @@ SHAPE = RunShape(num_moe_layers=8, top_k=4, num_experts=64)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "replay_service.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "replay_service.ops.cli", *args], capture_output=True, text=True,
                           timeout=120)
 
 

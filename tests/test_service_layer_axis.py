@@ -18,12 +18,12 @@ import httpx
 import numpy as np
 import pytest
 
+from replay_client.client import ReplayClient, ReplayError
 from replay_format import ARROW_STREAM_MEDIA_TYPE, NPY_MEDIA_TYPE, RunShape
 from replay_format.rows import RowsMeta, build_rows, encode_stream, read_rows, read_stream
 from replay_service.api.models import RouteJson
-from replay_service.client import ReplayClient, ReplayError
+from replay_service.app import open_store
 from replay_service.settings import ServiceSettings
-from replay_service.store import RouteStore
 from tests.support.data import routes
 from tests.support.formats import with_metadata
 
@@ -190,7 +190,7 @@ def test_a_run_learns_its_model_layer_count_once(client, shared_service):
 
 def test_an_index_without_num_hidden_layers_reads_it_as_derived(tmp_path):
     data = tmp_path / "data"
-    store = RouteStore(ServiceSettings(data_dir=data, fsync=False))
+    store = open_store(ServiceSettings(data_dir=data, fsync=False))
     shape = RunShape(2, 2, 16, (2, 5), 9)
     ex = routes(np.random.default_rng(6), 3, shape)
     table, md = read_stream(encode_stream(build_rows(RowsMeta("old", "w", 0, shape), ["a"] * 3, np.arange(3), ex)))
@@ -200,7 +200,7 @@ def test_an_index_without_num_hidden_layers_reads_it_as_derived(tmp_path):
     with sqlite3.connect(data / "index.sqlite") as conn:  # as the previous release left it
         conn.execute("ALTER TABLE runs DROP COLUMN num_hidden_layers")
         conn.execute("PRAGMA user_version = 1")
-    again = RouteStore(ServiceSettings(data_dir=data, fsync=False))
+    again = open_store(ServiceSettings(data_dir=data, fsync=False))
     assert again.run_summary("old")["num_hidden_layers"] == 6  # unknown: max(moe_layers) + 1
     assert again.run_shape("old").num_hidden_layers == 6
     assert again.read_route("old", "a").num_rows == 3

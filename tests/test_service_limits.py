@@ -18,8 +18,8 @@ import pytest
 import uvicorn
 
 from capture.sender import RouteSender, SenderConfig
+from replay_client.client import ReplayClient
 from replay_format import ARROW_STREAM_MEDIA_TYPE
-from replay_service.client import ReplayClient
 from tests.support.data import QWEN3_SHAPE, batch_bytes, routes
 from tests.support.service import ServiceProcess, free_port
 
@@ -138,7 +138,7 @@ def test_an_unexpected_error_is_a_json_500_and_the_connection_stays_open(tmp_pat
     # A route that fails as no real one does any more (every known 500 is a 4xx now), on the service's own app
     # served by uvicorn with the service's protocol.
     from replay_service.app import create_app
-    from replay_service.connections import BoundedH11Protocol
+    from replay_service.ops.connections import BoundedH11Protocol
     from replay_service.settings import ServiceSettings
 
     app = create_app(ServiceSettings(data_dir=tmp_path / "data"))

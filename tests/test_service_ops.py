@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import numpy as np
 
-from replay_service.client import ReplayClient
+from replay_client.client import ReplayClient
 from tests.support.data import batch_bytes, routes
 from tests.support.service import ServiceProcess
 

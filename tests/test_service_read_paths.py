@@ -21,10 +21,10 @@ from replay_client import ReplayClient
 from replay_format import LayerAxis
 from replay_format.route import read_routes
 from replay_format.rows import Rows, RowsMeta
-from replay_service import encode
-from replay_service.connections import PROTOCOL, BoundedH11Protocol, BoundedHttpToolsProtocol
+from replay_service.api import encode
+from replay_service.app import open_store
+from replay_service.ops.connections import PROTOCOL, BoundedH11Protocol, BoundedHttpToolsProtocol
 from replay_service.settings import ServiceSettings
-from replay_service.store import RouteStore
 from tests.support.data import QWEN3_SHAPE, routes, store_requests
 from tests.support.service import free_port
 
@@ -116,7 +116,7 @@ def test_the_trainer_slice_has_a_length_and_every_byte(stored):
 
 @pytest.mark.parametrize("axis", list(LayerAxis))
 def test_a_batch_past_the_held_bound_streams_the_same_bytes(tmp_path, monkeypatch, axis):
-    store = RouteStore(ServiceSettings(data_dir=tmp_path / "data", fsync=False))
+    store = open_store(ServiceSettings(data_dir=tmp_path / "data", fsync=False))
     try:
         rng = np.random.default_rng(3)
         ids = routes(rng, 40)
@@ -143,7 +143,7 @@ def test_a_batch_past_the_held_bound_streams_the_same_bytes(tmp_path, monkeypatc
 
 def test_rows_without_token_ids_read_back_as_no_token(tmp_path):
     # the store's and the client's fast path for a column of nulls only (a writer that sends no token ids)
-    store = RouteStore(ServiceSettings(data_dir=tmp_path / "data", fsync=False))
+    store = open_store(ServiceSettings(data_dir=tmp_path / "data", fsync=False))
     try:
         ids = routes(np.random.default_rng(4), 6)
         tokens = np.array([5, -1, 7, 8, -1, 9], np.int32)

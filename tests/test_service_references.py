@@ -14,13 +14,13 @@ import httpx
 import numpy as np
 import pytest
 
+from replay_client.client import ReplayClient, StrictReadError
 from replay_format import Flag, RunShape
+from replay_format.request_notes import Reference
 from replay_format.rows import Rows, RowsMeta
-from replay_service.client import ReplayClient, StrictReadError
+from replay_service.app import open_store
 from replay_service.settings import ServiceSettings
-from replay_service.store import RouteStore
 from replay_service.store.index import SCHEMA_VERSION
-from replay_service.store.references import Reference
 from tests.support.data import batch_bytes, routes
 from tests.support.service import ServiceProcess
 
@@ -351,7 +351,7 @@ def test_too_many_references_unknown_runs_and_bad_run_ids(url):
 
 def test_an_index_of_schema_2_is_migrated_keeping_which_row_is_served(tmp_path):
     data = tmp_path / "data"
-    store = RouteStore(ServiceSettings(data_dir=data, fsync=False))
+    store = open_store(ServiceSettings(data_dir=data, fsync=False))
     rng = np.random.default_rng(17)
     first, second = routes(rng, 4, SHAPE), routes(rng, 4, SHAPE)
 
@@ -377,10 +377,10 @@ def test_an_index_of_schema_2_is_migrated_keeping_which_row_is_served(tmp_path):
             ALTER TABLE requests DROP COLUMN referenced_rows;
             PRAGMA user_version = 2;
         """)
-    again = RouteStore(ServiceSettings(data_dir=data, fsync=False))
+    again = open_store(ServiceSettings(data_dir=data, fsync=False))
     route = again.read_route("old", "a")
     assert route.experts.tobytes() == first.reshape(4, -1).tobytes()
-    assert again.request_summary("old", "a")["referenced_rows"] == 0
+    assert again.request_summary("old", "a").referenced_rows == 0
     assert again.add_references("old", [Reference("b", 0, 4, "a")]).rows_resolved == 4
     assert again.read_route("old", "b").experts.tobytes() == first.reshape(4, -1).tobytes()
     again.close()

@@ -22,8 +22,8 @@ import httpx
 import numpy as np
 import pytest
 
+from replay_client.client import ReplayClient
 from replay_format import RunShape
-from replay_service.client import ReplayClient
 from tests.support.data import batch_bytes, routes
 from tests.support.service import ServiceProcess
 
@@ -31,7 +31,7 @@ SHAPE = RunShape(num_moe_layers=4, top_k=2, num_experts=16)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "replay_service.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "replay_service.ops.cli", *args], capture_output=True, text=True,
                           timeout=120)
 
 

@@ -10,9 +10,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from replay_client.client import ReplayClient, ReplayError
 from replay_format import NO_TOKEN, RunShape
 from replay_service.api.models import RouteJson
-from replay_service.client import ReplayClient, ReplayError
 from tests.support.data import QWEN3_SHAPE, batch_bytes, routes
 
 

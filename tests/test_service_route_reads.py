@@ -16,7 +16,7 @@ import pytest
 
 from replay_client import ReplayClient
 from replay_client.client import npy_view
-from replay_service.encode import SMALL_PART, joined_small
+from replay_service.api.encode import SMALL_PART, joined_small
 from tests.support.data import batch_bytes, routes
 
 

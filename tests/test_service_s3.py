@@ -12,13 +12,13 @@ import pytest
 
 from replay_client.client import ReplayClient
 from replay_format.core import ARROW_STREAM_MEDIA_TYPE
+from replay_service.app import open_store
 from replay_service.errors import IndexNeedsRebuild
+from replay_service.ops.reindex import reindex
+from replay_service.ops.verify import verify_store
 from replay_service.settings import ServiceSettings
-from replay_service.store import RouteStore
 from replay_service.store.files import SegmentCache
 from replay_service.store.index import Index
-from replay_service.store.integrity import verify_store
-from replay_service.store.reindex import reindex
 from replay_service.store.retention import collect_orphans
 from replay_service.store.segment_store import S3Segments, open_segment_store
 from tests.support.data import two_halves
@@ -175,7 +175,7 @@ def test_reindex_rebuilds_from_the_bucket(s3, aws, tmp_path):
         (data / f"index.sqlite{side}").unlink(missing_ok=True)
     settings = ServiceSettings(data_dir=data, segments_url=f"s3://{bucket}/segments")
     with pytest.raises(IndexNeedsRebuild, match=f"s3://{bucket}/segments"):
-        RouteStore(settings)
+        open_store(settings)
     report = reindex(data, settings)
     assert (report.runs, report.segments, report.damaged) == (1, 2, [])
     with ServiceProcess(data, env=s3.env(bucket)) as service:

@@ -19,9 +19,9 @@ import httpx
 import numpy as np
 import pytest
 
+from replay_client.client import ReplayClient, ReplayError
 from replay_format import ARROW_STREAM_MEDIA_TYPE, NPY_MEDIA_TYPE, RunShape
 from replay_format.rows import RowsMeta, build_rows, encode_stream
-from replay_service.client import ReplayClient, ReplayError
 from tests.support.data import routes
 
 DEEPSEEK = RunShape(num_moe_layers=5, top_k=8, num_experts=64, moe_layers=(3, 4, 5, 6, 7), num_hidden_layers=8)

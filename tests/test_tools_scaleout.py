@@ -27,10 +27,10 @@ from typer.testing import CliRunner, Result
 
 from replay_client.client import ReplayClient
 from replay_format.rows import Rows, RowsMeta
-from replay_service import cli
+from replay_service.app import open_store
 from replay_service.errors import IndexNeedsRebuild
+from replay_service.ops import cli
 from replay_service.settings import ServiceSettings
-from replay_service.store import RouteStore
 from replay_service.store.files import QUARANTINE_DIR
 from replay_service.store.journal import JOURNAL_DIR, JOURNAL_NAME
 from replay_service.store.segment_store import S3Segments
@@ -218,13 +218,13 @@ def test_a_young_object_does_not_stop_a_replicas_start(postgres, aws, tmp_path):
     with aws.fs().open_output_stream(f"{bucket}/segments/{pending}") as out:
         out.write(b"uploaded, about to be committed by another replica")
     settings = ServiceSettings(data_dir=tmp_path / "b", index_url=db, segments_url=f"s3://{bucket}/segments")
-    store = RouteStore(settings)
+    store = open_store(settings)
     store.close()
     listed = S3Segments(aws.fs(), f"{bucket}/segments", "").paths()
     assert listed == [pending]
     time.sleep(0.2)  # older than the grace below (an order of events, not a timing assertion)
     with pytest.raises(IndexNeedsRebuild, match="reindex"):
-        RouteStore(settings.model_copy(update={"orphan_grace_s": 0.1}))
+        open_store(settings.model_copy(update={"orphan_grace_s": 0.1}))
 
 
 def test_a_shared_data_directory_is_swept_past_the_grace_only(postgres, tmp_path):
@@ -233,7 +233,7 @@ def test_a_shared_data_directory_is_swept_past_the_grace_only(postgres, tmp_path
     are a crashed process's leftovers and the start-up sweep takes them (quarantine, delete) as on one process."""
     data = tmp_path / "data"
     settings = ServiceSettings(data_dir=data, index_url=postgres.new_database())
-    first = RouteStore(settings)
+    first = open_store(settings)
     experts = routes(np.random.default_rng(4), 8)
     first.ingest(Rows(RowsMeta(RUN, "w", 0, QWEN3_SHAPE), ["r"], np.zeros(8, np.int32), np.arange(8, dtype=np.int32),
                       np.arange(8, dtype=np.int32), experts.reshape(8, -1), np.zeros(8, np.uint16)))
@@ -242,14 +242,14 @@ def test_a_shared_data_directory_is_swept_past_the_grace_only(postgres, tmp_path
     written, unfinished = folder / f"{'b' * 32}.arrow", folder / f"{'c' * 32}.arrow.tmp"
     written.write_bytes(b"renamed into place, commit under way")
     unfinished.write_bytes(b"being written")
-    second = RouteStore(settings)
+    second = open_store(settings)
     second.close()
     assert written.exists() and unfinished.exists()
     assert not second.swept.removed and not second.swept.quarantined
     old = time.time() - 2 * settings.orphan_grace_s
     for path in (written, unfinished):
         os.utime(path, (old, old))
-    third = RouteStore(settings)
+    third = open_store(settings)
     third.close()
     assert not written.exists() and not unfinished.exists()
     assert third.swept.removed == [unfinished]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from replay_client.client import ReplayClient
 from replay_client.trainer import compare_body
 from replay_format import RunShape
-from replay_service.client import ReplayClient
 from tests.support.data import QWEN3_SHAPE, store_requests
 
 L, K, E = QWEN3_SHAPE.num_moe_layers, QWEN3_SHAPE.top_k, QWEN3_SHAPE.num_experts

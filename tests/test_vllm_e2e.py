@@ -30,7 +30,7 @@ vllm = pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
 from replay_client import choice_request_ids  # noqa: E402
-from replay_service.client import ReplayClient  # noqa: E402
+from replay_client.client import ReplayClient  # noqa: E402
 from tests.support.service import ServiceProcess  # noqa: E402
 from tests.support.vllm_model import TOP_K, hf_reference, prompts  # noqa: E402
 

@@ -21,8 +21,10 @@ import numpy as np
 import pytest
 
 from capture.sender import SenderConfig
-from capture.vllm.worker.handoff import StepHandoff
+from capture.vllm.sink.handoff import StepHandoff
+from replay_client.client import ReplayClient
 from replay_format import FormatError, RunShape
+from replay_format.request_notes import FinishStatus, Reference
 from replay_format.step_frame import (
     LENGTH,
     NO_SAMPLE,
@@ -30,14 +32,11 @@ from replay_format.step_frame import (
     ConfigFrame,
     Ended,
     FinishFrame,
-    FinishStatus,
     FrameReader,
-    Reference,
     ReferencesFrame,
     StepFrame,
     pack,
 )
-from replay_service.client import ReplayClient
 
 SHAPE = RunShape(num_moe_layers=4, top_k=8, num_experts=64)
 ROWS_PER_REQUEST = 6

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from replay_service.client import ReplayClient
+from replay_client.client import ReplayClient
 from tests.support.service import ServiceProcess
 
 
@@ -84,7 +84,7 @@ def test_the_plugin_takes_the_model_layer_count_from_vllm(tmp_path):
     pytest.importorskip("vllm")
     from vllm.config import ModelConfig
 
-    from capture.vllm.worker.worker_capture import model_num_hidden_layers
+    from capture.vllm.worker.startup_checks import model_num_hidden_layers
 
     # Layers 0 and 3 dense (Qwen3-MoE `mlp_only_layers`): MoE layers (1, 2) of a 4-layer model, whose
     # routed_experts vLLM returns as (rows, 4, K); max(moe_layers) + 1 would say 3.

@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 
 from replay_client import Endpoint, choice_request_ids  # noqa: E402
-from replay_service.client import ReplayClient  # noqa: E402
+from replay_client.client import ReplayClient  # noqa: E402
 from tests.support.service import ServiceProcess  # noqa: E402
 from tests.support.vllm_model import CHAT_TEMPLATE, prompts, start_api_server, text_safe, words  # noqa: E402
 from tests.test_vllm_e2e import (  # noqa: E402

@@ -9,6 +9,7 @@ import torch
 from capture.vllm.config import PluginConfig, PluginConfigError
 from capture.vllm.sink.book import StepBook, external_id
 from replay_format import NO_TOKEN
+from replay_format.request_notes import Finish, FinishStatus
 from replay_format.step_frame import NO_SAMPLE, StepFrame
 
 
@@ -57,22 +58,26 @@ def test_spec_decode_rejected_rows_dropped_and_finish_length():
     assert keep.tolist() == [True, True, False, False, True]
     names, index, keep = book.row_ids(frame, keep)
     assert [names[i] for i in index] == ["a", "a", "b"]
-    assert book.finish("a-0000abcd") == ("a", 12, "finished")  # positions 9,10 kept -> T = 12
-    assert book.finish("b-0000abcd", 7, "aborted") == ("b", 7, "aborted")
+    assert book.finish("a-0000abcd") == Finish("a", 12, FinishStatus.FINISHED)  # positions 9,10 kept -> T = 12
+    assert book.finish("b-0000abcd", 7, "aborted") == Finish("b", 7, FinishStatus.ABORTED)
     assert book.finish("never-seen") is None
 
 
 def test_spec_counts_from_the_engine_and_a_missing_sampler_count():
     from types import SimpleNamespace
 
-    from capture.vllm.worker.worker_capture import spec_counts
+    from capture.vllm.worker.runner import v1_sampled_counts
+    from capture.vllm.worker.step_hooks import spec_counts
 
     sched = SimpleNamespace(scheduled_spec_decode_tokens={"a-0000abcd": [7, 8, 9]})
     output = SimpleNamespace(req_ids=["b-0000abcd", "a-0000abcd"], sampled_token_ids=[[1], [4, 5]])
-    drafts, sampled = spec_counts(["a-0000abcd", "b-0000abcd"], sched, output)
+    drafts, sampled = spec_counts(["a-0000abcd", "b-0000abcd"], sched, output, v1_sampled_counts)
     assert drafts.tolist() == [3, 0] and sampled.tolist() == [2, 1]
-    assert spec_counts(["a-0000abcd"], SimpleNamespace(scheduled_spec_decode_tokens={}), output) == (None, None)
-    drafts, sampled = spec_counts(["a-0000abcd", "b-0000abcd"], sched, None)  # no sampler output (aborted)
+    in_order = SimpleNamespace(req_ids=["a-0000abcd", "b-0000abcd"], sampled_token_ids=[[4, 5], [1]])
+    assert spec_counts(["a-0000abcd", "b-0000abcd"], sched, in_order, v1_sampled_counts)[1].tolist() == [2, 1]
+    no_spec = SimpleNamespace(scheduled_spec_decode_tokens={})
+    assert spec_counts(["a-0000abcd"], no_spec, output, v1_sampled_counts) == (None, None)
+    drafts, sampled = spec_counts(["a-0000abcd", "b-0000abcd"], sched, None, v1_sampled_counts)  # no sampler output
     assert sampled.tolist() == [NO_SAMPLE, NO_SAMPLE]
     keep = StepBook().keep_mask(_frame(["a-0000abcd", "b-0000abcd"], [0, 4, 5], [9, 10, 11, 12, 3], drafts, sampled))
     assert keep.tolist() == [True, False, False, False, True]  # only the verified row of a
@@ -139,25 +144,24 @@ def test_config_refusals_name_the_fix():
 
     from vllm.config import CUDAGraphMode
 
-    from capture.vllm.config import CaptureMode, PluginConfig
-    from capture.vllm.worker.worker_capture import StartupError, WorkerCapture
+    from capture.vllm.config import CaptureMode
+    from capture.vllm.worker.startup_checks import StartupError, check_config
 
-    wc = WorkerCapture(PluginConfig("http://x", "r", None, None))
+    auto = CaptureMode.AUTO  # the default mode
     eager = SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.NONE),
                             cache_config=SimpleNamespace(enable_prefix_caching=False),
                             parallel_config=SimpleNamespace(pipeline_parallel_size=1))
-    wc.check_config(eager)  # what the tests' engines run with: accepted
+    check_config(eager, auto)  # what the tests' engines run with: accepted
     piecewise = SimpleNamespace(cudagraph_mode=CUDAGraphMode.PIECEWISE)
     graphs = SimpleNamespace(**{**vars(eager), "compilation_config": piecewise})
-    wc.check_config(graphs)  # the default (auto) mode captures graph-safe on a GPU (tests/test_graph_capture.py)
-    eager_mode = WorkerCapture(PluginConfig("http://x", "r", None, None, capture_mode=CaptureMode.EAGER))
+    check_config(graphs, auto)  # the default (auto) mode captures graph-safe on a GPU (tests/test_graph_capture.py)
     with pytest.raises(StartupError, match="CUDA graphs are on.*--enforce-eager"):
-        eager_mode.check_config(graphs)
+        check_config(graphs, CaptureMode.EAGER)
     cached = SimpleNamespace(**{**vars(eager), "cache_config": SimpleNamespace(enable_prefix_caching=True)})
-    wc.check_config(cached)  # prefix caching (vLLM's default) is supported: hits are sent as references
+    check_config(cached, auto)  # prefix caching (vLLM's default) is supported: hits are sent as references
     connector = SimpleNamespace(**{**vars(cached), "kv_transfer_config": SimpleNamespace(kv_connector="X")})
     with pytest.raises(StartupError, match="KV connector is configured.*another engine"):
-        wc.check_config(connector)
+        check_config(connector, auto)
 
 
 def test_block_ledger_names_the_computation_a_hit_reuses():

@@ -14,7 +14,7 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 from replay_client import choice_request_ids  # noqa: E402
-from replay_service.client import ReplayClient  # noqa: E402
+from replay_client.client import ReplayClient  # noqa: E402
 from tests.support.vllm_model import prompts  # noqa: E402
 from tests.test_vllm_e2e import (  # noqa: E402
     BLOCK,

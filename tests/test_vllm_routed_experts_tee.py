@@ -23,9 +23,11 @@ import pytest
 
 pytest.importorskip("vllm.distributed.aux_output_connector.connector")
 
-from capture.vllm.config import PluginConfig  # noqa: E402
+from capture.vllm.config import PluginConfig, capture_source  # noqa: E402
 from capture.vllm.engine_core import routed_experts_tee as tee_mod  # noqa: E402
-from replay_service.client import ReplayClient  # noqa: E402
+from capture.vllm.sink.handoff import start_sink  # noqa: E402
+from replay_client.client import ReplayClient  # noqa: E402
+from replay_format import Source  # noqa: E402
 
 BLOCK, K, E, LAYERS, DENSE = 4, 2, 8, 3, [0]  # MoE layers 1 and 2; layer 0 dense (vLLM's rows hold it as zeros)
 
@@ -177,12 +179,12 @@ class MiniEngine:
         self.worker.close()
 
 
-def test_capture_route_follows_vllms_flag(vllm_world):
+def test_capture_source_follows_vllms_flag(vllm_world):
     vllm_config, model = vllm_world
-    assert tee_mod.capture_route(vllm_config) is tee_mod.CaptureRoute.VLLM_TEE
-    assert tee_mod.capture_route(SimpleNamespace(aux_output_config=SimpleNamespace(
-        enable_return_routed_experts=False))) is tee_mod.CaptureRoute.PLUGIN
-    assert tee_mod.capture_route(None) is tee_mod.CaptureRoute.PLUGIN
+    assert capture_source(vllm_config) is Source.VLLM_OUTPUT
+    assert capture_source(SimpleNamespace(aux_output_config=SimpleNamespace(
+        enable_return_routed_experts=False))) is Source.VLLM_PLUGIN
+    assert capture_source(None) is Source.VLLM_PLUGIN
     # What the engine core asks its workers (collective_rpc): the layer ids vLLM's own binder bound.
     assert tee_mod.moe_layers_rpc(SimpleNamespace(model_runner=SimpleNamespace(model=model))) == [1, 2]
     shape = tee_mod.tee_shape(vllm_config, [1, 2])
@@ -196,7 +198,7 @@ def test_worker_capture_stays_off_when_vllm_captures(vllm_world):
     before = [s.capture_fn for s in model]
     wc = WorkerCapture(PluginConfig(url="http://127.0.0.1:9", run_id="r", token=None, spill_dir=None))  # type: ignore[arg-type]
     wc.startup(SimpleNamespace(model=model, vllm_config=vllm_config))
-    assert wc.recorder is None and wc.handoff is None  # no router bound, no sink: the hooks do nothing
+    assert wc.hooks is None  # no router bound, no sink: the hooks do nothing
     assert [s.capture_fn for s in model] == before  # the routers keep vLLM's own callbacks only
 
 
@@ -207,7 +209,7 @@ def test_the_service_stores_exactly_what_vllms_connector_commits(vllm_world, sha
     run = "tee-run"
     config = PluginConfig(url=shared_service.url, run_id=run, token=None, spill_dir=tmp_path / "spill")
     shape = tee_mod.tee_shape(vllm_config, tee_mod.moe_layer_ids(model))
-    tee = tee_mod.RoutedExpertsTee(shape, tee_mod.make_sink(config, shape, dp_rank=0))
+    tee = tee_mod.RoutedExpertsTee(shape, start_sink(config, shape, "vllm-tee-dp0", Source.VLLM_OUTPUT))
     tee_mod.attach(engine.scheduler, tee)
 
     shared = [11, 12, 13, 14, 15, 16, 17, 18]  # two full blocks

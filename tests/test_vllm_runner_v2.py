@@ -21,7 +21,7 @@ Checked here: every frame names exactly the requests of vLLM's own output for th
 order; each request's rows hold the positions the scheduler asked for and the tokens the model
 read (the prompt, or the token vLLM sampled the step before); prefill experts equal transformers'
 routing of the same prompt; no router capture of the runner's dummy/profile runs leaks into a frame;
-`SampledCounts` reads the per-request sampled counts of V2's `AsyncOutput` as vLLM's own
+`v2_sampled_counts` reads the per-request sampled counts of V2's `AsyncOutput` as vLLM's own
 `get_output` reports them.
 """
 
@@ -104,18 +104,18 @@ def drive(model_dir: str, out_path: str, capture_mode: str) -> None:
             pass
 
     kept = KeptHandoff()
+    shapes = []
 
-    class KeptCapture(WorkerCapture):
-        def make_handoff(self, shape):
-            self.shape = shape
-            return kept
+    def keep_frames(config, shape, writer_prefix, source):  # the sink start `WorkerCapture` is given
+        shapes.append(shape)
+        return kept
 
     vcfg = EngineArgs(model=model_dir, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
                       enforce_eager=True, dtype="float32", block_size=32).create_engine_config()
     assert vcfg.use_v2_model_runner
     plugin = PluginConfig("http://unused", "v2", None, Path(tempfile.mkdtemp()),  # nothing is spilled
                           capture_mode=CaptureMode(capture_mode))
-    wc = hooks._CURRENT = KeptCapture(plugin)
+    wc = hooks._CURRENT = WorkerCapture(plugin, start_sink=keep_frames)
     hooks.patch_v1_runner(plugin)  # what `capture.vllm.register` calls: the V1 hooks, then V2's
     assert is_patched(v2.GPUModelRunner.execute_model) and is_patched(v2.GPUModelRunner.prepare_inputs)
     with set_current_vllm_config(vcfg):
@@ -125,13 +125,13 @@ def drive(model_dir: str, out_path: str, capture_mode: str) -> None:
 
         runner = CPUModelRunner(vcfg, torch.device("cpu"))
         runner.load_model()
-        assert wc.recorder is not None and wc.handoff is not None  # the hook started the capture
+        assert wc.hooks is not None and wc.hooks.handoff is kept  # the hook started the capture
         spec = runner.get_kv_cache_spec()
         layouts = [layout.name for layout in get_supported_kv_cache_layouts(get_current_attn_backends(vcfg))]
         resolve_kv_cache_layout(vcfg, [layouts], list(spec.values()))  # the engine core does this once
         runner.initialize_kv_cache(get_kv_cache_configs(vcfg, [spec], [64 << 20])[0])
         runner.profile_run()  # dummy runs: their router captures are not a step's
-        ignored_after_profile = wc.ignored_captures
+        ignored_after_profile = wc.hooks.ignored_captures
 
         computed = dict.fromkeys(PROMPTS, 0)
         blocks = {rid: [i + 1] for i, rid in enumerate(PROMPTS)}  # one 32-token block each is enough
@@ -157,20 +157,20 @@ def drive(model_dir: str, out_path: str, capture_mode: str) -> None:
                                   finished_req_ids=set(finished), free_encoder_mm_hashes=[])
             assert runner.execute_model(out) is None
             async_out = runner.sample_tokens(None)
-            got = runner_v2.SampledCounts.from_output(async_out, list(async_out.model_runner_output.req_ids))
+            got = runner_v2.v2_sampled_counts(async_out, list(async_out.model_runner_output.req_ids))
             mro = async_out.get_output()
             outputs.append({"req_ids": list(mro.req_ids), "sampled": [list(t) for t in mro.sampled_token_ids],
                             "scheduled": scheduled, "computed": dict(computed)})
-            counts.append(([len(t) for t in got.sampled_token_ids] if got else None,
+            counts.append((got.num_sampled.tolist() if got else None,
                            [len(t) for t in mro.sampled_token_ids]))
             for rid, n in scheduled.items():
                 computed[rid] += n
-    shape = wc.shape
+    shape = shapes[-1]
     with open(out_path, "wb") as f:
         pickle.dump({"frames": kept.frames, "outputs": outputs, "counts": counts,
                      "shape": (shape.num_moe_layers, shape.top_k, shape.num_experts, shape.moe_layers),
-                     "ignored_after_profile": ignored_after_profile, "ignored_end": wc.ignored_captures,
-                     "steps": wc.steps, "mode": str(wc.mode)}, f)
+                     "ignored_after_profile": ignored_after_profile, "ignored_end": wc.hooks.ignored_captures,
+                     "steps": wc.hooks.steps, "mode": str(wc.mode)}, f)
 
 
 # ---- the tests ---------------------------------------------------------------------------------------
@@ -258,7 +258,7 @@ def test_v2_refusals_name_the_flag():
     from types import SimpleNamespace
 
     from capture.vllm.worker.runner_v2 import check_v2_config
-    from capture.vllm.worker.worker_capture import StartupError
+    from capture.vllm.worker.startup_checks import StartupError
 
     plain = SimpleNamespace(parallel_config=SimpleNamespace(prefill_context_parallel_size=1), speculative_config=None)
     check_v2_config(plain)

@@ -2,7 +2,7 @@
 
 Each case runs on every rank of a gloo pool: it builds vLLM's own `ForwardContext`
 (`DPMetadata`, `is_padding`) the way the model runner does, installs it with vLLM's
-`override_forward_context`, gives the plugin's `WorkerCapture.on_topk` (the router's
+`override_forward_context`, gives the plugin's `StepHooks.on_topk` (the router's
 `capture_fn`) the `topk_ids` that rank's router would see, and compares the recorded
 step with the whole batch's reference. The MoE layer is a stand-in carrying the config
 flags vLLM's `MoERunner` has (`moe_config.*`, `do_naive_dispatch_combine`, `layer_id`);
@@ -41,15 +41,12 @@ def stand_in_runner(naive=False, sp=False, a2a=False, pcp=1, dp=1):
 
 def make_capture(g, dp, pcp, tp, n):
     from capture import StepRecorder
-    from capture.vllm.config import PluginConfig
-    from capture.vllm.worker.sharding import Parallel
-    from capture.vllm.worker.worker_capture import OpenStep, WorkerCapture
+    from capture.vllm.worker.forward_sharding import Parallel
+    from capture.vllm.worker.step_hooks import OpenStep, StepHooks
     from replay_format import NO_TOKEN, RunShape
 
-    wc = WorkerCapture(PluginConfig("http://unused", "r", None, None))
-    wc.par = Parallel(tp, g.tp_rank, pcp, g.pcp_rank, dp, g.dp_rank, g.tp_group, g.pcp_group, g.dp_group)
-    wc.layers = {3: 0}
-    wc.recorder = StepRecorder(RunShape(1, K, E, (3,)), max_tokens=64)
+    par = Parallel(tp, g.tp_rank, pcp, g.pcp_rank, dp, g.dp_rank, g.tp_group, g.pcp_group, g.dp_group)
+    wc = StepHooks(StepRecorder(RunShape(1, K, E, (3,)), max_tokens=64), par, {3: 0})
     wc.open = OpenStep([f"r{g.dp_rank}-0000abcd"], np.array([0, n], np.int32), np.arange(n, dtype=np.int32),
                        np.full(n, NO_TOKEN, np.int32))
     wc.recorder.begin_step()
@@ -163,7 +160,9 @@ def case_pcp(n, dp, pcp, install_mask):
     from vllm.model_executor.layers.fused_moe.runner import moe_runner
 
     from capture import PcpPaddingMask
+    from capture.vllm.config import PluginConfig
     from capture.vllm.worker import runner as worker
+    from capture.vllm.worker.worker_capture import WorkerCapture
 
     g = groups(dp, pcp, 1)
     if not g.active:
@@ -210,7 +209,8 @@ def case_pcp(n, dp, pcp, install_mask):
         moe_runner.MoERunner._apply_quant_method = router_like
         if install_mask:
             wc.pcp_masks = PcpPaddingMask(g.pcp_group, pcp, needed=lambda: bool(envs.VLLM_MOE_SKIP_PADDING))
-            worker._CURRENT = wc
+            worker._CURRENT = WorkerCapture(PluginConfig("http://unused", "r", None, None))
+            worker._CURRENT.hooks = wc
             worker.patch_apply_quant_method()
         with override_forward_context(ctx):
             moe_runner.MoERunner._apply_quant_method(runner)

@@ -39,13 +39,14 @@ psutil = pytest.importorskip("psutil")
 
 from capture.sender_config import SenderConfig  # noqa: E402
 from capture.vllm.finish_notes import FinishJournal, journal_dir, pid_alive, read_notes  # noqa: E402
+from capture.vllm.sink.handoff import StepHandoff  # noqa: E402
 from capture.vllm.sink.spill_root import claim, drain, release  # noqa: E402
-from capture.vllm.worker.handoff import StepHandoff  # noqa: E402
 from replay_client import choice_request_ids  # noqa: E402
+from replay_client.client import ReplayClient  # noqa: E402
 from replay_format import RunShape  # noqa: E402
+from replay_format.request_notes import FinishStatus  # noqa: E402
 from replay_format.spill import SUFFIX  # noqa: E402
-from replay_format.step_frame import Ended, FinishStatus, StepFrame  # noqa: E402
-from replay_service.client import ReplayClient  # noqa: E402
+from replay_format.step_frame import Ended, StepFrame  # noqa: E402
 from tests.support.service import ServiceProcess, free_port  # noqa: E402
 from tests.support.vllm_model import prompts, start_api_server  # noqa: E402
 from tests.test_vllm_e2e import check_against_reference  # noqa: E402
@@ -265,8 +266,9 @@ time.sleep(600)
 def _worker_script() -> str:
     return "\n".join([
         "import sys, time", "from pathlib import Path", "import numpy as np",
-        "from capture.sender_config import SenderConfig", "from capture.vllm.worker.handoff import StepHandoff",
-        "from replay_format import RunShape", "from replay_format.step_frame import Ended, FinishStatus, StepFrame",
+        "from capture.sender_config import SenderConfig", "from capture.vllm.sink.handoff import StepHandoff",
+        "from replay_format import RunShape", "from replay_format.request_notes import FinishStatus",
+        "from replay_format.step_frame import Ended, StepFrame",
         f"SHAPE, ROWS = RunShape({SHAPE.num_moe_layers}, {SHAPE.top_k}, {SHAPE.num_experts}), {ROWS}",
         inspect.getsource(_frames), inspect.getsource(_handoff), _WORKER_MAIN,
     ])

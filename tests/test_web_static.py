@@ -1,4 +1,4 @@
-"""The web view's static files: everything ships in web/, nothing from elsewhere, data never as HTML.
+"""The web view's static files: everything ships in replay_service/web/, nothing from elsewhere, data never as HTML.
 
 No browser needed; tests/test_web_view.py drives the pages in Chromium.
 """
@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import httpx
 
-WEB = Path(__file__).resolve().parent.parent / "web"
+from replay_service.app import WEB_DIR as WEB
+
 FILES = sorted(p for p in WEB.rglob("*") if p.is_file())
 TEXT = {p: p.read_text() for p in FILES if p.suffix in {".html", ".js", ".css"}}
 

@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from replay_service.client import ReplayClient
+from replay_client.client import ReplayClient
 from tests.support.browser import browser, goto_hash, new_page, require_browser, set_hash
 from tests.support.service import ServiceProcess
 

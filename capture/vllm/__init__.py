@@ -13,9 +13,11 @@ engine core tees the rows vLLM's aux-output connector commits instead
 Errors are raised, not logged: vLLM does not catch exceptions from a plugin's function,
 so a misconfigured or unsupported setup stops at startup instead of recording garbage.
 
-By process: `config.py` and `version.py` run in every vLLM process; `engine_core/` in
+By process: `config.py`, `log.py` and `version.py` run in every vLLM process; `engine_core/` in
 the engine core; `worker/` in each worker; `sink/` in the sink process each sending
-worker starts (no torch, no vLLM).
+worker (or the engine core's tee) starts (no torch, no vLLM), and its client (`sink/handoff.py`,
+`sink/launch.py`) in the process that starts it. Engine core and worker are siblings: neither imports
+the other; what the engine core tells the workers travels as `scheduler_notes.SchedulerNotes`.
 """
 
 from __future__ import annotations

@@ -16,6 +16,10 @@ import enum
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported where it is used: `register()` reads this module in every vLLM process, off or on
+    from replay_format import Source
 
 ENV_URL = "ROUTING_REPLAY_URL"
 ENV_RUN = "ROUTING_REPLAY_RUN_ID"
@@ -88,3 +92,16 @@ class PluginConfig:
             verbose=_truthy(env.get(ENV_VERBOSE)),
             capture_mode=CaptureMode(mode),
         )
+
+
+def capture_source(vllm_config: Any) -> Source:
+    """Who captures this engine's rows, as they are stamped (`replay_format.Source`).
+
+    `Source.VLLM_OUTPUT` when the user turned on vLLM's own routed-experts output: its aux-output
+    connector captures, the engine core tees what it commits (`engine_core/routed_experts_tee.py`) and
+    the workers bind nothing. Else `Source.VLLM_PLUGIN`: the plugin's router callbacks in each worker.
+    """
+    from replay_format import Source
+
+    aux = getattr(vllm_config, "aux_output_config", None)
+    return Source.VLLM_OUTPUT if bool(getattr(aux, "enable_return_routed_experts", False)) else Source.VLLM_PLUGIN

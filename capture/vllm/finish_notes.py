@@ -27,12 +27,11 @@ removes its file; files of engine cores gone for `STALE_S` are removed by the ne
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
 from pathlib import Path
 
-log = logging.getLogger("routing_replay.vllm")
+from capture.vllm.log import log
 
 DIRNAME = ".finish-notes"
 SUFFIX = ".jsonl"

@@ -8,7 +8,7 @@ from starlette.concurrency import run_in_threadpool
 from replay_format import ARROW_STREAM_MEDIA_TYPE
 from replay_service.api.deps import RequestId, RunId, Settings, Store, read_body
 from replay_service.api.models import BODY_LIMITS, CONFLICT, ERRORS, CompareList, CompareRequestDetail, CompareResult
-from replay_service.compare import compare_request_detail, record_compare
+from replay_service.compare.comparison import compare_request_detail, record_compare
 from replay_service.errors import UnsupportedMediaType
 
 router = APIRouter(prefix="/v1", tags=["compare"], responses=ERRORS)

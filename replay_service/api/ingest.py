@@ -26,10 +26,10 @@ from replay_service.api.deps import (
 )
 from replay_service.api.models import BODY_LIMITS, CONFLICT, ERRORS, STORAGE_FULL, RequestSummary
 from replay_service.errors import ServiceError
-from replay_service.ingest.commit import IngestOutcome, IngestResult
 from replay_service.ingest.decode import UploadOptions, decode_batch, decode_route, parse_moe_layers
 from replay_service.metrics import ServiceMetrics
 from replay_service.store import RequestStatus
+from replay_service.store.ingest_stage import IngestOutcome, IngestResult
 
 router = APIRouter(prefix="/v1", tags=["ingest"], responses=ERRORS)
 
@@ -45,6 +45,8 @@ class IngestAnswer(BaseModel):
     bytes: int = Field(description="bytes of the segment written (0 for a duplicate)")
 
 
+# The finish body of replay_format/request_notes.md (`Finish.body` writes it, under these field names);
+# the bounds and error messages are this API's.
 class FinishBody(BaseModel):
     """A request's end."""
 
@@ -89,7 +91,7 @@ async def ingest(request: Request, store: Store, settings: Settings, metrics: Me
              response_model=RequestSummary, responses=CONFLICT)
 def finish(run: RunId, request: RequestId, body: FinishBody, store: Store) -> dict:
     """The request's summary afterwards; 409 when it already ended with another count or status."""
-    return store.finish(run, request, body.num_tokens, body.status)
+    return store.finish(run, request, body.num_tokens, body.status).to_json()
 
 
 @router.post(

@@ -221,6 +221,8 @@ MAX_REFERENCES = 10_000  # per body: a step's references are a few per scheduled
 POSITION_END_MAX = 2**31 - 1  # positions are int32
 
 
+# The references body of replay_format/request_notes.md (`references_body` writes it, under these field names);
+# the bounds and error messages are this API's.
 class PrefixReference(BaseModel):
     """Positions `[start, end)` of `request_id` hold the rows `source_request_id` stored at the same positions.
 
@@ -325,8 +327,9 @@ class CompareRequestDetail(BaseModel):
 
 
 class Health(BaseModel):
-    """Liveness and where the store is."""
+    """Liveness, where the store is, and which release answers."""
 
     status: str
     runs: int
     data_dir: str
+    version: str = Field(description="the routing-replay release serving (its distribution version)")

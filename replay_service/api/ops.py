@@ -1,10 +1,11 @@
-"""Operations: health and Prometheus metrics."""
+"""Operations: health (with the release's version) and Prometheus metrics."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from replay_service import __version__
 from replay_service.api.deps import Metrics, Settings, Store
 from replay_service.api.models import Health
 
@@ -18,7 +19,7 @@ def healthz(store: Store, settings: Settings) -> dict:
     load balancer's health check takes it out (docs/scale_out.md)."""
     runs = store.run_count()
     store.segments.ping()
-    return {"status": "ok", "runs": runs, "data_dir": str(settings.data_dir)}
+    return {"status": "ok", "runs": runs, "data_dir": str(settings.data_dir), "version": __version__}
 
 
 @router.get(

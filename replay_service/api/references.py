@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from replay_format.request_notes import Reference
 from replay_service.api.deps import RunId, Settings, Store
 from replay_service.api.models import ERRORS, ReferenceBatch, ReferencesAnswer
 from replay_service.errors import InvalidInput
-from replay_service.store.references import Reference
 
 router = APIRouter(prefix="/v1", tags=["ingest"], responses=ERRORS)
 

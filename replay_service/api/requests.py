@@ -10,7 +10,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 
 from replay_format import ARROW_STREAM_MEDIA_TYPE, ID_RULE, parse_flag, valid_id
-from replay_service import encode
+from replay_service.api import encode
 from replay_service.api.deps import RequestId, RunId, Settings, Store
 from replay_service.api.models import (
     ARROW_ANSWER,
@@ -41,13 +41,13 @@ def list_requests(
     limit: int = Query(100, ge=1),
 ) -> dict:
     wanted = parse_flag(flag) if flag else None
-    return store.list_requests(run, wanted, cursor, min(limit, settings.page_limit_max))
+    return store.list_requests(run, wanted, cursor, min(limit, settings.page_limit_max)).to_json()
 
 
 @router.get("/runs/{run}/requests/{request}", summary="One request: status, rows, counts per flag",
             response_model=RequestSummary)
 def request_summary(run: RunId, request: RequestId, store: Store) -> dict:
-    return store.request_summary(run, request)
+    return store.request_summary(run, request).to_json()
 
 
 @router.get(

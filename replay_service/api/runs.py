@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
-from replay_service import encode
+from replay_service.api import encode
 from replay_service.api.deps import RunId, Store
 from replay_service.api.models import ERRORS, ExpertLoad, RunDeleteAnswer, RunList, RunSummary
 

@@ -1,34 +1,26 @@
 """Trainer slices over HTTP: Megatron-core RouterReplay per rank, verl dense batches (replay_service/trainer/).
 
-The bodies here only name what the trainer runs; `replay_service.trainer` turns them into a token
-plan (`layouts.MegatronSpec`, a convention's padding from `conventions.py`) and a slice.
+The bodies here validate what the trainer runs and become the trainer query (replay_format/trainer_query.md);
+`replay_service.trainer.reads.read_slice` plans its tokens and builds the slice.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any, ClassVar
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from replay_format import ARROW_STREAM_MEDIA_TYPE, LayerAxis
+from replay_format import trainer_query as tq
 from replay_format.trainer_slice import Convention, CpSplit, MissingPolicy, Packing, TotalPad
 from replay_service.api.deps import Settings, Store
+from replay_service.api.encode import joined_small
 from replay_service.api.models import CONFLICT, ERRORS, LAYOUT_LIMITS, binary_answer
 from replay_service.api.parts_response import PartsResponse
-from replay_service.encode import joined_small
-from replay_service.settings import ServiceSettings
-from replay_service.trainer import layouts
-from replay_service.trainer.conventions import ThdPadding, resolve_padding
-from replay_service.trainer.reads import (
-    SequenceRef,
-    SliceAnswer,
-    SliceLimits,
-    SliceQuery,
-    missing_policy,
-    read_rank_slice,
-)
+from replay_service.trainer.plans import SliceLimits
+from replay_service.trainer.reads import read_slice
 
 router = APIRouter(prefix="/v1/trainer", tags=["trainer"], responses=ERRORS)
 
@@ -54,6 +46,10 @@ class Sequence(BaseModel):
         None, ge=1, le=INT32_MAX, description="tokens fed from start; default: the whole request (rows + 1)"
     )
 
+    def ref(self) -> tq.SequenceRef:
+        """This sequence as the query names it."""
+        return tq.SequenceRef(self.run, self.request, self.start, self.num_tokens)
+
 
 class _Common(BaseModel):
     # an unknown field is refused, never ignored: a misspelt (or pre-rename) stage field would serve every layer
@@ -74,14 +70,23 @@ class _Common(BaseModel):
         "rows); filler replays filler ids (valid=0), which changes every later token's hidden state")
     strict: bool | None = Field(None, description="deprecated alias: true = missing=strict, false = missing=filler")
 
-    def query(self) -> SliceQuery:
-        """The domain query of this body."""
-        refs = [SequenceRef(s.run, s.request, s.start, s.num_tokens) for s in self.sequences]
-        return SliceQuery(refs, self.moe_ordinals, self.model_layer_range, self.missing_policy(), self.layer_axis)
+    QUERY: ClassVar[type[tq.MegatronQuery] | type[tq.VerlQuery]]  # the trainer query a body of this kind is
 
-    def missing_policy(self) -> MissingPolicy:
-        """`missing`, or what the older `strict` flag meant; strict when neither is given."""
-        return missing_policy(self.missing, self.strict)
+    def query(self) -> tq.TrainerQuery:
+        """This body as the trainer query (replay_format/trainer_query.md): the same fields, typed and frozen.
+
+        The fields of a kind (Megatron's, verl's) go over by name, lists as tuples.
+        """
+        own = {name: getattr(self, name) for name in type(self).model_fields if name not in _Common.model_fields}
+        layers = tq.StageLayers(None if self.moe_ordinals is None else tuple(self.moe_ordinals),
+                                self.model_layer_range, self.layer_axis)
+        return self.QUERY(sequences=tuple(s.ref() for s in self.sequences), layers=layers, missing=self.missing,
+                          strict=self.strict, **{k: _frozen(v) for k, v in own.items()})
+
+
+def _frozen(value: Any) -> Any:
+    """A body's value as a frozen record holds it: a list as a tuple."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 class MegatronQuery(_Common):
@@ -113,22 +118,13 @@ class MegatronQuery(_Common):
     sequence_parallel: bool = Field(True, description="split this CP rank's tokens over TP (megatron-core's SP "
                                     "scatter; verl always does)")
 
-    def spec(self) -> layouts.MegatronSpec:
-        """The rank's token-plan parameters; InvalidInput for options that do not go together."""
-        return layouts.MegatronSpec(self.packing, self.padding(), self.seq_length, self.cp_split, self.cp_size,
-                                    self.cp_rank, self.tp_size, self.tp_rank, self.sequence_parallel,
-                                    self.convention)
-
-    def padding(self) -> ThdPadding:
-        """THD padding: the convention's, or the explicit fields over verl's default rule."""
-        return resolve_padding(self.packing, self.convention, cp_size=self.cp_size, tp_size=self.tp_size,
-                               cp_split=self.cp_split, pad_multiple=self.pad_multiple,
-                               total_multiple=self.total_multiple, total_pad=self.total_pad,
-                               data_pad_size_multiplier=self.data_pad_size_multiplier, fp8_padding=self.fp8_padding)
+    QUERY = tq.MegatronQuery
 
 
 class VerlQuery(_Common):
     """A verl micro-batch, dense."""
+
+    QUERY = tq.VerlQuery
 
     prompt_lengths: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(
         description="prompt tokens of each sequence (before left padding)")
@@ -136,15 +132,8 @@ class VerlQuery(_Common):
     response_width: int = Field(ge=0, le=INT32_MAX, description="padded response length (right-padded)")
 
 
-def _check_size(size: layouts.LayoutSize, settings: ServiceSettings) -> None:
-    layouts.check_size(size, settings.max_layout_tokens, settings.max_read_rows)
-
-
-def _limits(settings: ServiceSettings) -> SliceLimits:
-    return SliceLimits(settings.max_batch_requests, settings.max_read_rows, settings.strict_report_rows)
-
-
-def _answered(answer: SliceAnswer) -> PartsResponse:
+async def _answered(store: Store, query: tq.TrainerQuery, settings: Settings) -> PartsResponse:
+    answer = await run_in_threadpool(read_slice, store, query, SliceLimits.of(settings))
     headers = {"X-Layout-Tokens": str(answer.tokens), "X-Layout-Valid": str(answer.valid)}
     # the parts reference the gathered arrays: no copy of the ids between the gather and the socket; the
     # small framing parts joined, so the whole slice goes out in a few writes (not one loop round trip a part)
@@ -158,16 +147,7 @@ def _answered(answer: SliceAnswer) -> PartsResponse:
     responses=SLICE_ANSWER,
 )
 async def megatron(body: MegatronQuery, store: Store, settings: Settings) -> PartsResponse:
-    spec = body.spec()
-    # refused before the store is read when even the given (else 1-token) sequences make it too large
-    _check_size(layouts.megatron_size([s.num_tokens or 1 for s in body.sequences], spec), settings)
-
-    def make_plan(specs: list[layouts.SequenceSpec]) -> layouts.TokenPlan:
-        lengths = [s.num_tokens for s in specs]
-        _check_size(layouts.megatron_size(lengths, spec), settings)  # before the plan's arrays exist
-        return layouts.megatron_plan(lengths, spec)
-
-    return _answered(await run_in_threadpool(read_rank_slice, store, body.query(), make_plan, _limits(settings)))
+    return await _answered(store, body.query(), settings)
 
 
 @router.post(
@@ -177,10 +157,4 @@ async def megatron(body: MegatronQuery, store: Store, settings: Settings) -> Par
     responses=SLICE_ANSWER,
 )
 async def verl(body: VerlQuery, store: Store, settings: Settings) -> PartsResponse:
-    _check_size(layouts.verl_size(len(body.sequences), body.prompt_width, body.response_width), settings)
-
-    def make_plan(specs: list[layouts.SequenceSpec]) -> layouts.TokenPlan:
-        return layouts.verl_plan(body.prompt_lengths, [s.num_tokens for s in specs], body.prompt_width,
-                                 body.response_width)
-
-    return _answered(await run_in_threadpool(read_rank_slice, store, body.query(), make_plan, _limits(settings)))
+    return await _answered(store, body.query(), settings)

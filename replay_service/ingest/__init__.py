@@ -1,10 +1,10 @@
 """Ingest: one batch of rows through a visible pipeline, one module per stage (runs in the service).
 
     decode.py    body -> Rows                       (engine_outputs.py: .npy and SGLang JSON routes)
-    check.py     Rows -> CheckedRows                (kernels.py: the compiled row checks, the STALE table)
+    checks/      Rows -> CheckedRows                (`replay_service.checks`: check.py, kernels.py)
     segment.py   CheckedRows -> Segment             (a durable Arrow IPC file)
     commit.py    Segment -> IngestResult            (one index transaction)
     pipeline.py  runs check -> segment -> commit for `RouteStore.ingest`
 
-CONFLICT (the same position twice with different ids) is decided in check.py only.
+CONFLICT (the same position twice with different ids) is decided in `checks/check.py` only.
 """

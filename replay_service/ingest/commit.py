@@ -23,46 +23,22 @@ resolves here). Each batch is committed in its writer's context (`ownership.acti
 from __future__ import annotations
 
 import contextvars
-import enum
 import threading
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from replay_format import Flag, RunShape
+from replay_service.checks.check import CheckedRows, repeat_conflicts
 from replay_service.errors import Conflict, RunDeleted
-from replay_service.ingest.check import CheckedRows, repeat_conflicts
 from replay_service.ingest.segment import Segment, SegmentWriter
 from replay_service.ownership import claim_requests
 from replay_service.store.index import COUNTED_FLAGS, Index, IndexTransaction
+from replay_service.store.ingest_stage import IngestOutcome, IngestResult
 from replay_service.store.reads import RowReader
 from replay_service.store.references import HeldRows, Resolver
 from replay_service.store.runs import RunState
-
-
-class IngestOutcome(enum.StrEnum):
-    """What became of one ingested batch (also the `replay_ingest_batches_total` label)."""
-
-    STORED = "stored"
-    DUPLICATE = "duplicate"  # this (run, writer, seq) was stored before: nothing written
-    REJECTED = "rejected"  # refused with a domain or format error: nothing written
-
-
-@dataclass
-class IngestResult:
-    """The answer to one ingested batch."""
-
-    outcome: IngestOutcome
-    rows: int  # rows in the batch, padding dropped
-    padding_dropped: int = 0
-    flagged: dict[str, int] = field(default_factory=dict)  # flag name -> rows of this batch, where not 0
-    bytes: int = 0  # segment size
-
-    @property
-    def stored(self) -> bool:
-        """True when this call stored the batch."""
-        return self.outcome == IngestOutcome.STORED
 
 
 @dataclass

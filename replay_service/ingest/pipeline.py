@@ -1,10 +1,11 @@
 """The ingest pipeline: one batch through decode -> check -> segment -> commit.
 
-    body --decode.py--> Rows --check.py--> CheckedRows --segment.py--> Segment --commit.py--> IngestResult
+    body --decode.py--> Rows --checks/check.py--> CheckedRows --segment.py--> Segment --commit.py--> IngestResult
 
 Decoding happens before this (the API decodes the body it was sent; `decode.py`); `IngestPipeline.ingest`
 runs the rest in order. A retry of a stored batch is answered after the check stage (its digest is
-known then) and goes no further.
+known then) and goes no further. `IngestPipeline.for_store` builds the pipeline a store is opened with
+(`replay_service.app.open_store`); the store calls it through `store/ingest_stage.py`'s `BatchIngest`.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from replay_format.rows import Rows
+from replay_service.buffers import BufferPool
+from replay_service.checks.check import check, check_stale, content_check_applies
+from replay_service.checks.kernels import RecentRows, warm_up
 from replay_service.errors import RunDeleted, StorageFull
-from replay_service.ingest.check import check, check_stale, content_check_applies
-from replay_service.ingest.commit import Committer, IngestResult
-from replay_service.ingest.kernels import RecentRows, warm_up
+from replay_service.ingest.commit import Committer
 from replay_service.ingest.segment import SegmentWriter
+from replay_service.store import RouteStore
+from replay_service.store.ingest_stage import IngestResult
 from replay_service.store.runs import RunRegistry
 
 
@@ -33,6 +37,16 @@ class IngestPipeline:
         self.recent = recent
         self.stale_min_entropy_bits = stale_min_entropy_bits
         warm_up()  # compile the row checks now, not in the first client's ingest
+
+    @classmethod
+    def for_store(cls, store: RouteStore) -> IngestPipeline:
+        """The pipeline of `store`, with the settings it was opened with (`RouteStore`'s `pipeline` argument)."""
+        settings = store.settings
+        staging = BufferPool(keep=settings.max_concurrent_ingests)  # segment images before they are written
+        segments = SegmentWriter(store.segments, staging, fsync=settings.fsync, direct=settings.direct_io,
+                                 compression=settings.segment_compression)
+        return cls(store.registry, segments, Committer(store.index, store.reader, segments),
+                   RecentRows(settings.stale_table_rows), settings.stale_min_entropy_bits)
 
     def ingest(self, rows: Rows) -> IngestResult:
         """Store one decoded batch; idempotent on (run_id, writer_id, seq)."""

@@ -1,4 +1,4 @@
-"""Ingest stage 3, segment: a checked batch becomes one durable Arrow IPC file (rows.md schema).
+"""Ingest stage 3, segment: a checked batch becomes one durable Arrow IPC file (segment.md).
 
 The file is written and its data fsynced before the run's lock is taken, so concurrent ingests
 overlap their writes and fsyncs; its folder's fsync (the rename) is left to the commit stage, which
@@ -10,7 +10,7 @@ In an object store (`REPLAY_SEGMENTS_URL`, store/segment_store.py) the same imag
 complete when the upload returns: nothing for the commit stage to sync. Uncompressed, it also carries block
 checksums and its buffers' offsets, so reads fetch only the rows they serve (`object_image`, store/ranges.py).
 
-A segment carries what its index rows say (rows.md, "Segment files"): the batch's run, writer, seq,
+A segment carries what its index rows say (segment.md): the batch's run, writer, seq,
 shape, digest, when it was written and the padding dropped per request, and a CRC32C over all of it
 and the rows (`store/integrity.py`), checked whenever the segment is opened for reading.
 """
@@ -28,13 +28,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from replay_format.rows import CHECKSUM_KEY, LAYOUT_KEY, SegmentCompression, SegmentMeta
+from replay_format.segment import BUFFER_OFFSETS_KEY, CHECKSUM_KEY, SegmentCompression, SegmentMeta
 from replay_service.buffers import PAGE, BufferPool
+from replay_service.checks.check import CheckedRows
 from replay_service.errors import SegmentStoreUnreachable
-from replay_service.ingest.check import CheckedRows
-from replay_service.store.files import TMP_SUFFIX, fsync_dir
+from replay_service.store.durable import fsync_dir, tmp_path
 from replay_service.store.integrity import seal
-from replay_service.store.ranges import fill_layout, layout_of, ranged_metadata
+from replay_service.store.ranges import buffer_offsets, fill_offsets, ranged_metadata
 from replay_service.store.segment_store import LocalSegments, S3Segments, SegmentStore
 
 log = logging.getLogger("replay_service")
@@ -105,7 +105,7 @@ def segment_image(batch: pa.RecordBatch, compression: SegmentCompression = Segme
 def object_image(batch: pa.RecordBatch, compression: SegmentCompression = SegmentCompression.NONE) -> pa.Buffer:
     """An unsealed segment batch sealed, as the whole image an object store holds.
 
-    Uncompressed, it also carries its block checksums and its buffers' offsets (rows.md, "Blocks";
+    Uncompressed, it also carries its block checksums and its buffers' offsets (segment.md, "Blocks";
     store/ranges.py), so a read fetches only the blocks of the rows it asks for. Finding the offsets takes a
     second image build (a copy of the batch in memory, small beside the upload); local segments, read through a
     memory map, carry neither.
@@ -114,9 +114,9 @@ def object_image(batch: pa.RecordBatch, compression: SegmentCompression = Segmen
         return segment_image(seal(batch), compression)
     md = ranged_metadata(batch)
     first = segment_image(batch.replace_schema_metadata({**md, CHECKSUM_KEY: "0" * 8}))  # the checksum's width
-    md = fill_layout(md, first)
+    md = fill_offsets(md, first)
     image = segment_image(seal(batch.replace_schema_metadata(md)))
-    if json.loads(md[LAYOUT_KEY]) != layout_of(image):  # same widths, same places: checked, never assumed
+    if json.loads(md[BUFFER_OFFSETS_KEY]) != buffer_offsets(image):  # same widths, same places: checked, never assumed
         raise RuntimeError("a segment's buffers moved between its two image builds")
     return image
 
@@ -133,11 +133,11 @@ def write_segment(path: Path, batch: pa.RecordBatch, staging: BufferPool, fsync:
     with O_DIRECT: the bytes go to disk without first being copied into freshly
     allocated page cache (measured: most of the write's CPU on the bench VM, see
     buffers.py). Reads later fault the pages in from disk. A filesystem without
-    O_DIRECT (tmpfs) gets an ordinary buffered write. With `compression` (rows.md,
+    O_DIRECT (tmpfs) gets an ordinary buffered write. With `compression` (segment.md,
     "Compression") the image is encoded and compressed once, then copied into the staging buffer.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + TMP_SUFFIX)
+    tmp = tmp_path(path)
     options = compression.ipc_options()
     compressed = None
     if compression is SegmentCompression.NONE:

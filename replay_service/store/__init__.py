@@ -11,8 +11,9 @@ Segments may live in an S3-compatible bucket instead (`REPLAY_SEGMENTS_URL=s3://
 segment_store.py), the runs' journals with them (journal.py); the index may be a PostgreSQL database
 (`REPLAY_INDEX_URL`) that any number of replicas share (`index_target`).
 
-`RouteStore` is the service's one handle on it. Batches come in through the ingest pipeline
-(`replay_service.ingest`: decode -> check -> segment -> commit); an ingest is acknowledged
+`RouteStore` is the service's one handle on it. Batches come in through the ingest pipeline it is
+opened with (`replay_service.ingest`: decode -> check -> segment -> commit; it stands above the store and
+is given to it, `ingest_stage.py`, by `replay_service.app.open_store`); an ingest is acknowledged
 after its segment is fsynced and renamed into place and its index rows are committed
 (synchronous=FULL). Reading a request asks the index for its spans (segment, row range,
 position range) and slices the memory-mapped segments (reads.py): no file of the run is
@@ -24,31 +25,29 @@ positions served by rows another request stored, stored once).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from replay_format import Flag, RunShape
+from replay_format.request_notes import Reference
 from replay_format.rows import Rows
-from replay_service.buffers import BufferPool
 from replay_service.errors import Conflict, InvalidInput, NotFound, RunDeleted
 from replay_service.ownership import claim_requests, current_actor, require_owner
 from replay_service.settings import ServiceSettings
 from replay_service.store.compares import CompareStore
 from replay_service.store.ends import upload_end
 from replay_service.store.files import QUARANTINE_DIR, SegmentCache, Sweep, require_index, sweep_unindexed
-from replay_service.store.index import Index, RequestStatus, Row, count_column, load_of
+from replay_service.store.index import Index, RequestStatus, Row, load_of
+from replay_service.store.ingest_stage import BatchIngest, IngestResult
 from replay_service.store.journal import open_journal
 from replay_service.store.reads import RouteRows, RowReader
+from replay_service.store.references import Resolution, Resolver
 from replay_service.store.retention import Removed, delete_run, empty_trash, retention_fields
 from replay_service.store.runs import RunRegistry
 from replay_service.store.segment_store import LocalSegments, S3Segments, open_segment_store
-from replay_service.store.summaries import expected_rows, request_summary, run_summary
-
-if TYPE_CHECKING:
-    from replay_service.ingest.commit import IngestResult
-    from replay_service.store.references import Reference, Resolution
+from replay_service.store.summaries import RequestPage, RequestRecord, run_summary
 
 __all__ = ["RequestStatus", "RouteRows", "RouteStore", "index_target"]
 
@@ -61,14 +60,12 @@ def index_target(settings: ServiceSettings) -> str | Path:
 class RouteStore:
     """Runs, requests and their rows in one data directory: ingest, finish, reads and summaries."""
 
-    def __init__(self, settings: ServiceSettings) -> None:
-        # The ingest stages build on the store's modules (index, reads, runs, files), so the
-        # store imports them here, when a store is made, not when the package is imported.
-        from replay_service.ingest.commit import Committer
-        from replay_service.ingest.kernels import RecentRows
-        from replay_service.ingest.pipeline import IngestPipeline
-        from replay_service.ingest.segment import SegmentWriter
+    def __init__(self, settings: ServiceSettings, pipeline: Callable[[RouteStore], BatchIngest]) -> None:
+        """Open the data directory `settings` name; `pipeline` builds the ingest pipeline on the opened store.
 
+        The pipeline stands above the store (it builds on its index, reads and files), so it is given, not made
+        here: `replay_service.app.open_store` gives `IngestPipeline.for_store`.
+        """
         self.settings = settings
         self.root = Path(settings.data_dir)
         self.segments_root = self.root / "runs"
@@ -105,11 +102,7 @@ class RouteStore:
         self.registry = RunRegistry(self.index)
         self.compares = CompareStore(self.root / "compares", self.index, fsync=settings.fsync,
                                      bucket=self.segments if isinstance(self.segments, S3Segments) else None)
-        staging = BufferPool(keep=settings.max_concurrent_ingests)  # segment images before they are written
-        segments = SegmentWriter(self.segments, staging, fsync=settings.fsync, direct=settings.direct_io,
-                                 compression=settings.segment_compression)
-        self.pipeline = IngestPipeline(self.registry, segments, Committer(self.index, self.reader, segments),
-                                       RecentRows(settings.stale_table_rows), settings.stale_min_entropy_bits)
+        self.pipeline = pipeline(self)
 
     def close(self) -> None:
         """Close the index."""
@@ -132,7 +125,7 @@ class RouteStore:
                 self.journal.run_created(rows.meta.run_id, run["created_at"])
         return result
 
-    def finish(self, run_id: str, request_id: str, num_tokens: int, status: RequestStatus | str) -> dict:
+    def finish(self, run_id: str, request_id: str, num_tokens: int, status: RequestStatus | str) -> RequestRecord:
         """Record a request's end with T = `num_tokens`; the request summary.
 
         Conflict when it ended otherwise, or when T contradicts its stored rows (a finish never cuts rows);
@@ -167,8 +160,6 @@ class RouteStore:
         Idempotent on (run, request, start, end, source); NotFound for an unknown run. One transaction,
         under the run's commit lock: a reference and its source's rows resolve once, in either order.
         """
-        from replay_service.store.references import Resolver  # builds on the ingest stage's CONFLICT rule
-
         run = self.registry.require(run_id)
         with run.lock, self.index.transaction() as tx:
             tx.lock_runs([run_id])  # and every other replica's commits of this run (PostgreSQL)
@@ -246,35 +237,40 @@ class RouteStore:
             raise NotFound(f"request {request_id!r} not found in run {run_id!r}")
         return row
 
-    def request_summary(self, run_id: str, request_id: str) -> dict:
-        """One request's summary (api.models.RequestSummary fields)."""
-        return request_summary(self._request(run_id, request_id))
+    def request_summary(self, run_id: str, request_id: str) -> RequestRecord:
+        """One request's summary (api.models.RequestSummary fields); NotFound when the run or the request is not."""
+        return RequestRecord.of(self._request(run_id, request_id))
 
-    def list_requests(self, run_id: str, flag: Flag | None, cursor: str | None, limit: int) -> dict:
+    def list_requests(self, run_id: str, flag: Flag | None, cursor: str | None, limit: int) -> RequestPage:
         """A page of request summaries after `cursor` by id (those with `flag` only), and the next cursor."""
         self.registry.require(run_id)
         rows = self.index.requests_page(run_id, flag, cursor, limit + 1)
-        items = [request_summary(r) for r in rows[:limit]]
-        return {"items": items, "next_cursor": items[-1]["request_id"] if len(rows) > limit else None}
+        items = [RequestRecord.of(r) for r in rows[:limit]]
+        return RequestPage(items, items[-1].request_id if len(rows) > limit else None)
 
     def read_route(self, run_id: str, request_id: str, start: int = 0, end: int | None = None) -> RouteRows:
         """Rows `[start, end)` of a request, dense by position: a missing position is a GAP row.
 
         RunDeleted when the run was deleted while it was read (its spans may have gone: never GAP rows for that).
         """
+        return self.read_rows(run_id, self.request_summary(run_id, request_id), start, end)
+
+    def read_rows(self, run_id: str, request: RequestRecord, start: int = 0, end: int | None = None) -> RouteRows:
+        """`read_route` of a request whose summary the caller holds (`request_summary`): no second index lookup.
+
+        The late CONFLICT flags are looked up when `request` counted some.
+        """
         state = self.registry.require(run_id)
-        shape = state.shape
-        request = self._request(run_id, request_id)
         if end is None:
-            end = expected_rows(request)
+            end = request.expected_rows
         if start < 0 or end < start:
             raise InvalidInput(f"bad range start={start} end={end}")
         if end - start > self.settings.max_read_rows:
             raise InvalidInput(
                 f"range {start}..{end} is {end - start} rows, more than one read returns "
                 f"(REPLAY_MAX_READ_ROWS={self.settings.max_read_rows}); read it in pieces with start/end")
-        late = self.index.late_flags(run_id, request_id, start, end) if request[count_column(Flag.CONFLICT)] else {}
-        route = self.reader.route(run_id, request_id, shape, start, end, late)
+        late = self.index.late_flags(run_id, request.request_id, start, end) if request.flagged[Flag.CONFLICT] else {}
+        route = self.reader.route(run_id, request.request_id, state.shape, start, end, late)
         if state.deleted:
             raise RunDeleted(f"run {run_id!r} was deleted while this read was under way")
         return route

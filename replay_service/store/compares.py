@@ -13,14 +13,13 @@ replica stored (not `.arrow`, so segment listings and the orphan collector pass 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from replay_format.compare import CompareFileMeta, RequestMismatch, encode_compare_file, read_compare_file
 from replay_format.core import UndecodableError
 from replay_service.errors import NotFound
-from replay_service.store.files import fsync_dir
+from replay_service.store.durable import write_file
 from replay_service.store.index import Index, IndexTransaction
 from replay_service.store.index_backends import Dialect
 from replay_service.store.segment_store import S3Segments
@@ -78,22 +77,10 @@ class CompareStore:
             self.bucket.put(rel, data)
         else:
             rel = f"{doc['run_id']}/{doc['compare_id']}.npz"
-            self._write_local(self.root / rel, data)
+            write_file(self.root / rel, data, fsync=self.fsync)
         with self.index.transaction() as tx:
             tx.execute(INSERT, (doc["compare_id"], doc["run_id"], doc["created_at"], rel, json.dumps(names),
                                 json.dumps(doc)))
-
-    def _write_local(self, path: Path, data: bytes) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            if self.fsync:
-                fh.flush()
-                os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        if self.fsync:
-            fsync_dir(path.parent)
 
     def delete_rows(self, tx: IndexTransaction, run_id: str) -> int:
         """Delete a run's comparison rows inside `tx` (retention.py removes their files after it commits)."""

@@ -23,7 +23,6 @@ changes (restored from a backup).
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import threading
 import time
@@ -34,22 +33,13 @@ from pathlib import Path
 import pyarrow as pa
 
 from replay_service.errors import DamagedSegment, IndexNeedsRebuild, RunDeleted
+from replay_service.store.durable import TMP_SUFFIX, fsync_dir
 from replay_service.store.integrity import open_segment
 from replay_service.store.segment_store import SEGMENT_SUFFIX, LocalSegments, SegmentStore
 
 log = logging.getLogger("replay_service")
 
-TMP_SUFFIX = ".tmp"
 QUARANTINE_DIR = "quarantine"  # under the data directory, beside `runs/`
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a directory's entries (a rename into it) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def segment_files(root: Path) -> list[str]:
@@ -155,7 +145,7 @@ def heap_bytes(batch: pa.RecordBatch) -> int:
 class SegmentCache:
     """LRU of opened, checked segments; local reads are zero-copy views into the page cache.
 
-    A compressed segment (rows.md, "Compression") is held decompressed in memory, and a segment fetched from an
+    A compressed segment (segment.md, "Compression") is held decompressed in memory, and a segment fetched from an
     object store is held whole: those count against `max_heap_bytes`, so the cache's memory stays bounded
     whatever the codec and the store.
     """

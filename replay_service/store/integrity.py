@@ -1,4 +1,4 @@
-"""Segment integrity: each segment's CRC32C (rows.md, "Segment files"), sealed when written, checked when opened.
+"""Segment integrity: each segment's CRC32C (segment.md), sealed when written, checked when opened.
 
 A segment is checked whole, once per open (the segment cache keeps it mapped afterwards), and by
 `replay-service verify`. The checksum covers the rows' content and the segment's metadata, not the Arrow
@@ -11,7 +11,7 @@ implementation (SSE4.2 / ARMv8 CRC): a few GB/s, small beside faulting the pages
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import google_crc32c
@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from replay_format import FormatError
 from replay_format.core import decode_metadata, token_ids
-from replay_format.rows import BLOCK_CHECKSUM_KEY, CHECKSUM_KEY
+from replay_format.segment import BLOCK_CHECKSUM_KEY, CHECKSUM_KEY
 from replay_service.errors import DamagedSegment
 from replay_service.store.ranges import block_crcs
 from replay_service.store.segment_store import LocalSegments, SegmentStore
@@ -31,7 +31,7 @@ def _json(value: object) -> pa.Buffer:
 
 
 def _parts(batch: pa.RecordBatch, metadata: dict[str, str]) -> Iterator[pa.Buffer]:
-    """What the checksum covers, in rows.md's order (each a read-only buffer: google-crc32c takes no memoryview)."""
+    """What the checksum covers, in segment.md's order (each a read-only buffer: google-crc32c takes no memoryview)."""
     yield _json({k: v for k, v in metadata.items() if k != CHECKSUM_KEY})
     requests = batch.column("request_id")
     yield _json(requests.dictionary.to_pylist())
@@ -62,7 +62,7 @@ def open_segment(store: SegmentStore | Path, rel_path: str) -> pa.RecordBatch:
     """The segment at `rel_path` of `store` (a directory: `LocalSegments`), opened and checked; DamagedSegment if not.
 
     Local: memory-mapped. Object store: fetched whole (the check reads every byte). A segment without a checksum
-    (written before rows 2.2) is served unchecked.
+    (written before segment 2.2) is served unchecked.
     """
     if isinstance(store, Path):
         store = LocalSegments(store)
@@ -84,50 +84,8 @@ def open_segment(store: SegmentStore | Path, rel_path: str) -> pa.RecordBatch:
         raise DamagedSegment(f"segment {where} is damaged (CRC32C {actual:08x}, written {stored}): its rows "
                              "are not served; restore it from a backup; `replay-service verify` lists every damaged "
                              "segment", rel_path)
-    blocks = md.get(BLOCK_CHECKSUM_KEY)  # rows 2.4 (ranges.py): what a ranged read checks must hold as well
+    blocks = md.get(BLOCK_CHECKSUM_KEY)  # segment 2.4 (ranges.py): what a ranged read checks must hold as well
     if blocks is not None and blocks != "".join(f"{crc:08x}" for crc in block_crcs(batch)):
         raise DamagedSegment(f"segment {where} is damaged (its block checksums do not match its rows, which its "
                              "CRC32C does): its rows are not served; restore it from a backup", rel_path)
     return batch
-
-
-def segment_problem(store: SegmentStore | Path, rel_path: str) -> str | None:
-    """Why the segment at `rel_path` is damaged, or None when it passes (`verify`)."""
-    try:
-        open_segment(store, rel_path)
-    except DamagedSegment as exc:
-        return exc.message
-    return None
-
-
-def verify_store(data_dir: Path, run_id: str | None = None, progress: Callable[[str], None] | None = None,
-                 store: SegmentStore | None = None,
-                 index_url: str | None = None) -> tuple[int, list[tuple[str, str]]]:
-    """Check every segment of `store` (`<data_dir>/runs` when not given; of one run when given) and those its index
-    names.
-
-    Returns how many were checked and the damaged ones as `(relative path, why)`; a segment the index
-    names that is not stored counts as damaged. Read-only: safe beside a running service. The index is
-    `index_url` (PostgreSQL, REPLAY_INDEX_URL) when given, else `<data_dir>/index.sqlite` if there is one.
-    """
-    from replay_service.store.index import Index
-
-    store = store or LocalSegments(Path(data_dir) / "runs")
-    paths = set(store.paths(run_id))
-    index_path = data_dir / "index.sqlite"
-    if index_url is not None or index_path.exists():
-        index = Index(index_url or index_path, fsync=False)
-        try:
-            paths |= index.indexed_paths()
-        finally:
-            index.close()
-    if run_id is not None:
-        paths = {p for p in paths if p.split("/", 1)[0] == run_id}
-    damaged = []
-    for rel in sorted(paths):
-        if progress is not None:
-            progress(rel)
-        problem = segment_problem(store, rel)
-        if problem is not None:
-            damaged.append((rel, problem))
-    return len(paths), damaged

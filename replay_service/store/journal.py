@@ -1,6 +1,6 @@
 """The run journal: what the index knows that no segment says, appended per run so `reindex` can replay it.
 
-Segments carry every row and its batch's identity (rows.md, "Segment files"). Three things reach only the
+Segments carry every row and its batch's identity (segment.md). Three things reach only the
 index: a run's creation time, request ends (`finish`, and route uploads that finish or extend a request)
 and prefix-cache references. Each is appended, after its index transaction committed, as one JSON line to
 `<data>/runs/<run_id>/journal.jsonl`:
@@ -42,13 +42,10 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from replay_service.store.files import fsync_dir
+from replay_format.request_notes import Reference
+from replay_service.store.durable import fsync_dir
 from replay_service.store.segment_store import S3Segments, SegmentStore, StoredObject
-
-if TYPE_CHECKING:
-    from replay_service.store.references import Reference
 
 JOURNAL_NAME = "journal.jsonl"
 JOURNAL_DIR = "journal"  # under a run's prefix in an object store: one object per event

@@ -1,22 +1,23 @@
-"""Ranged reads of a segment (rows.md, "Blocks"): fetch and check only the blocks of rows a read asks for.
+"""Ranged reads of a segment (segment.md, "Blocks"): fetch and check only the blocks of rows a read asks for.
 
 A whole-segment CRC32C can only be checked on every byte, so a store that fetches over the network (an S3
-bucket) would have to fetch a whole segment to serve one route from it. Since rows 2.4 an uncompressed segment
+bucket) would have to fetch a whole segment to serve one route from it. Since segment 2.4 an uncompressed segment
 written to an object store carries, in its schema metadata, a CRC32C per block of `BLOCK_ROWS` rows over the
 served columns' content (`block_crc32c`) and the byte offset of each of those columns' buffers in the object
-(`layout`). A read then fetches the schema (the file's footer, at its end: one ranged GET), and for each column
-the bytes of the blocks covering the rows asked for, checks every fetched block against its CRC32C, and serves
-rows only from blocks that passed: "data served is data verified", at a block's granularity.
+(`buffer_offsets`; 2.4 wrote them under `layout`, still read). A read then fetches the schema (the file's footer,
+at its end: one ranged GET), and for each column the bytes of the blocks covering the rows asked for, checks every
+fetched block against its CRC32C, and serves rows only from blocks that passed: "data served is data verified", at
+a block's granularity.
 
 The offsets cannot be known before the metadata holding them is written (the metadata is in the file, before
 the buffers). They are found with pyarrow alone: the image is written once with a placeholder of a fixed
 width, read back zero-copy (each buffer's address minus the image's is its offset), and written again with the
 offsets padded to the placeholder's width (JSON allows trailing blanks), so nothing moves; the second image is
-read back and checked (`ranged_metadata`, `fill_layout`, `layout_of`).
+read back and checked (`ranged_metadata`, `fill_offsets`, `buffer_offsets`).
 
 Here is the format logic only (no store): `S3Segments.read_rows` (segment_store.py) fetches through it, and the
 segment writer (ingest/segment.py) writes the keys. A compressed segment has no byte range per row (its buffers
-are compressed whole) and carries no layout: it is fetched and checked whole, as are segments written before 2.4.
+are compressed whole) and carries no offsets: it is fetched and checked whole, as are segments written before 2.4.
 """
 
 from __future__ import annotations
@@ -31,14 +32,14 @@ import pyarrow as pa
 
 from replay_format import FormatError
 from replay_format.core import decode_metadata, token_ids
-from replay_format.rows import BLOCK_CHECKSUM_KEY, BLOCK_ROWS, LAYOUT_KEY
+from replay_format.segment import BLOCK_CHECKSUM_KEY, BLOCK_ROWS, BUFFER_OFFSETS_KEY, LEGACY_OFFSETS_KEY
 from replay_service.errors import DamagedSegment
 
 #: the columns a ranged read returns (what a route read uses; the request ids are the index's business)
 SERVED = ("position", "token_id", "experts", "flags")
-#: the layout's keys: the served columns' data buffers, the token ids' validity bitmap, and the row count
-_LAYOUT_KEYS = ("rows", "position", "token_id", "token_id_validity", "experts", "flags")
-_PLACEHOLDER = 10**18  # wider than any offset: the real layout, padded, takes exactly the placeholder's bytes
+#: the offsets' keys: the served columns' data buffers, the token ids' validity bitmap, and the row count
+_OFFSET_KEYS = ("rows", "position", "token_id", "token_id_validity", "experts", "flags")
+_PLACEHOLDER = 10**18  # wider than any offset: the real offsets, padded, take exactly the placeholder's bytes
 TAIL_BYTES = 16 << 10  # fetched at once from a segment's end: its footer (schema, metadata) fits unless huge
 
 ReadAt = Callable[[int, int], pa.Buffer]  # (offset, length) -> the object's bytes there
@@ -51,7 +52,7 @@ def _part(values: np.ndarray, dtype: str) -> pa.Buffer:
 
 def block_crcs(batch: pa.RecordBatch) -> list[int]:
     """CRC32C of each block of `BLOCK_ROWS` rows of `batch` (its first row starts a block), over the served columns'
-    content in rows.md's order: positions, token ids (null as -1), the ids flattened, flags."""
+    content in segment.md's order: positions, token ids (null as -1), the ids flattened, flags."""
     positions = batch.column("position").to_numpy(zero_copy_only=False)
     tokens = token_ids(batch.column("token_id"))
     experts = batch.column("experts").flatten().to_numpy(zero_copy_only=False)
@@ -69,14 +70,14 @@ def block_crcs(batch: pa.RecordBatch) -> list[int]:
 
 
 def ranged_metadata(batch: pa.RecordBatch) -> dict[str, str]:
-    """`batch`'s metadata with its block checksums and a layout placeholder (`fill_layout` replaces it)."""
+    """`batch`'s metadata with its block checksums and a buffer offsets placeholder (`fill_offsets` replaces it)."""
     md = decode_metadata(batch.schema.metadata, "segment")
     md[BLOCK_CHECKSUM_KEY] = "".join(f"{crc:08x}" for crc in block_crcs(batch))
-    md[LAYOUT_KEY] = json.dumps(dict.fromkeys(_LAYOUT_KEYS, _PLACEHOLDER), separators=(",", ":"))
+    md[BUFFER_OFFSETS_KEY] = json.dumps(dict.fromkeys(_OFFSET_KEYS, _PLACEHOLDER), separators=(",", ":"))
     return md
 
 
-def layout_of(image: pa.Buffer) -> dict[str, int | None]:
+def buffer_offsets(image: pa.Buffer) -> dict[str, int | None]:
     """Where an uncompressed segment image's served buffers lie: offsets into `image` (read back zero-copy)."""
     batch = pa.ipc.open_file(pa.BufferReader(image)).get_batch(0)
     token_validity, token_values = batch.column("token_id").buffers()
@@ -95,36 +96,40 @@ def layout_of(image: pa.Buffer) -> dict[str, int | None]:
             "flags": offset(batch.column("flags").buffers()[1])}
 
 
-def fill_layout(md: dict[str, str], first_image: pa.Buffer) -> dict[str, str]:
-    """`md` with the layout of `first_image` (written with the placeholder) in the placeholder's exact width."""
-    placeholder = md[LAYOUT_KEY]
-    text = json.dumps(layout_of(first_image), separators=(",", ":"))
+def fill_offsets(md: dict[str, str], first_image: pa.Buffer) -> dict[str, str]:
+    """`md` with the buffer offsets of `first_image` (written with the placeholder) in the placeholder's exact width."""
+    placeholder = md[BUFFER_OFFSETS_KEY]
+    text = json.dumps(buffer_offsets(first_image), separators=(",", ":"))
     if len(text) > len(placeholder):
-        raise ValueError("a segment's layout is wider than its placeholder")
-    return {**md, LAYOUT_KEY: text.ljust(len(placeholder))}
+        raise ValueError("a segment's buffer offsets are wider than their placeholder")
+    return {**md, BUFFER_OFFSETS_KEY: text.ljust(len(placeholder))}
 
 
 @dataclass(frozen=True)
-class SegmentLayout:
+class BufferOffsets:
     """What a ranged read needs of one segment: its size, row count, buffers' offsets, blocks' CRC32C, ids' type."""
 
     size: int
     rows: int
-    offsets: dict[str, int | None]
+    buffers: dict[str, int | None]  # served buffer -> its byte offset in the segment (None: no validity bitmap)
     crcs: list[int]
     experts_type: pa.FixedSizeListType
 
     @classmethod
-    def from_schema(cls, schema: pa.Schema, size: int) -> SegmentLayout | None:
-        """The layout a segment's schema states; None when it states none (before 2.4, or compressed)."""
+    def from_schema(cls, schema: pa.Schema, size: int) -> BufferOffsets | None:
+        """The offsets a segment's schema states; None when it states none (before 2.4, or compressed).
+
+        Under `buffer_offsets` (segment 2.5 on), or `layout` (a segment written by 2.4).
+        """
         md = decode_metadata(schema.metadata, "segment")
-        if LAYOUT_KEY not in md or BLOCK_CHECKSUM_KEY not in md:
+        stated = md.get(BUFFER_OFFSETS_KEY, md.get(LEGACY_OFFSETS_KEY))
+        if stated is None or BLOCK_CHECKSUM_KEY not in md:
             return None
         try:
-            raw = json.loads(md[LAYOUT_KEY])
-            if not isinstance(raw, dict) or set(raw) != set(_LAYOUT_KEYS):
+            raw = json.loads(stated)
+            if not isinstance(raw, dict) or set(raw) != set(_OFFSET_KEYS):
                 raise ValueError
-            offsets = {k: raw[k] for k in _LAYOUT_KEYS}
+            offsets = {k: raw[k] for k in _OFFSET_KEYS}
             for key, value in offsets.items():
                 if not ((value is None and key == "token_id_validity")
                         or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= size)):
@@ -132,7 +137,7 @@ class SegmentLayout:
             text = md[BLOCK_CHECKSUM_KEY]
             crcs = [int(text[i:i + 8], 16) for i in range(0, len(text), 8)]
         except (ValueError, RecursionError):
-            raise FormatError("segment: schema metadata layout or block_crc32c is malformed") from None
+            raise FormatError("segment: schema metadata buffer_offsets or block_crc32c is malformed") from None
         rows = offsets.pop("rows")
         assert rows is not None
         if len(crcs) != -(-rows // BLOCK_ROWS) or len(text) != 8 * len(crcs):
@@ -143,21 +148,21 @@ class SegmentLayout:
         return cls(size, rows, offsets, crcs, experts_type)
 
 
-def covering_rows(layout: SegmentLayout, lo: int, hi: int, rel: str, where: str) -> tuple[int, int]:
+def covering_rows(offsets: BufferOffsets, lo: int, hi: int, rel: str, where: str) -> tuple[int, int]:
     """The rows `[r0, r1)` of the whole blocks holding rows `[lo, hi)`; DamagedSegment when the segment lacks them."""
-    if not 0 <= lo < hi <= layout.rows:
-        raise DamagedSegment(f"segment {where} holds {layout.rows} rows, not rows {lo}..{hi - 1} its index names: "
+    if not 0 <= lo < hi <= offsets.rows:
+        raise DamagedSegment(f"segment {where} holds {offsets.rows} rows, not rows {lo}..{hi - 1} its index names: "
                              "restore it from a backup", rel)
-    return lo // BLOCK_ROWS * BLOCK_ROWS, min(-(-hi // BLOCK_ROWS) * BLOCK_ROWS, layout.rows)
+    return lo // BLOCK_ROWS * BLOCK_ROWS, min(-(-hi // BLOCK_ROWS) * BLOCK_ROWS, offsets.rows)
 
 
-def read_rows(layout: SegmentLayout, read_at: ReadAt, lo: int, hi: int, rel: str, where: str) -> pa.RecordBatch:
+def read_rows(offsets: BufferOffsets, read_at: ReadAt, lo: int, hi: int, rel: str, where: str) -> pa.RecordBatch:
     """Rows `[lo, hi)` of a segment (columns `SERVED`), fetched through `read_at` by the blocks covering them."""
-    r0, r1 = covering_rows(layout, lo, hi, rel, where)
-    return read_blocks(layout, read_at, r0, r1, rel, where).slice(lo - r0, hi - lo)
+    r0, r1 = covering_rows(offsets, lo, hi, rel, where)
+    return read_blocks(offsets, read_at, r0, r1, rel, where).slice(lo - r0, hi - lo)
 
 
-def read_blocks(layout: SegmentLayout, read_at: ReadAt, r0: int, r1: int, rel: str, where: str) -> pa.RecordBatch:
+def read_blocks(offsets: BufferOffsets, read_at: ReadAt, r0: int, r1: int, rel: str, where: str) -> pa.RecordBatch:
     """Rows `[r0, r1)` of a segment (whole blocks: `covering_rows`), columns `SERVED`, fetched through `read_at`.
 
     Every fetched block is checked against its CRC32C; DamagedSegment naming the segment and the rows when one
@@ -165,12 +170,12 @@ def read_blocks(layout: SegmentLayout, read_at: ReadAt, r0: int, r1: int, rel: s
     """
     first, last = r0 // BLOCK_ROWS, (r1 - 1) // BLOCK_ROWS
     n = r1 - r0
-    width = layout.experts_type.list_size
-    id_type = layout.experts_type.value_type
+    width = offsets.experts_type.list_size
+    id_type = offsets.experts_type.value_type
     id_bytes = id_type.bit_width // 8
 
     def fetch(key: str, start: int, length: int) -> pa.Buffer:
-        offset = layout.offsets[key]
+        offset = offsets.buffers[key]
         assert offset is not None
         got = read_at(offset + start, length)
         if got.size != length:
@@ -179,7 +184,7 @@ def read_blocks(layout: SegmentLayout, read_at: ReadAt, r0: int, r1: int, rel: s
         return got
 
     validity = None
-    if layout.offsets["token_id_validity"] is not None:
+    if offsets.buffers["token_id_validity"] is not None:
         validity = fetch("token_id_validity", r0 // 8, -(-n // 8))  # BLOCK_ROWS is a multiple of 8: byte-aligned
     arrays = [
         pa.Array.from_buffers(pa.int32(), n, [None, fetch("position", 4 * r0, 4 * n)]),
@@ -190,11 +195,11 @@ def read_blocks(layout: SegmentLayout, read_at: ReadAt, r0: int, r1: int, rel: s
         pa.Array.from_buffers(pa.uint16(), n, [None, fetch("flags", 2 * r0, 2 * n)]),
     ]
     batch = pa.RecordBatch.from_arrays(arrays, names=list(SERVED))
-    for block, (actual, stored) in enumerate(zip(block_crcs(batch), layout.crcs[first:last + 1], strict=True)):
+    for block, (actual, stored) in enumerate(zip(block_crcs(batch), offsets.crcs[first:last + 1], strict=True)):
         if actual != stored:
             a = r0 + block * BLOCK_ROWS
             raise DamagedSegment(
-                f"segment {where} is damaged (rows {a}..{min(a + BLOCK_ROWS, layout.rows) - 1}: CRC32C {actual:08x}, "
+                f"segment {where} is damaged (rows {a}..{min(a + BLOCK_ROWS, offsets.rows) - 1}: CRC32C {actual:08x}, "
                 f"written {stored:08x}): its rows are not served; restore it from a backup; `replay-service verify` "
                 "lists every damaged segment", rel)
     return batch
@@ -243,8 +248,8 @@ class TailFile:
         self.closed = True
 
 
-def read_layout(read_at: ReadAt, size: int) -> SegmentLayout | None:
-    """A segment's layout from its footer (fetched through `read_at`); None when it states none."""
+def read_offsets(read_at: ReadAt, size: int) -> BufferOffsets | None:
+    """A segment's buffer offsets from its footer (fetched through `read_at`); None when it states none."""
     with pa.PythonFile(TailFile(read_at, size), mode="r") as source:
         schema = pa.ipc.open_file(source).schema
-    return SegmentLayout.from_schema(schema, size)
+    return BufferOffsets.from_schema(schema, size)

@@ -3,13 +3,13 @@
 The served row at a position is the first one the request came to hold there (span order: its
 own rows in segment order, rows resolved from a prefix-cache reference from when it resolved, by
 `store/references.py`); later rows at that position are kept on disk and never served. Whether they disagreed
-(CONFLICT) was decided at ingest (`replay_service.ingest.check`) and recorded then: in the
+(CONFLICT) was decided at ingest (`replay_service.checks.check`) and recorded then: in the
 served row's flags, or in the index's late flags when the disagreeing row came later. A read
 only picks rows; it decides no flag except GAP (a position nobody sent: ids zero, never clean).
 
 The common case (one span covering the range, nothing to add) stays a zero-copy view of the
 memory-mapped segment. From an object store, a span's rows are fetched by the blocks holding them and checked
-(`SegmentStore.read_rows`, store/ranges.py), unless the segment is read whole (compressed, or before rows 2.4).
+(`SegmentStore.read_rows`, store/ranges.py), unless the segment is read whole (compressed, or before segment 2.4).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ lock, then one SQLite transaction), so each piece is mirrored exactly once, what
 Which row is served where a request holds several at a position: the first it came to hold (the
 span order, `index.SPANS_OVERLAPPING`). So R's own rows stored before the reference was resolved
 keep being served; a mirrored row at such a position follows the one CONFLICT rule
-(`ingest.check.repeat_conflicts`): identical is a resend, different flags CONFLICT on R's served row,
+(`checks.check.repeat_conflicts`): identical is a resend, different flags CONFLICT on R's served row,
 exactly as R's own later rows at a mirrored position do. A reference whose source never arrives
 leaves R's positions GAP: nothing but S's rows is ever mirrored into them.
 
@@ -38,19 +38,10 @@ import numpy as np
 import pyarrow as pa
 
 from replay_format import RunShape
-from replay_service.ingest.check import repeat_conflicts
+from replay_format.request_notes import Reference
+from replay_service.checks.check import repeat_conflicts
 from replay_service.store.index import IndexTransaction
 from replay_service.store.reads import RowReader
-
-
-@dataclass(frozen=True)
-class Reference:
-    """Positions `[start, end)` of `request_id` are the rows `source_request_id` stored at the same positions."""
-
-    request_id: str
-    start: int
-    end: int
-    source_request_id: str
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ Segments are named by relative paths `<run_id>/<uuid>.arrow` (the index stores t
   visible only complete (a PUT, or a multipart upload's completion, is atomic), so no tmp+rename is needed and
   durability is "the upload returned". A route read fetches only the blocks of rows it serves (`read_rows`:
   ranged GETs, each block checked against its CRC32C: store/ranges.py) from a segment that carries block
-  checksums (uncompressed, rows 2.4); one written before, or compressed, is fetched whole once (one GET: its
+  checksums (uncompressed, segment 2.4); one written before, or compressed, is fetched whole once (one GET: its
   whole-segment CRC32C check needs every byte) and the segment cache keeps it in memory, counted against
   `REPLAY_OPEN_SEGMENT_CACHE_BYTES`. Endpoint, region and credentials come from the usual AWS variables
   (AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY): nothing here is specific to one
@@ -39,12 +39,13 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from replay_service.errors import DamagedSegment, SegmentStoreUnreachable
-from replay_service.store.ranges import SegmentLayout, covering_rows, read_blocks, read_layout
+from replay_service.store.durable import fsync_dir
+from replay_service.store.ranges import BufferOffsets, covering_rows, read_blocks, read_offsets
 
 log = logging.getLogger("replay_service")
 
 SEGMENT_SUFFIX = ".arrow"
-LAYOUTS_KEPT = 8192  # segment layouts an S3 store keeps (a few hundred bytes and an object handle each)
+OFFSETS_KEPT = 8192  # segments' buffer offsets an S3 store keeps (a few hundred bytes and an object handle each)
 ROWS_KEPT_BYTES = 256 << 20  # checked blocks an S3 store keeps in memory, least recently used out first
 
 
@@ -150,8 +151,6 @@ class LocalSegments(SegmentStore):
 
     def sync(self, paths: list[str]) -> dict[str, BaseException]:
         """One fsync per run folder of `paths` (their renames); a folder gone (its run deleted) fails its paths."""
-        from replay_service.store.files import fsync_dir  # files.py builds on this module
-
         folders: dict[Path, list[str]] = {}
         for rel in paths:
             folders.setdefault((self.root / rel).parent, []).append(rel)
@@ -175,8 +174,8 @@ class S3Segments(SegmentStore):
         self.url = url
         self.bytes_fetched = 0  # by reads, since start (tests and benchmarks measure a read's cost with it)
         self._count = threading.Lock()
-        # path -> its ranged-read layout (None: read whole) and open object
-        self._layouts: OrderedDict[str, tuple[SegmentLayout | None, pa.NativeFile]] = OrderedDict()
+        # path -> its buffer offsets for ranged reads (None: read whole) and open object
+        self._offsets: OrderedDict[str, tuple[BufferOffsets | None, pa.NativeFile]] = OrderedDict()
         self._damaged: set[str] = set()  # segments a ranged read found damaged (logged once)
         # (path, first row, end row) -> checked blocks fetched by a ranged read, kept: a segment never changes
         self._kept: OrderedDict[tuple[str, int, int], pa.RecordBatch] = OrderedDict()
@@ -241,27 +240,27 @@ class S3Segments(SegmentStore):
         """Rows `[lo, hi)` by ranged GETs of the blocks holding them, each checked against its CRC32C
         (DamagedSegment when one fails: nothing of it is served); None when the segment has no block checksums.
 
-        The layout (footer: one ranged GET) is kept per segment, and the checked blocks a read fetched, up to
+        The buffer offsets (footer: one ranged GET) are kept per segment, and the checked blocks a read fetched, up to
         `ROWS_KEPT_BYTES` (as the segment cache keeps whole segments: checked when fetched, served from memory after).
         """
         where = f"{self.url.rstrip('/')}/{rel}"
         with self._reaching(f"reading {rel}"):
             try:
-                layout, source = self._layout(rel, where)
-                if layout is None:
+                offsets, source = self._offsets_of(rel, where)
+                if offsets is None:
                     return None
-                r0, r1 = covering_rows(layout, lo, hi, rel, where)
+                r0, r1 = covering_rows(offsets, lo, hi, rel, where)
                 with self._count:
                     blocks = self._kept.get((rel, r0, r1))
                     if blocks is not None:
                         self._kept.move_to_end((rel, r0, r1))
                 if blocks is None:
-                    blocks = read_blocks(layout, self._counted(source), r0, r1, rel, where)
+                    blocks = read_blocks(offsets, self._counted(source), r0, r1, rel, where)
                     self._keep((rel, r0, r1), blocks)
                 return blocks.slice(lo - r0, hi - lo)
             except DamagedSegment as exc:
                 with self._count:  # metrics count a damaged segment once, refused reads each time (as files.py)
-                    self._layouts.pop(rel, None)  # a restored object is read afresh, footer included
+                    self._offsets.pop(rel, None)  # a restored object is read afresh, footer included
                     exc.newly_found = rel not in self._damaged
                     self._damaged.add(rel)
                 if exc.newly_found:
@@ -270,7 +269,7 @@ class S3Segments(SegmentStore):
             except OSError as exc:
                 if isinstance(exc, FileNotFoundError) or self.stat(rel) is None:  # the store answers: no object
                     with self._count:
-                        self._layouts.pop(rel, None)
+                        self._offsets.pop(rel, None)
                     raise FileNotFoundError(rel) from exc
                 raise
 
@@ -288,8 +287,8 @@ class S3Segments(SegmentStore):
         with self._count:
             for key in [k for k in self._kept if k[0].startswith(prefix)]:
                 self._kept_bytes -= self._kept.pop(key).nbytes
-            for rel in [r for r in self._layouts if r.startswith(prefix)]:
-                del self._layouts[rel]
+            for rel in [r for r in self._offsets if r.startswith(prefix)]:
+                del self._offsets[rel]
 
     def _counted(self, source: pa.NativeFile) -> Callable[[int, int], pa.Buffer]:
         def read_at(offset: int, length: int) -> pa.Buffer:
@@ -299,24 +298,24 @@ class S3Segments(SegmentStore):
             return data
         return read_at
 
-    def _layout(self, rel: str, where: str) -> tuple[SegmentLayout | None, pa.NativeFile]:
-        """The segment's ranged-read layout, read from its footer once, and its open object (a HEAD, once): both kept,
+    def _offsets_of(self, rel: str, where: str) -> tuple[BufferOffsets | None, pa.NativeFile]:
+        """The segment's buffer offsets, read from its footer once, and its open object (a HEAD, once): both kept,
         a segment never changes (one replaced by a restore fails its checks, and is read afresh)."""
         with self._count:
-            if rel in self._layouts:
-                self._layouts.move_to_end(rel)
-                return self._layouts[rel]
+            if rel in self._offsets:
+                self._offsets.move_to_end(rel)
+                return self._offsets[rel]
         source = self.fs.open_input_file(self._key(rel))  # FileNotFoundError when absent (the caller's)
         try:
-            layout = read_layout(self._counted(source), source.size())
+            offsets = read_offsets(self._counted(source), source.size())
         except (pa.ArrowException, ValueError, KeyError, UnicodeDecodeError) as exc:
             raise DamagedSegment(f"segment {where} cannot be read ({exc}): restore it from a backup; "
                                  "`replay-service verify` lists every damaged segment", rel) from None
         with self._count:
-            self._layouts[rel] = layout, source
-            while len(self._layouts) > LAYOUTS_KEPT:
-                self._layouts.popitem(last=False)
-        return layout, source
+            self._offsets[rel] = offsets, source
+            while len(self._offsets) > OFFSETS_KEPT:
+                self._offsets.popitem(last=False)
+        return offsets, source
 
     def stat(self, rel: str) -> tuple[int, int] | None:
         with self._reaching(f"looking up {rel}"):

@@ -1,12 +1,18 @@
-"""Index rows as the plain records the API answers with (`api/models.py`: RunSummary, RequestSummary).
+"""Index rows as the records the API answers with (`api/models.py`: RunSummary, RequestSummary).
 
-Fields and their meaning are the API's; the models there document them.
+Fields and their meaning are the API's; the models there document them. A request's summary is a
+typed record (`RequestRecord`) that domain code reads by attribute; its JSON object is made at the
+API edge (`to_json`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
 from replay_format import Flag
-from replay_service.store.index import COUNTED_FLAGS, Row, count_column
+from replay_service.store.index import COUNTED_FLAGS, RequestStatus, Row, count_column
 from replay_service.store.runs import shape_of
 
 
@@ -17,22 +23,58 @@ def expected_rows(request: Row) -> int:
     return request["pos_max"] + 1
 
 
-def request_summary(request: Row) -> dict:
-    """One `requests` row as a RequestSummary record."""
-    expected = expected_rows(request)
-    flagged = {str(f.name): request[count_column(f)] for f in COUNTED_FLAGS}
-    flagged[str(Flag.GAP.name)] = max(expected - request["rows"], 0)
-    return {
-        "request_id": request["request_id"],
-        "status": request["status"],
-        "num_tokens": request["final_tokens"],
-        "rows": request["rows"],
-        "referenced_rows": request["referenced_rows"],
-        "expected_rows": expected,
-        "first_flagged_position": request["first_flagged"],
-        "flagged": flagged,
-        "clean": not any(v for k, v in flagged.items() if k != Flag.PADDING.name),
-    }
+@dataclass(frozen=True)
+class RequestRecord:
+    """One request's summary: its status, rows and rows per flag (api.models.RequestSummary documents each field)."""
+
+    request_id: str
+    status: RequestStatus
+    num_tokens: int | None  # T, once ended
+    rows: int  # rows served, referenced ones included
+    referenced_rows: int
+    expected_rows: int
+    first_flagged_position: int | None
+    flagged: Mapping[Flag, int]  # rows per counted flag, and GAP: rows expected but never received
+
+    @classmethod
+    def of(cls, request: Row) -> RequestRecord:
+        """The record of one `requests` row."""
+        expected = expected_rows(request)
+        flagged = {f: request[count_column(f)] for f in COUNTED_FLAGS}
+        flagged[Flag.GAP] = max(expected - request["rows"], 0)
+        return cls(request["request_id"], RequestStatus(request["status"]), request["final_tokens"], request["rows"],
+                   request["referenced_rows"], expected, request["first_flagged"], flagged)
+
+    @property
+    def clean(self) -> bool:
+        """No row flagged (PADDING aside) and none missing."""
+        return not any(n for f, n in self.flagged.items() if f is not Flag.PADDING)
+
+    def to_json(self) -> dict[str, Any]:
+        """The RequestSummary object the API answers with."""
+        return {
+            "request_id": self.request_id,
+            "status": self.status.value,
+            "num_tokens": self.num_tokens,
+            "rows": self.rows,
+            "referenced_rows": self.referenced_rows,
+            "expected_rows": self.expected_rows,
+            "first_flagged_position": self.first_flagged_position,
+            "flagged": {str(f.name): n for f, n in self.flagged.items()},
+            "clean": self.clean,
+        }
+
+
+@dataclass(frozen=True)
+class RequestPage:
+    """One page of a run's request summaries, by request id, and the cursor of the next (None on the last)."""
+
+    items: list[RequestRecord]
+    next_cursor: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        """The RequestPage object the API answers with."""
+        return {"items": [r.to_json() for r in self.items], "next_cursor": self.next_cursor}
 
 
 def bytes_per_id(segment_bytes: int, stored_rows: int, row_width: int) -> float | None:

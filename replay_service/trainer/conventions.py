@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from replay_format.trainer_query import MegatronQuery
 from replay_format.trainer_slice import Convention, CpSplit, Packing, TotalPad
 from replay_service.errors import InvalidInput
 
@@ -46,49 +47,48 @@ def default_pad_multiple(cp_size: int, tp_size: int) -> int:
     return tp_size * cp_size * 2 if cp_size > 1 else tp_size
 
 
-def convention_padding(convention: Convention, *, cp_size: int, tp_size: int, cp_split: CpSplit,
-                       data_pad_size_multiplier: int | None, fp8_padding: bool | None) -> ThdPadding:
-    """The THD padding `convention` applies at these sizes; InvalidInput for a knob the trainer does not have."""
+def convention_padding(convention: Convention, query: MegatronQuery) -> ThdPadding:
+    """The THD padding `convention` applies at the query's sizes; InvalidInput for a knob the trainer does not have."""
+    cp_size, tp_size, cp_split = query.cp_size, query.tp_size, query.cp_split
     if convention is Convention.VERL:
-        if data_pad_size_multiplier is not None:
+        if query.data_pad_size_multiplier is not None:
             raise InvalidInput("data_pad_size_multiplier is slime's and miles's knob; verl pads by tp*cp "
                                "(and fp8_padding)")
         factor = 2 if cp_split is CpSplit.ZIGZAG and cp_size > 1 else 1
         align = tp_size * cp_size * factor
-        if fp8_padding:
+        if query.fp8_padding:
             return ThdPadding(math.lcm(16, align), align * 128, TotalPad.LAST_SEQUENCE)
         return ThdPadding(align)
-    if fp8_padding is not None:
+    if query.fp8_padding is not None:
         raise InvalidInput(f"fp8_padding is verl's knob; {convention.value} pads by data_pad_size_multiplier")
-    multiplier = SLIME_DATA_PAD_SIZE_MULTIPLIER if data_pad_size_multiplier is None else data_pad_size_multiplier
+    multiplier = query.data_pad_size_multiplier
+    if multiplier is None:
+        multiplier = SLIME_DATA_PAD_SIZE_MULTIPLIER
     per_sequence = 2 * cp_size if cp_split is CpSplit.ZIGZAG and cp_size > 1 else 1
     return ThdPadding(per_sequence, cp_size * tp_size * multiplier, TotalPad.TAIL)
 
 
-def resolve_padding(packing: Packing, convention: Convention | None, *, cp_size: int, tp_size: int, cp_split: CpSplit,
-                    pad_multiple: int | None = None, total_multiple: int | None = None,
-                    total_pad: TotalPad | None = None, data_pad_size_multiplier: int | None = None,
-                    fp8_padding: bool | None = None) -> ThdPadding:
+def resolve_padding(query: MegatronQuery) -> ThdPadding:
     """A query's padding: its convention's, or its explicit fields over verl's default rule.
 
     InvalidInput when they do not go together: a convention with explicit padding fields (which one
     would win is a guess), a convention's knob without it, a THD-only field on BSHD.
     """
-    explicit = [k for k, v in (("pad_multiple", pad_multiple), ("total_multiple", total_multiple),
-                               ("total_pad", total_pad)) if v is not None]
+    packing, convention = query.packing, query.convention
+    explicit = [k for k, v in (("pad_multiple", query.pad_multiple), ("total_multiple", query.total_multiple),
+                               ("total_pad", query.total_pad)) if v is not None]
     if convention is not None:
         if packing is not Packing.THD:
             raise InvalidInput(f"convention={convention.value} is a THD packing rule; packing is {packing.value}")
         if explicit:
             raise InvalidInput(f"convention={convention.value} fixes {', '.join(explicit)}; give either the "
                                "convention or the padding fields")
-        return convention_padding(convention, cp_size=cp_size, tp_size=tp_size, cp_split=cp_split,
-                                  data_pad_size_multiplier=data_pad_size_multiplier, fp8_padding=fp8_padding)
-    knobs = [k for k, v in (("data_pad_size_multiplier", data_pad_size_multiplier), ("fp8_padding", fp8_padding))
-             if v is not None]
+        return convention_padding(convention, query)
+    knobs = [k for k, v in (("data_pad_size_multiplier", query.data_pad_size_multiplier),
+                            ("fp8_padding", query.fp8_padding)) if v is not None]
     if knobs:
         raise InvalidInput(f"{', '.join(knobs)} belong to a convention (slime/miles, verl); give convention too")
     if packing is Packing.BSHD and {"total_multiple", "total_pad"} & set(explicit):
         raise InvalidInput("total_multiple and total_pad pad a THD stream; BSHD pads every sequence to seq_length")
-    return ThdPadding(pad_multiple or default_pad_multiple(cp_size, tp_size), total_multiple or 1,
-                      total_pad or TotalPad.LAST_SEQUENCE)
+    return ThdPadding(query.pad_multiple or default_pad_multiple(query.cp_size, query.tp_size),
+                      query.total_multiple or 1, query.total_pad or TotalPad.LAST_SEQUENCE)

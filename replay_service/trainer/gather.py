@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from replay_format import LayerAxis, RunShape
+from replay_format.trainer_query import StageLayers
 from replay_format.trainer_slice import MissingPolicy
 from replay_service.errors import InvalidInput
 from replay_service.trainer.layouts import SequenceSpec, TokenPlan, filler_rows
@@ -50,23 +51,23 @@ class HeldLayers:
         return np.array([at[layer] for layer in self.moe_layers], np.int64)
 
 
-def held_layers(shape: RunShape, axis: LayerAxis, moe_ordinals: list[int] | None,
-                model_layer_range: tuple[int, int] | None) -> HeldLayers:
+def held_layers(shape: RunShape, stage: StageLayers) -> HeldLayers:
     """The layers of this pipeline stage: by MoE ordinals or by model layers [lo, hi); default all.
 
     On the model axis a stage is named by its model layers only (MoE ordinals do not say which
     dense layers to hold), and the slice holds every model layer of the range, dense ones zero.
     """
+    moe_ordinals, model_layer_range, axis = stage.moe_ordinals, stage.model_layer_range, stage.layer_axis
     if moe_ordinals is not None and model_layer_range is not None:
         raise InvalidInput("give either moe_ordinals or model_layer_range ([lo, hi) of model layers), not both")
-    axis = LayerAxis(axis)
     if moe_ordinals is not None:
         if axis is LayerAxis.MODEL:
             raise InvalidInput("layer_axis=model holds a run of model layers: name the stage by model_layer_range "
                                "[lo, hi), not moe_ordinals")
         sel = np.asarray(moe_ordinals, np.int64)
         if not sel.size or sel.min() < 0 or sel.max() >= shape.num_moe_layers:
-            raise InvalidInput(f"moe_ordinals {moe_ordinals} are not MoE ordinals 0..{shape.num_moe_layers - 1}")
+            raise InvalidInput(f"moe_ordinals {list(moe_ordinals)} are not MoE ordinals "
+                               f"0..{shape.num_moe_layers - 1}")
         return HeldLayers(shape, axis, sel, [shape.moe_layers[i] for i in sel.tolist()])
     lo, hi = model_layer_range if model_layer_range is not None else (0, shape.num_hidden_layers)
     if axis is LayerAxis.MODEL and not 0 <= lo < hi <= shape.num_hidden_layers:

@@ -44,13 +44,15 @@ Sources relied on (megatron-core 0.16.1 unless said otherwise):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from replay_format.trainer_slice import Convention, CpSplit, LayoutKind, Packing, SliceLayout, TotalPad
+from replay_format.trainer_query import MegatronQuery
+from replay_format.trainer_slice import CpSplit, LayoutKind, Packing, SliceLayout, TotalPad
 from replay_service.errors import InvalidInput, TooLarge
-from replay_service.trainer.conventions import ThdPadding, default_pad_multiple
+from replay_service.trainer.conventions import ThdPadding
 
 
 class LayoutError(InvalidInput):
@@ -156,58 +158,26 @@ def _sp_split(n: int, tp_size: int, tp_rank: int) -> slice:
     return slice(tp_rank * part, (tp_rank + 1) * part)
 
 
-@dataclass(frozen=True)
-class MegatronSpec:
-    """One rank of a Megatron micro-batch: the packing, the padding and where the rank sits.
+def check_rank(query: MegatronQuery) -> None:
+    """LayoutError when the query's rank is not one of its CP and TP groups'."""
+    if query.cp_size < 1 or query.tp_size < 1:
+        raise LayoutError(f"cp_size and tp_size must be >= 1, got {query.cp_size} and {query.tp_size}")
+    if not 0 <= query.cp_rank < query.cp_size:
+        raise LayoutError(f"cp_rank {query.cp_rank} is not in 0..{query.cp_size - 1}")
+    if not 0 <= query.tp_rank < query.tp_size:
+        raise LayoutError(f"tp_rank {query.tp_rank} is not in 0..{query.tp_size - 1}")
 
-    `tp_size` is the TP size; the tokens are split over it only when `sequence_parallel`
-    (megatron-core scatters to the SP region then). `padding` is THD's (`conventions.ThdPadding`);
-    BSHD pads every sequence to `seq_length` instead.
-    """
 
-    packing: Packing = Packing.THD
-    padding: ThdPadding | None = None  # THD; None: verl's per-sequence rule, nothing more
-    seq_length: int | None = None  # BSHD
-    cp_split: CpSplit = CpSplit.ZIGZAG
-    cp_size: int = 1
-    cp_rank: int = 0
-    tp_size: int = 1
-    tp_rank: int = 0
-    sequence_parallel: bool = True
-    convention: Convention | None = None  # recorded in the layout when a preset chose the padding
+def _sp(n: int, query: MegatronQuery) -> slice:
+    return _sp_split(n, query.sp_size, query.sp_rank)
 
-    def __post_init__(self) -> None:
-        if self.cp_size < 1 or self.tp_size < 1:
-            raise LayoutError(f"cp_size and tp_size must be >= 1, got {self.cp_size} and {self.tp_size}")
-        if not 0 <= self.cp_rank < self.cp_size:
-            raise LayoutError(f"cp_rank {self.cp_rank} is not in 0..{self.cp_size - 1}")
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise LayoutError(f"tp_rank {self.tp_rank} is not in 0..{self.tp_size - 1}")
-        try:
-            object.__setattr__(self, "packing", Packing(self.packing))
-        except ValueError:
-            raise LayoutError(f"packing {self.packing!r} is not one of {', '.join(p.value for p in Packing)}") from None
-        object.__setattr__(self, "cp_split", CpSplit(self.cp_split))
-        if self.padding is None:
-            object.__setattr__(self, "padding", ThdPadding(default_pad_multiple(self.cp_size, self.tp_size)))
 
-    @property
-    def sp_size(self) -> int:
-        """Ranks the CP rank's tokens are split over: the TP size with sequence parallel, else 1."""
-        return self.tp_size if self.sequence_parallel else 1
-
-    def _sp(self, n: int) -> slice:
-        return _sp_split(n, self.sp_size, self.tp_rank if self.sequence_parallel else 0)
-
-    def describe(self, **fields) -> SliceLayout:
-        """The slice layout of this rank with the plan's `fields` (tokens, lengths)."""
-        pad = self.padding
-        assert pad is not None
-        return SliceLayout(LayoutKind.MEGATRON, packing=self.packing, cp_size=self.cp_size, cp_rank=self.cp_rank,
-                           tp_size=self.tp_size, tp_rank=self.tp_rank, sequence_parallel=self.sequence_parallel,
-                           cp_split=self.cp_split, pad_multiple=pad.pad_multiple,
-                           total_multiple=pad.total_multiple, total_pad=pad.total_pad, convention=self.convention,
-                           **fields)
+def _describe(query: MegatronQuery, pad: ThdPadding, **fields) -> SliceLayout:
+    """The slice layout of this rank with the plan's `fields` (tokens, lengths)."""
+    return SliceLayout(LayoutKind.MEGATRON, packing=query.packing, cp_size=query.cp_size, cp_rank=query.cp_rank,
+                       tp_size=query.tp_size, tp_rank=query.tp_rank, sequence_parallel=query.sequence_parallel,
+                       cp_split=query.cp_split, pad_multiple=pad.pad_multiple, total_multiple=pad.total_multiple,
+                       total_pad=pad.total_pad, convention=query.convention, **fields)
 
 
 @dataclass(frozen=True)
@@ -219,25 +189,23 @@ class LayoutSize:
     sized_by: str  # the parameters that make it this large, for a refusal
 
 
-def megatron_size(lengths: list[int], spec: MegatronSpec) -> LayoutSize:
+def megatron_size(lengths: list[int], query: MegatronQuery, pad: ThdPadding) -> LayoutSize:
     """The size `megatron_plan` would lay out for sequences of `lengths` tokens (never smaller).
 
     Grows with every length, so lengths of 1 give a lower bound before the store is read.
     """
-    if spec.packing is Packing.THD:
-        pad = spec.padding
-        assert pad is not None
+    if query.packing is Packing.THD:
         whole = sum(_round_up(n, pad.pad_multiple) for n in lengths)
         total = _round_up(whole, pad.total_multiple)
         sized_by = (f"{len(lengths)} sequences padded to pad_multiple={pad.pad_multiple}, the micro-batch to "
                     f"total_multiple={pad.total_multiple}")
     else:
-        multiple = spec.padding.pad_multiple if spec.padding else 1
-        s_len = spec.seq_length if spec.seq_length is not None else _round_up(max(lengths, default=1), multiple)
+        multiple = pad.pad_multiple
+        s_len = query.seq_length if query.seq_length is not None else _round_up(max(lengths, default=1), multiple)
         total = s_len * len(lengths)
-        sized_by = (f"seq_length={s_len}" + ("" if spec.seq_length is not None else f" (pad_multiple={multiple})")
+        sized_by = (f"seq_length={s_len}" + ("" if query.seq_length is not None else f" (pad_multiple={multiple})")
                     + f" x {len(lengths)} sequences")
-    return LayoutSize(total, -(-total // (spec.cp_size * spec.sp_size)), sized_by)
+    return LayoutSize(total, -(-total // (query.cp_size * query.sp_size)), sized_by)
 
 
 def verl_size(batch: int, prompt_width: int, response_width: int) -> LayoutSize:
@@ -257,7 +225,7 @@ def check_size(size: LayoutSize, max_layout_tokens: int, max_rank_tokens: int) -
                        f"(REPLAY_MAX_READ_ROWS={max_rank_tokens}); use smaller micro-batches")
 
 
-def megatron_plan(lengths: list[int], spec: MegatronSpec) -> TokenPlan:
+def megatron_plan(lengths: list[int], query: MegatronQuery, pad: ThdPadding) -> TokenPlan:
     """The router tokens of rank (cp_rank, tp_rank) for sequences of `lengths` tokens.
 
     THD: sequences packed back to back, each padded to `pad_multiple`, the whole batch padded
@@ -271,15 +239,13 @@ def megatron_plan(lengths: list[int], spec: MegatronSpec) -> TokenPlan:
     if not lengths:
         raise LayoutError("a micro-batch needs at least one sequence")
     lengths_arr = np.asarray(lengths, np.int64)
-    if spec.packing is Packing.THD:
-        return _thd_plan(lengths_arr, spec)
-    return _bshd_plan(lengths_arr, spec)
+    if query.packing is Packing.THD:
+        return _thd_plan(lengths_arr, query, pad)
+    return _bshd_plan(lengths_arr, query, pad)
 
 
-def _thd_plan(lengths: np.ndarray, spec: MegatronSpec) -> TokenPlan:
-    pad = spec.padding
-    assert pad is not None
-    cp, r = spec.cp_size, spec.cp_rank
+def _thd_plan(lengths: np.ndarray, query: MegatronQuery, pad: ThdPadding) -> TokenPlan:
+    cp, r = query.cp_size, query.cp_rank
     padded = -(-lengths // pad.pad_multiple) * pad.pad_multiple
     whole = int(padded.sum())
     total = _round_up(whole, pad.total_multiple)
@@ -288,7 +254,7 @@ def _thd_plan(lengths: np.ndarray, spec: MegatronSpec) -> TokenPlan:
         padded[-1] += extra  # the last sequence absorbs them, before the CP split (verl fp8, NeMo-RL)
     cu = np.concatenate([[0], np.cumsum(lengths)])
     cu_padded = np.concatenate([[0], np.cumsum(padded)])  # tail padding (TotalPad.TAIL) is after its end
-    if spec.cp_split is CpSplit.CONTIGUOUS:
+    if query.cp_split is CpSplit.CONTIGUOUS:
         local = _cp_part(total, cp, r)
     else:
         pieces = [cu_padded[i] + _cp_chunks(p, cp, r) for i, p in enumerate(padded.tolist())]
@@ -299,7 +265,7 @@ def _thd_plan(lengths: np.ndarray, spec: MegatronSpec) -> TokenPlan:
             share = extra // cp  # every CP rank's stream ends with its own share (slime's per-rank tail)
             pieces.append(np.arange(whole + r * share, whole + (r + 1) * share, dtype=np.int64))
         local = np.concatenate(pieces)
-    local = local[spec._sp(len(local))]
+    local = local[_sp(len(local), query)]
     seq = np.searchsorted(cu_padded, local, side="right") - 1
     seq_ok = np.minimum(seq, len(lengths) - 1)
     offset = local - cu_padded[seq_ok]
@@ -308,41 +274,42 @@ def _thd_plan(lengths: np.ndarray, spec: MegatronSpec) -> TokenPlan:
         sequence=np.where(real, seq, -1).astype(np.int32),
         offset=np.where(real, offset, -1).astype(np.int32),
         global_index=local,
-        layout=spec.describe(tokens=len(local), total_tokens=total, seq_length=total, sequences=len(lengths),
-                             cu_seqlens=cu.tolist(), cu_seqlens_padded=cu_padded.tolist()),
+        layout=_describe(query, pad, tokens=len(local), total_tokens=total, seq_length=total, sequences=len(lengths),
+                         cu_seqlens=cu.tolist(), cu_seqlens_padded=cu_padded.tolist()),
     )
 
 
-def _bshd_plan(lengths: np.ndarray, spec: MegatronSpec) -> TokenPlan:
+def _bshd_plan(lengths: np.ndarray, query: MegatronQuery, pad: ThdPadding) -> TokenPlan:
     batch = len(lengths)
-    multiple = spec.padding.pad_multiple if spec.padding else 1
-    s_len = spec.seq_length if spec.seq_length is not None else _round_up(int(lengths.max()), multiple)
+    s_len = query.seq_length if query.seq_length is not None else _round_up(int(lengths.max()), pad.pad_multiple)
     if int(lengths.max()) > s_len:
         raise LayoutError(f"a sequence of {int(lengths.max())} tokens does not fit seq_length={s_len}")
-    if spec.cp_split is CpSplit.CONTIGUOUS:
-        local_s = _cp_part(s_len, spec.cp_size, spec.cp_rank)
+    if query.cp_split is CpSplit.CONTIGUOUS:
+        local_s = _cp_part(s_len, query.cp_size, query.cp_rank)
     else:
-        local_s = _cp_chunks(s_len, spec.cp_size, spec.cp_rank)
-    if len(local_s) % spec.sp_size:
+        local_s = _cp_chunks(s_len, query.cp_size, query.cp_rank)
+    if len(local_s) % query.sp_size:
         raise LayoutError(
             f"{len(local_s)} sequence positions on this CP rank do not split over sequence parallel size "
-            f"{spec.sp_size}"
+            f"{query.sp_size}"
         )
     # sequence-first: router token i of this CP rank is (local_s[i // b], i % b)
     s_idx = np.repeat(local_s, batch)
     b_idx = np.tile(np.arange(batch, dtype=np.int64), len(local_s))
-    keep = spec._sp(len(s_idx))
+    keep = _sp(len(s_idx), query)
     s_idx, b_idx = s_idx[keep], b_idx[keep]
     real = s_idx < lengths[b_idx]
     return TokenPlan(
         sequence=np.where(real, b_idx, -1).astype(np.int32),
         offset=np.where(real, s_idx, -1).astype(np.int32),
         global_index=s_idx * batch + b_idx,
-        layout=spec.describe(tokens=len(s_idx), total_tokens=s_len * batch, seq_length=s_len, sequences=batch),
+        layout=_describe(query, pad, tokens=len(s_idx), total_tokens=s_len * batch, seq_length=s_len,
+                         sequences=batch),
     )
 
 
-def verl_plan(prompt_lengths: list[int], total_lengths: list[int], prompt_width: int, response_width: int) -> TokenPlan:
+def verl_plan(prompt_lengths: Sequence[int], total_lengths: list[int], prompt_width: int,
+              response_width: int) -> TokenPlan:
     """Dense `[batch, prompt_width + response_width]`: left-padded prompt, right-padded response.
 
     Sequence `b` has `prompt_lengths[b]` prompt tokens and `total_lengths[b]`

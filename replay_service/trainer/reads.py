@@ -1,4 +1,4 @@
-"""One rank's trainer slice: plan its tokens, read only their rows from the store, build the answer.
+"""One rank's trainer slice: plan its tokens (`plans.py`), read only their rows from the store, build the answer.
 
 The answer is a trainer slice (replay_format/trainer_slice.md): one row per router token
 of the rank, in the router's order. Padding and last tokens get `layouts.filler_rows` and
@@ -8,47 +8,19 @@ of the rank, in the router's order. Padding and last tokens get `layouts.filler_
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from replay_format import ID_RULE, LayerAxis, RunShape, flag_names, valid_id
+from replay_format import ID_RULE, RunShape, flag_names, valid_id
+from replay_format.trainer_query import SequenceRef, TrainerQuery, strict_alias
 from replay_format.trainer_slice import MissingPolicy, SliceMeta, build_slice
 from replay_service.errors import Conflict, InvalidInput, StrictRefusal
 from replay_service.store import RouteStore
+from replay_service.store.summaries import RequestRecord
 from replay_service.trainer import layouts
 from replay_service.trainer.gather import Gathered, HeldLayers, gather_rows, held_layers
-
-
-@dataclass(frozen=True)
-class SequenceRef:
-    """One sequence of a micro-batch: a request's tokens from `start` (`num_tokens` of them; None: all)."""
-
-    run: str
-    request: str
-    start: int = 0
-    num_tokens: int | None = None
-
-
-@dataclass(frozen=True)
-class SliceQuery:
-    """What one rank asks for, whatever the trainer: the micro-batch and the MoE layers of its stage."""
-
-    sequences: list[SequenceRef]
-    moe_ordinals: list[int] | None = None  # MoE ordinals of this pipeline stage
-    model_layer_range: tuple[int, int] | None = None  # or: the stage's model layers [lo, hi)
-    missing: MissingPolicy = MissingPolicy.STRICT  # a real token whose row is flagged or missing
-    layer_axis: LayerAxis = LayerAxis.MOE  # MoE layers only, or every model layer (dense ones zero)
-
-
-@dataclass(frozen=True)
-class SliceLimits:
-    """The service's bounds on one slice (from its settings)."""
-
-    max_sequences: int
-    max_tokens: int
-    strict_report_rows: int  # bad rows named in a strict refusal
+from replay_service.trainer.plans import SliceLimits, planner
 
 
 @dataclass
@@ -65,11 +37,22 @@ class SliceAnswer:
         return sum(p.nbytes for p in self.parts)
 
 
-MakePlan = Callable[[list[layouts.SequenceSpec]], layouts.TokenPlan]
+@dataclass(frozen=True)
+class StoredSequence:
+    """One sequence of the micro-batch: what the query names, its request's summary, its tokens and rows."""
+
+    ref: SequenceRef
+    request: RequestRecord
+    spec: layouts.SequenceSpec
 
 
-def read_rank_slice(store: RouteStore, query: SliceQuery, make_plan: MakePlan, limits: SliceLimits) -> SliceAnswer:
-    """The slice of one rank: `make_plan` lays the micro-batch's sequences out (megatron or verl)."""
+def read_slice(store: RouteStore, query: TrainerQuery, limits: SliceLimits) -> SliceAnswer:
+    """The slice of one rank: its tokens planned as its trainer lays them out (`plans.planner`), their rows read.
+
+    InvalidInput, TooLarge, NotFound, Conflict or StrictRefusal say why a query is refused.
+    """
+    make_plan = planner(query, limits)
+    missing = missing_policy(query.missing, query.strict)
     refs = query.sequences
     if not refs:
         raise InvalidInput("a micro-batch needs at least one sequence")
@@ -80,19 +63,20 @@ def read_rank_slice(store: RouteStore, query: SliceQuery, make_plan: MakePlan, l
             if not valid_id(value):
                 raise InvalidInput(f"{kind} {value!r} is not a valid id: {ID_RULE}")
     shape = common_shape(store, refs)
-    held = held_layers(shape, query.layer_axis, query.moe_ordinals, query.model_layer_range)
-    specs = sequence_specs(store, refs)
+    held = held_layers(shape, query.layers)
+    seqs = stored_sequences(store, refs)
+    specs = [s.spec for s in seqs]
     plan = make_plan(specs)
     if plan.num_tokens > limits.max_tokens:
         raise InvalidInput(
             f"this rank's slice is {plan.num_tokens} tokens, more than one read returns "
             f"(REPLAY_MAX_READ_ROWS={limits.max_tokens}); use smaller micro-batches")
-    got = gather(store, refs, specs, plan, held, query.missing, limits.strict_report_rows)
+    got = gather(store, seqs, plan, held, missing, limits.strict_report_rows)
     starts = np.array([s.start for s in specs], np.int64)
     position = np.where(plan.sequence >= 0, starts[np.maximum(plan.sequence, 0)] + plan.offset, -1).astype(np.int32)
     meta = SliceMeta(top_k=shape.top_k, num_experts=shape.num_experts, moe_ordinals=held.moe_ordinals.tolist(),
                      moe_layers=held.moe_layers, layout=plan.layout, layer_axis=held.axis, layers=held.layers,
-                     num_hidden_layers=shape.num_hidden_layers, missing=query.missing)
+                     num_hidden_layers=shape.num_hidden_layers, missing=missing)
     parts = build_slice(meta, got.experts, got.valid, plan.sequence, position, got.fallback)
     return SliceAnswer(parts, plan.num_tokens, int(got.valid.sum()))
 
@@ -105,14 +89,14 @@ def missing_policy(missing: MissingPolicy | None, strict: bool | None) -> Missin
     """
     if strict is None:
         return missing or MissingPolicy.STRICT
-    alias = MissingPolicy.STRICT if strict else MissingPolicy.FILLER
+    alias = strict_alias(strict)
     if missing is not None and missing is not alias:
         raise InvalidInput(f"strict={str(strict).lower()} (an alias of missing={alias.value}) contradicts "
                            f"missing={missing.value}; give missing only")
     return alias
 
 
-def common_shape(store: RouteStore, refs: list[SequenceRef]) -> RunShape:
+def common_shape(store: RouteStore, refs: tuple[SequenceRef, ...]) -> RunShape:
     """The one run shape of the micro-batch's runs; Conflict when two differ."""
     shape = store.run_shape(refs[0].run)
     for ref in refs[1:]:
@@ -124,25 +108,29 @@ def common_shape(store: RouteStore, refs: list[SequenceRef]) -> RunShape:
     return shape
 
 
-def sequence_specs(store: RouteStore, refs: list[SequenceRef]) -> list[layouts.SequenceSpec]:
-    """Each sequence's rows, checked against the length rule (`layouts.sequence_spec`)."""
-    return [
-        layouts.sequence_spec(store.request_summary(ref.run, ref.request)["expected_rows"], ref.start, ref.num_tokens,
-                              f"sequence {i} ({ref.run}/{ref.request})")
-        for i, ref in enumerate(refs)
-    ]
+def stored_sequences(store: RouteStore, refs: tuple[SequenceRef, ...]) -> list[StoredSequence]:
+    """Each sequence's request and rows, checked against the length rule (`layouts.sequence_spec`)."""
+    seqs = []
+    for i, ref in enumerate(refs):
+        request = store.request_summary(ref.run, ref.request)
+        spec = layouts.sequence_spec(request.expected_rows, ref.start, ref.num_tokens,
+                                     f"sequence {i} ({ref.run}/{ref.request})")
+        seqs.append(StoredSequence(ref, request, spec))
+    return seqs
 
 
-def gather(store: RouteStore, refs: list[SequenceRef], specs: list[layouts.SequenceSpec], plan: layouts.TokenPlan,
-           held: HeldLayers, missing: MissingPolicy, report_rows: int) -> Gathered:
+def gather(store: RouteStore, seqs: list[StoredSequence], plan: layouts.TokenPlan, held: HeldLayers,
+           missing: MissingPolicy, report_rows: int) -> Gathered:
     """The plan's ids and masks (`gather.gather_rows`); StrictRefusal naming the first flagged or missing rows
     of real tokens under `missing=strict`."""
     flagged: list[dict] = []
     strict = missing is MissingPolicy.STRICT
+    specs = [s.spec for s in seqs]
 
     def read_rows(i: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-        ref, spec = refs[i], specs[i]
-        route = store.read_route(ref.run, ref.request, spec.start + lo, spec.start + hi)
+        seq = seqs[i]
+        ref, spec = seq.ref, seq.spec
+        route = store.read_rows(ref.run, seq.request, spec.start + lo, spec.start + hi)
         ok = route.flags == 0
         if strict and not ok.all() and len(flagged) < report_rows:
             for j in np.flatnonzero(~ok)[: report_rows - len(flagged)]:

@@ -10,7 +10,7 @@ from replay_format import RunShape
 from replay_format.rows import RowsMeta, build_rows, encode_stream
 
 if TYPE_CHECKING:
-    from replay_service.client import ReplayClient
+    from replay_client.client import ReplayClient
 
 QWEN3_SHAPE = RunShape(num_moe_layers=48, top_k=8, num_experts=128)
 

@@ -22,7 +22,8 @@ def free_port() -> int:
 class ServiceProcess:
     def __init__(self, data_dir: Path, port: int | None = None, env: dict[str, str] | None = None,
                  log_path: Path | None = None, demo: bool = False, cpus: set[int] | None = None, nice: int = 0,
-                 args: list[str] | None = None, host: str = "127.0.0.1", netns: str | None = None) -> None:
+                 args: list[str] | None = None, host: str = "127.0.0.1", netns: str | None = None,
+                 program: list[str] | None = None, cwd: Path | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.env = {**os.environ, **(env or {})}
@@ -33,6 +34,9 @@ class ServiceProcess:
         self.args = list(args or [])  # more `serve` options (e.g. --host 0.0.0.0 --insecure)
         self.host = host  # the address it listens on (not loopback: pass args=["--insecure"] too)
         self.netns = netns  # run it inside this network namespace (`ip netns exec`, which execs: same pid)
+        # what runs `serve`: this interpreter's CLI module, or e.g. an installed console script (tests/test_wheel.py)
+        self.program = list(program or [sys.executable, "-m", "replay_service.ops.cli"])
+        self.cwd = cwd
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -40,7 +44,7 @@ class ServiceProcess:
         return f"http://{self.host}:{self.port}"
 
     def start(self, timeout: float = 60.0) -> ServiceProcess:
-        cmd = [sys.executable, "-m", "replay_service.cli", "serve", "--data", str(self.data_dir),
+        cmd = [*self.program, "serve", "--data", str(self.data_dir),
                "--host", self.host, "--port", str(self.port), "--log-level", "warning"]
         if self.demo:
             cmd.append("--demo")
@@ -48,7 +52,7 @@ class ServiceProcess:
         if self.netns:
             cmd = ["ip", "netns", "exec", self.netns, *cmd]
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(cmd, env=self.env, cwd=self.cwd, stdout=self._log, stderr=subprocess.STDOUT,
                                      preexec_fn=self._place if self.cpus or self.nice else None)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -14,20 +14,29 @@ it; its routing is what was recorded when its KV block was computed. Two hooks l
   both requests (checked: a mismatch is no reference, and reads stay GAP rather than wrong).
 
 `Scheduler.schedule` (scheduler.py) attaches the hits of the requests it scheduled (new or resumed
-after preemption) to the `SchedulerOutput` as `routing_replay_prefix_hits`
-`{request: [(start, end, source), ...]}`, capped at the tokens the request really starts from.
+after preemption) to the `SchedulerOutput` as the `prefix_hits` of its notes
+(`capture.vllm.scheduler_notes`): one `Reference` per range, capped at the tokens the request really
+starts from.
 Only KV cache group 0 is followed (full attention: the groups of one model hit the same prefix).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
-ATTR = "routing_replay_prefix_hits"
+from capture.vllm.patching import is_patched, patch
+from replay_format.request_notes import Reference
+
 _LEDGER = "_routing_replay_ledger"  # on the BlockPool instance
 _HITS = "_routing_replay_hits"  # on the KVCacheManager instance: request -> ranges not yet scheduled
 
-HitRange = tuple[int, int, str]  # positions [start, end) computed by the request named
+
+class HitRange(NamedTuple):
+    """Positions `[start, end)` of a request's hit blocks, computed by the request `source`."""
+
+    start: int
+    end: int
+    source: str
 
 
 class BlockLedger:
@@ -54,10 +63,10 @@ class BlockLedger:
             start, end = index * size, min((index + 1) * size, num_hit_tokens)
             if source == request_id or source_index != index or start >= end:
                 continue
-            if ranges and ranges[-1][2] == source and ranges[-1][1] == start:
-                ranges[-1] = (ranges[-1][0], end, source)
+            if ranges and ranges[-1].source == source and ranges[-1].end == start:
+                ranges[-1] = HitRange(ranges[-1].start, end, source)
             else:
-                ranges.append((start, end, source))
+                ranges.append(HitRange(start, end, source))
         return ranges
 
 
@@ -72,8 +81,6 @@ def patch_kv_cache() -> None:
     """Wrap `BlockPool.cache_full_blocks` and `KVCacheManager.get_computed_blocks` (idempotent)."""
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheManager
-
-    from capture.vllm.patching import is_patched, patch
 
     if is_patched(BlockPool.cache_full_blocks):
         return
@@ -107,12 +114,12 @@ def patch_kv_cache() -> None:
     patch(KVCacheManager, "get_computed_blocks", get_computed_blocks)
 
 
-def take_scheduled(scheduler: Any, output: Any) -> dict[str, list[HitRange]]:
-    """The hits of requests `output` schedules, capped at each one's starting point; forgets them."""
+def take_scheduled(scheduler: Any, output: Any) -> list[Reference]:
+    """The hits of requests `output` schedules as references, capped at each one's starting point; forgets them."""
     hits = scheduler.kv_cache_manager.__dict__.get(_HITS)
     if not hits:
-        return {}
-    found: dict[str, list[HitRange]] = {}
+        return []
+    found: list[Reference] = []
     for request_id, scheduled in output.num_scheduled_tokens.items():
         ranges = hits.pop(request_id, None)
         request = scheduler.requests.get(request_id)
@@ -120,9 +127,8 @@ def take_scheduled(scheduler: Any, output: Any) -> dict[str, list[HitRange]]:
             continue
         # After schedule() the request counts this step's tokens as computed; it started from the rest.
         started_at = int(request.num_computed_tokens) - int(scheduled)
-        capped = [(start, min(end, started_at), source) for start, end, source in ranges if start < started_at]
-        if capped:
-            found[request_id] = capped
+        found += [Reference(request_id, start, min(end, started_at), source)
+                  for start, end, source in ranges if start < started_at]
     return found
 
 

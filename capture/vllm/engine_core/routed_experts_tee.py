@@ -9,17 +9,18 @@ block store, and the scheduler connector (`connector.py`, `AuxOutputSchedulerCon
 cuts each step's rows to the tokens the scheduler accepted (`request.num_tokens - 1`). What
 `take_output` returns is what vLLM hands the user in `CompletionOutput.routed_experts`.
 Capturing a second time would only cost time, so the plugin's router capture stays off
-(`CaptureRoute.VLLM_TEE`; `WorkerCapture.startup` checks `capture_route`) and this module copies
-those rows out instead:
+(`Source.VLLM_OUTPUT`; `WorkerCapture.startup` checks `capture.vllm.config.capture_source`) and this
+module copies those rows out instead:
 
 - `take_output` (wrapped) -> `RoutedExpertsTee.committed`: the rows, their first position
   (`AuxRequestOutput.token_start`) and the request's token ids at those positions are noted; no copy
   of the rows, no I/O (the scheduler's thread goes on at once).
 - `build_connector_meta` (wrapped: once per scheduled step) -> `flush`: the rows noted since the last
   step go to this engine core's sink as one `StepFrame` (the rows' MoE layers only: vLLM's rows hold
-  every model layer, dense ones zero), through the same `StepHandoff` the workers use (one
-  non-blocking pipe write; the sink process maps vLLM's internal ids to the user's request ids,
-  `capture.vllm.sink.book.external_id`, and streams to the service).
+  every model layer, dense ones zero), through the same `StepHandoff` the workers use
+  (`capture.vllm.sink.handoff.start_sink`; one non-blocking pipe write; the sink process maps vLLM's
+  internal ids to the user's request ids, `capture.vllm.sink.book.external_id`, and streams to the
+  service).
 - `request_finished` (wrapped; vLLM also calls it on preemption, which is no finish) -> a finish
   event after the request's rows, with vLLM's token count and status.
 
@@ -36,21 +37,21 @@ past a stop string are stored (the engine core accepted them; the plugin's own c
 
 from __future__ import annotations
 
-import enum
-import logging
 import os
 from typing import Any, Protocol
 
 import numpy as np
 
-from capture.vllm.config import PluginConfig
+from capture.vllm.config import PluginConfig, capture_source
+from capture.vllm.engine_core.scheduler import finish_status
+from capture.vllm.log import info, log
 from capture.vllm.patching import is_patched, patch
+from capture.vllm.sink.handoff import start_sink
 from replay_format import NO_TOKEN, RunShape, Source
-from replay_format.step_frame import Ended, FinishStatus, StepFrame
+from replay_format.request_notes import FinishStatus
+from replay_format.step_frame import Ended, StepFrame
 
-log = logging.getLogger("routing_replay.vllm")
-
-ATTR = "_routing_replay_tee"  # on the AuxOutputSchedulerConnector instance: its RoutedExpertsTee
+_TEE = "_routing_replay_tee"  # on the AuxOutputSchedulerConnector instance: its RoutedExpertsTee
 _CONNECTOR = "vllm.distributed.aux_output_connector.connector"
 # What the tee hooks or calls (checked like `capture.vllm.version.REQUIRED` where vLLM has the connector).
 REQUIRED = (
@@ -62,19 +63,6 @@ REQUIRED = (
     ("vllm.model_executor.layers.fused_moe.routed_experts_capturer", "RoutedExpertsCaptureSource"),
     ("vllm.model_executor.layers.fused_moe.layer", "MoERunner"),
 )
-
-
-class CaptureRoute(enum.Enum):
-    """Where a run's routing rows come from."""
-
-    PLUGIN = "plugin"  # the plugin's own router callbacks in each worker (capture/vllm/worker/)
-    VLLM_TEE = "vllm-tee"  # vLLM's aux-output connector captures; the engine core tees what it commits
-
-
-def capture_route(vllm_config: Any) -> CaptureRoute:
-    """`VLLM_TEE` when the user turned on vLLM's own routed-experts output, else `PLUGIN`."""
-    aux = getattr(vllm_config, "aux_output_config", None)
-    return CaptureRoute.VLLM_TEE if bool(getattr(aux, "enable_return_routed_experts", False)) else CaptureRoute.PLUGIN
 
 
 def moe_layer_ids(model: Any) -> list[int]:
@@ -99,7 +87,7 @@ def tee_shape(vllm_config: Any, moe_layers: list[int]) -> RunShape:
 
 
 class FrameSink(Protocol):
-    """Where the tee's frames go: `capture.vllm.worker.handoff.StepHandoff` (or a test's reader)."""
+    """Where the tee's frames go: `capture.vllm.sink.handoff.StepHandoff` (or a test's reader)."""
 
     def step(self, frame: StepFrame) -> None: ...
 
@@ -158,25 +146,9 @@ class RoutedExpertsTee:
         self.sink.close(timeout, wait=False)
 
 
-def make_sink(config: PluginConfig, shape: RunShape, dp_rank: int) -> FrameSink:
-    """This engine core's sink process (one writer), closed at the process's exit like a worker's."""
-    from multiprocessing.util import Finalize
-
-    from capture.sender_config import SenderConfig
-    from capture.vllm.worker.handoff import StepHandoff
-
-    writer = f"vllm-tee-dp{dp_rank}-{os.getpid()}-{os.urandom(3).hex()}"
-    handoff = StepHandoff(SenderConfig(
-        url=config.url, run_id=config.run_id, shape=shape, writer_id=writer, source=Source.VLLM_OUTPUT,
-        token=config.token, spill_dir=config.spill_dir / writer,
-    ))
-    Finalize(None, handoff.close, args=(30.0,), kwargs={"wait": False}, exitpriority=10)
-    return handoff
-
-
 def attach(connector: Any, tee: RoutedExpertsTee) -> None:
     """Tee what `connector` (vLLM's `AuxOutputSchedulerConnector`) commits from now on."""
-    connector.__dict__[ATTR] = tee
+    connector.__dict__[_TEE] = tee
 
 
 def _start(engine_core: Any, config: PluginConfig) -> None:
@@ -184,7 +156,7 @@ def _start(engine_core: Any, config: PluginConfig) -> None:
     scheduler = getattr(engine_core, "scheduler", None)
     connector = getattr(scheduler, "aux_output_connector", None)
     vllm_config: Any = getattr(scheduler, "vllm_config", None)
-    if connector is None or capture_route(vllm_config) is not CaptureRoute.VLLM_TEE:
+    if connector is None or capture_source(vllm_config) is not Source.VLLM_OUTPUT:
         return
     replies = engine_core.model_executor.collective_rpc(moe_layers_rpc)
     moe_layers = next((r for r in replies if r), None)
@@ -192,10 +164,8 @@ def _start(engine_core: Any, config: PluginConfig) -> None:
         raise RuntimeError("routing-replay: no worker reported a MoE layer bound to vLLM's routed-experts capturer")
     shape = tee_shape(vllm_config, list(moe_layers))
     dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
-    tee = RoutedExpertsTee(shape, make_sink(config, shape, dp_rank))
+    tee = RoutedExpertsTee(shape, start_sink(config, shape, f"vllm-tee-dp{dp_rank}", Source.VLLM_OUTPUT))
     attach(connector, tee)
-    from capture.vllm.worker.worker_capture import info
-
     info("routing-replay: vLLM's enable_return_routed_experts is on: teeing the rows its aux-output connector "
          "commits (%d MoE layers %s of %d, top-%d) -> %s run %r; the plugin's router capture is off (engine core "
          "dp=%d, pid %d)", shape.num_moe_layers, list(shape.moe_layers), shape.num_hidden_layers, shape.top_k,
@@ -203,7 +173,7 @@ def _start(engine_core: Any, config: PluginConfig) -> None:
 
 
 def _tee(connector: Any) -> RoutedExpertsTee | None:
-    return connector.__dict__.get(ATTR)
+    return connector.__dict__.get(_TEE)
 
 
 def patch_connector() -> None:
@@ -233,8 +203,6 @@ def patch_connector() -> None:
         tee = _tee(self)
         if tee is not None and request.is_finished():  # vLLM calls this on preemption too
             try:
-                from capture.vllm.engine_core.scheduler import finish_status
-
                 tee.finished(request.request_id, request.num_tokens, finish_status(request.status))
             except Exception:  # any error: as above
                 log.exception("routing-replay: failed to tee the finish of %s", request.request_id)

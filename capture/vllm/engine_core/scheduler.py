@@ -1,12 +1,11 @@
 """Runs in vLLM's engine-core process: tell workers how each finished request ended and how long it was.
 
 Workers only see `SchedulerOutput.finished_req_ids` (finished *or* aborted, no length).
-In the engine-core process the plugin wraps `Scheduler._free_request` to note
-`(status, num_tokens)` of each freed request and `Scheduler.schedule` to attach the
-notes to the next `SchedulerOutput` as `routing_replay_finished` (it is pickled to the
-workers with its instance dict; the status travels as its plain string value, a
-`FinishStatus` value). A worker without the notes falls back to "finished" and its own
-length count.
+In the engine-core process the plugin wraps `Scheduler._free_request` to note how each freed
+request ended and its length (an `Ended`), and `Scheduler.schedule` to attach the notes, with the
+step's prefix-cache hits (`prefix_hits.py`), to the next `SchedulerOutput` as its
+`capture.vllm.scheduler_notes.SchedulerNotes`. A worker without a request's note falls back to
+"finished" and its own length count.
 
 A note reaches a worker only if vLLM runs one more step after freeing the request, which a stop
 can prevent (`capture/vllm/finish_notes.py` says how). So the notes not yet delivered are also kept
@@ -22,10 +21,12 @@ from capture.vllm.config import PluginConfig
 from capture.vllm.engine_core import prefix_hits
 from capture.vllm.finish_notes import FinishJournal
 from capture.vllm.patching import is_patched, patch
-from replay_format.step_frame import FinishStatus
+from capture.vllm.scheduler_notes import SchedulerNotes, attach, notes_of
+from replay_format.request_notes import FinishStatus
+from replay_format.step_frame import Ended
 
-ATTR = "routing_replay_finished"
 _JOURNAL = "_routing_replay_journal"  # on the Scheduler instance: its FinishJournal (None: no spill root)
+_FREED = "_routing_replay_freed"  # on the Scheduler instance: request id -> Ended, freed since the last schedule()
 
 
 def finish_status(status) -> FinishStatus:
@@ -54,12 +55,13 @@ def patch_scheduler() -> None:
     spill_root = config.spill_dir if config is not None else None
 
     def _free_request(self, request, *a, **kw):
-        notes = self.__dict__.setdefault("_routing_replay_notes", {})
+        freed = self.__dict__.setdefault(_FREED, {})
         try:
-            note = notes[request.request_id] = (finish_status(request.status).value, int(request.num_tokens))
+            status, num_tokens = finish_status(request.status), int(request.num_tokens)
+            freed[request.request_id] = Ended(request.request_id, num_tokens, status)
             journal = _journal(self, spill_root)
             if journal is not None:
-                journal.add(request.request_id, *note)
+                journal.add(request.request_id, status.value, num_tokens)
             prefix_hits.forget(self, request.request_id)
         except Exception:  # any error: never break the scheduler
             pass
@@ -68,10 +70,10 @@ def patch_scheduler() -> None:
     def update_from_output(self, scheduler_output, *a, **kw):
         out = orig_update(self, scheduler_output, *a, **kw)
         # The workers have executed this step: the notes it carried reached them.
-        carried = getattr(scheduler_output, ATTR, None)
+        carried = notes_of(scheduler_output)
         journal = self.__dict__.get(_JOURNAL)
-        if carried and journal is not None:
-            journal.delivered(carried)
+        if carried is not None and carried.finished and journal is not None:
+            journal.delivered(carried.finished)
         return out
 
     def shutdown(self, *a, **kw):
@@ -84,15 +86,14 @@ def patch_scheduler() -> None:
         out = orig_schedule(self, *a, **kw)
         try:
             hits = prefix_hits.take_scheduled(self, out)
-            if hits:
-                setattr(out, prefix_hits.ATTR, hits)
         except Exception:  # any error: never break the scheduler (those hits then read GAP)
-            pass
-        notes = self.__dict__.get("_routing_replay_notes")
-        if notes:
+            hits = []
+        freed = self.__dict__.get(_FREED)
+        if hits or freed:
             try:
-                setattr(out, ATTR, dict(notes))
-                notes.clear()
+                attach(out, SchedulerNotes(dict(freed or {}), hits))
+                if freed:
+                    freed.clear()
             except Exception:  # any error: as above
                 pass
         return out

@@ -23,16 +23,15 @@ Pure Python/numpy (no vLLM import), so it is tested directly.
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from capture.vllm.log import log
 from replay_format import valid_id
-from replay_format.step_frame import NO_SAMPLE, FinishStatus, StepFrame
-
-log = logging.getLogger("routing_replay.vllm")
+from replay_format.request_notes import Finish, FinishStatus, Reference
+from replay_format.step_frame import NO_SAMPLE, StepFrame
 
 _SUFFIX = re.compile(r"^(?P<ext>.+)-[0-9a-f]{8}$")
 _CHILD = re.compile(r"^(?P<idx>\d+)_(?P<parent>.+)$")
@@ -129,24 +128,24 @@ class StepBook:
                 st.rows_sent += int(kept[i])
         return [st.external for st in states], index, keep
 
-    def reference(self, internal: str, start: int, end: int, source: str) -> tuple[str, int, int, str] | None:
-        """A prefix-cache hit in stored ids `(request, start, end, source)`; None when either id cannot be stored.
+    def reference(self, hit: Reference) -> Reference | None:
+        """A prefix-cache hit (engine ids) in stored ids; None when either id cannot be stored.
 
         A request resumed after preemption can hit blocks it computed itself: its own rows are stored
         already, so such a hit is no reference.
         """
-        st = self._state(internal)
+        st = self._state(hit.request_id)
+        source = hit.source_request_id
         src = self.requests[source].external if source in self.requests else external_id(source)
         if not st.storable or src == st.external or not valid_id(src):
             return None
-        return st.external, int(start), int(end), src
+        return Reference(st.external, int(hit.start), int(hit.end), src)
 
-    def finish(self, internal: str, num_tokens: int | None = None,
-               status: FinishStatus | None = None) -> tuple[str, int, FinishStatus] | None:
-        """(external id, num_tokens, status) for a finished/aborted request, or None if it never ran."""
+    def finish(self, internal: str, num_tokens: int | None = None, status: FinishStatus | None = None) -> Finish | None:
+        """The end of a finished/aborted request in its stored id, or None if it never ran."""
         st = self.requests.pop(internal, None)
         if st is None or st.external in self._bad_ids:
             return None
         if num_tokens is None:
             num_tokens = st.max_position + 2
-        return st.external, int(num_tokens), FinishStatus(status or FinishStatus.FINISHED)
+        return Finish(st.external, int(num_tokens), FinishStatus(status or FinishStatus.FINISHED))

@@ -1,9 +1,8 @@
 """The sink process: turns a worker's captured steps into rows for the service.
 
-One per sending worker, started by `capture.vllm.worker.handoff.StepHandoff` (`main(FD, STATUS_FD)`,
-outside vLLM's process tree: `capture/vllm/worker/sink_process.py` says why) on the CPUs its
-worker is not bound to. It reads frames (`replay_format.step_frame`, spec beside it) from the
-pipe FD, in order: the
+One per sending worker (or engine core's tee), started by `handoff.StepHandoff` (`main(FD, STATUS_FD)`,
+outside vLLM's process tree: `launch.py` says why) on the CPUs its worker is not bound to. It reads
+frames (`replay_format.step_frame`, spec beside it) from the pipe FD, in order: the
 configuration (the stream's version, the run shape, the `SenderConfig` settings; the
 token comes in the environment), then steps and finish events, then close (or end of
 input), and does what used to run on the worker's forward thread: map rows to the
@@ -34,26 +33,25 @@ from pathlib import Path
 
 import numpy as np
 
+from capture.row_chunk import RequestIndex
 from capture.sender import RouteSender, SenderConfig
 from capture.vllm.config import ENV_SINK_TOKEN
 from capture.vllm.finish_notes import live_writers, read_notes
+from capture.vllm.log import log
 from capture.vllm.sink.book import StepBook
 from capture.vllm.sink.spill_root import adopt, claim, release
 from replay_format import FormatError
+from replay_format.request_notes import Finish, FinishStatus, Reference
 from replay_format.step_frame import (
     LENGTH,
     CloseFrame,
     ConfigFrame,
     Ended,
     FinishFrame,
-    FinishStatus,
     FrameReader,
-    Reference,
     ReferencesFrame,
     StepFrame,
 )
-
-log = logging.getLogger("routing_replay.vllm")
 
 _READ_SIZE = 1 << 20
 # Below the engine's processes: the sink needs a few percent of a core on average and has
@@ -116,10 +114,8 @@ class Sink:
     def finish(self, ended: list[Ended]) -> None:
         """Requests that ended: their finish calls go after their rows."""
         self.flush()
-        for request_id, num_tokens, status in ended:
-            done = self.book.finish(request_id, num_tokens, status)
-            if done is not None:
-                self.sender.finish(*done)
+        for end in ended:
+            self._finish(self.book.finish(end.request_id, end.num_tokens, end.status))
 
     def finish_from_journals(self, spill_root: Path, wait_s: float = JOURNAL_WAIT_S) -> int:
         """Finish the requests still open at the end of the stream from the engine cores' journals; how many.
@@ -136,7 +132,7 @@ class Sink:
                 status, num_tokens = notes[internal]
                 done = self.book.finish(internal, num_tokens, FinishStatus(status))
                 if done is not None:
-                    self.sender.finish(*done)
+                    self._finish(done)
                     finished += 1
             if not self.book.requests or not live_writers(spill_root) or time.monotonic() > deadline:
                 break
@@ -147,8 +143,12 @@ class Sink:
 
     def references(self, references: list[Reference]) -> None:
         """Prefix-cache hits, in stored ids, to the sender (the service resolves them in either order with rows)."""
-        mapped = [self.book.reference(*r) for r in references]
+        mapped = [self.book.reference(r) for r in references]
         self.sender.reference([m for m in mapped if m is not None])
+
+    def _finish(self, done: Finish | None) -> None:
+        if done is not None:
+            self.sender.finish(done.request_id, done.num_tokens, done.status)
 
     def flush(self) -> None:
         """Hand the plain steps held so far to the sender."""
@@ -164,8 +164,8 @@ class Sink:
         if not index.size:
             return
         sel = np.flatnonzero(keep)
-        self.sender.submit((names, index), frame.positions[sel], frame.experts[sel], token_ids=frame.token_ids[sel],
-                           flags=frame.flags[sel])
+        self.sender.submit(RequestIndex(names, index), positions=frame.positions[sel], experts=frame.experts[sel],
+                           token_ids=frame.token_ids[sel], flags=frame.flags[sel])
 
 
 def _merged(group: list[StepFrame]) -> StepFrame:
@@ -191,7 +191,7 @@ def _configure_logging() -> None:
 def main(fd: int, status_fd: int | None = None) -> int:
     """Run the sink on pipe `fd` until close or end of input; 2 when the stream cannot be read at all.
 
-    `status_fd`: the status pipe of a detached sink (`capture.vllm.worker.sink_process.SinkProcess`); the
+    `status_fd`: the status pipe of a detached sink (`capture.vllm.sink.launch.SinkProcess`); the
     exit status is written there as a decimal line when the sink is done, and the pipe closed.
     """
     code = 1  # an exception: what the interpreter would exit with

@@ -20,19 +20,17 @@ A spill root belongs to one service: items are sent to the adopting sink's URL.
 from __future__ import annotations
 
 import fcntl
-import logging
 import os
 from pathlib import Path
 
 from capture.sender import RouteSender
 from capture.sender_config import SenderConfig
+from capture.vllm.log import log
 from replay_format import RunShape
 from replay_format.spill import SUFFIX
 
-log = logging.getLogger("routing_replay.vllm")
-
 LOCK_SUFFIX = ".lock"
-# Writer directories of plugin versions from before the lock files (`worker_capture.make_handoff` names them).
+# Writer directories of plugin versions from before the lock files (`handoff.start_sink` names them).
 _OLD_WRITER_PREFIX = "vllm-dp"
 
 

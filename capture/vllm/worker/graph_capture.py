@@ -1,7 +1,7 @@
-"""The graph-safe router callback for vLLM: which layouts it covers and the fixed-shape restore of each.
+"""The graph-safe router callback for vLLM: which shardings it covers and the fixed-shape restore of each.
 
 Runs in each vLLM worker. Used when the capture mode resolves to `CaptureMode.GRAPH_SAFE`
-(`capture.vllm.config`; by default on a CUDA device): `WorkerCapture.on_topk` hands each
+(`capture.vllm.config`; by default on a CUDA device): `StepHooks.on_topk` hands each
 router call to `GraphCapture.on_topk`, which slices this DP rank's rows with shapes fixed by
 the tensor and by Python ints, then `GraphStepRecorder.write`s them (no host sync, no use
 of the real token count: `capture.worker.graph_recorder` says why).
@@ -9,39 +9,40 @@ of the real token count: `capture.worker.graph_recorder` says why).
 Under CUDA graphs vLLM calls the router's `capture_fn` only while it captures a graph (the
 MoE layer is an opaque custom op, `torch.ops.vllm.moe_forward`, whose kernels the graph
 records); a replay re-runs the recorded kernels. Whatever the callback decides on the host is
-therefore decided once per captured size, so a layout is covered only when that decision holds
-for every replay of that size:
+therefore decided once per captured size, so a sharding is covered only when that decision holds
+for every replay of that size. `GraphSharding` names each as it is decided per MoE layer, from the
+layer's static config (the strategies of `capture.worker.sharding.Strategy` these are, with PCP
+apart):
 
-- `GraphLayout.LOCAL`: the router sees exactly this DP rank's batch (TP replicates the gate;
+- `GraphSharding.LOCAL` (`Strategy.LOCAL`): the router sees exactly this DP rank's batch (TP replicates the gate;
   no dispatch, or the modular all2all kernels dispatch after the router): rows 0..n-1 are
   this rank's, the rest padding. The whole tensor is written.
-- `GraphLayout.DP_CONCAT`: naive DP dispatch, every DP rank's rows concatenated (under
-  sequence-parallel MoE each DP rank's TP pieces, DP-major). The slice comes from the
+- `GraphSharding.DP_CONCAT` (`Strategy.NAIVE_DP`): naive DP dispatch, every DP rank's rows
+  concatenated (under sequence-parallel MoE each DP rank's TP pieces, DP-major). The slice comes from the
   forward context's dispatch sizes (host ints). With CUDA graphs on, vLLM pads every DP rank
   to the same count for any step that runs a graph (`vllm/v1/worker/dp_utils.py`:
   `should_dp_pad = synced_cudagraph_mode != 0`), so the slice a graph captured is
   `[d * n_pad, (d + 1) * n_pad)` for each of its replays; an eager step reads its own sizes.
-- not covered, eager only: `TP_GATHER` (all2all kernels + sequence-parallel MoE: the router
-  sees a TP shard; restoring it needs an all-gather in the callback, unproven in a graph) and
-  `PCP` (the PCP restore index and padding mask are per-step data and need a gather). Under
-  CUDA graphs these are refused at start-up naming `--enforce-eager`.
+- not covered, eager only: `TP_GATHER` (`Strategy.SEQUENCE_PARALLEL`: all2all kernels +
+  sequence-parallel MoE: the router sees a TP shard; restoring it needs an all-gather in the
+  callback, unproven in a graph) and `PCP` (any of the above under PCP; the PCP restore index
+  and padding mask are per-step data and need a gather). Under CUDA graphs these are refused at
+  start-up naming `--enforce-eager`.
 """
 
 from __future__ import annotations
 
 import enum
-import logging
 
 import torch
 
-from capture.vllm.worker.sharding import Parallel, _moe_flags, dispatch_sizes
+from capture.vllm.worker.forward_sharding import Parallel, _moe_flags, dispatch_sizes
 from capture.worker.graph_recorder import GraphStepRecorder
 
-log = logging.getLogger("routing_replay.vllm")
 
-
-class GraphLayout(enum.StrEnum):
-    """Where one MoE layer's router finds this DP rank's rows (module docstring)."""
+class GraphSharding(enum.StrEnum):
+    """Where one MoE layer's router finds this DP rank's rows, as the graph-safe capture tells them apart (module
+    docstring)."""
 
     LOCAL = "local"
     DP_CONCAT = "dp_concat"
@@ -49,27 +50,27 @@ class GraphLayout(enum.StrEnum):
     PCP = "pcp"
 
 
-COVERED = (GraphLayout.LOCAL, GraphLayout.DP_CONCAT)
+COVERED = (GraphSharding.LOCAL, GraphSharding.DP_CONCAT)
 
 
-def layout_of(runner) -> GraphLayout:
-    """The layout of one MoE layer, from its static MoE config (the same flags `sharding.restore` reads)."""
+def graph_sharding(runner) -> GraphSharding:
+    """The sharding of one MoE layer, from its static MoE config (the same flags `forward_sharding.restore` reads)."""
     naive, sp, a2a, pcp_size = _moe_flags(runner)
     if pcp_size > 1 and not a2a:
-        return GraphLayout.PCP
+        return GraphSharding.PCP
     if naive:
-        return GraphLayout.DP_CONCAT
+        return GraphSharding.DP_CONCAT
     if sp and a2a:
-        return GraphLayout.TP_GATHER
-    return GraphLayout.LOCAL
+        return GraphSharding.TP_GATHER
+    return GraphSharding.LOCAL
 
 
-def graph_refusal(layouts: dict[str, GraphLayout], graphs: object) -> str | None:
+def graph_refusal(shardings: dict[str, GraphSharding], graphs: object) -> str | None:
     """The start-up refusal for CUDA graphs with layers the graph-safe capture does not cover; None if all are."""
-    bad = {name: layout for name, layout in layouts.items() if layout not in COVERED}
+    bad = {name: sharding for name, sharding in shardings.items() if sharding not in COVERED}
     if not bad:
         return None
-    kinds = sorted({str(layout) for layout in bad.values()})
+    kinds = sorted({str(sharding) for sharding in bad.values()})
     return (
         f"CUDA graphs are on ({graphs}) and {len(bad)} MoE layer(s) route rows laid out as {', '.join(kinds)} "
         f"(e.g. {next(iter(bad))}): the graph-safe capture restores only {', '.join(map(str, COVERED))} rows with "
@@ -91,15 +92,15 @@ def dp_block(topk_ids: torch.Tensor, sizes: tuple[int, ...], par: Parallel) -> t
 class GraphCapture:
     """The graph-safe router callback of one worker (module docstring)."""
 
-    def __init__(self, recorder: GraphStepRecorder, layouts: dict[int, GraphLayout], par: Parallel) -> None:
+    def __init__(self, recorder: GraphStepRecorder, shardings: dict[int, GraphSharding], par: Parallel) -> None:
         self.recorder = recorder
-        self.layouts = layouts  # MoE ordinal -> its layout (all in COVERED)
+        self.shardings = shardings  # MoE ordinal -> its sharding (all in COVERED)
         self.par = par
 
     def on_topk(self, layer: int, topk_ids: torch.Tensor) -> None:
         """Write this DP rank's rows of one layer; fixed-shape device work, whatever step state the host is in."""
         rows = topk_ids
-        if self.layouts[layer] == GraphLayout.DP_CONCAT:
+        if self.shardings[layer] == GraphSharding.DP_CONCAT:
             from vllm.forward_context import get_forward_context
 
             rows = dp_block(topk_ids, dispatch_sizes(get_forward_context()), self.par)

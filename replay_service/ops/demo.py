@@ -8,7 +8,9 @@ from __future__ import annotations
 import numpy as np
 
 from replay_format import Flag, RunShape, Source
+from replay_format.compare import build_compare_body
 from replay_format.rows import Rows, RowsMeta
+from replay_service.compare.comparison import run_compare
 from replay_service.store import RequestStatus, RouteStore
 
 DEMO_RUN = "demo"
@@ -119,9 +121,6 @@ def load_demo_compare(store: RouteStore, seed: int = 11) -> dict:
     roughly the R3 paper's picture (about 10% router-level, over 90% token-level
     mismatch). Idempotent: a fixed compare id, stored once.
     """
-    from replay_client.trainer import compare_body  # the demo posts as a trainer would
-    from replay_service.compare import run_compare
-
     existing = [c for c in store.compares.list(DEMO_RUN) if c["compare_id"] == DEMO_COMPARE]
     if existing:
         return existing[0]
@@ -144,7 +143,8 @@ def load_demo_compare(store: RouteStore, seed: int = 11) -> dict:
         ids += [request_id] * n
         positions.append(route.positions)
         rows.append(experts)
-    body = compare_body(DEMO_RUN, DEMO_SHAPE, ids, np.concatenate(positions), np.concatenate(rows))
+    # the body a trainer posts (replay_client.trainer.compare_body builds the same one)
+    body = build_compare_body(DEMO_SHAPE, ids, np.concatenate(positions), np.concatenate(rows), run_id=DEMO_RUN)
     doc, per_request = run_compare(store, DEMO_RUN, body, "demo: trainer without replay", compare_id=DEMO_COMPARE)
     store.compares.save(doc, per_request)
     return doc

@@ -1,4 +1,4 @@
-"""The compiled row checks of the ingest check stage (`check.py` runs them; rows.md, "Flags").
+"""The compiled row checks (`check.py` runs them, as the ingest check stage; rows.md, "Flags").
 
 One compiled pass over a batch computes, per row, ZERO / DUPLICATE / OUT_OF_RANGE,
 a 64-bit content hash (for the STALE content check and the batch digest) and adds clean

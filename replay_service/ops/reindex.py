@@ -1,15 +1,15 @@
 """`replay-service reindex`: rebuild the index from the segments (and the run journals), with the service stopped.
 
-Each segment says what its index rows say (rows.md, "Segment files"), so the index is rebuilt by committing
+Each segment says what its index rows say (segment.md), so the index is rebuilt by committing
 every segment again through the ingest pipeline's own commit stage (`ingest/commit.py`), a run's segments in
-the order they were written, merged by time with the run's journal (`journal.py`: creation time, request ends,
+the order they were written, merged by time with the run's journal (`store/journal.py`: creation time, request ends,
 prefix-cache references). What that restores: runs (shape, source, creation time, bytes, expert load),
 requests (rows, counters, ends), spans, segments with their digests (idempotent retries keep working), flags
 (the stored verdicts, STALE included), late CONFLICT flags and padding counts, prefix-cache references and
 the rows they resolve.
 
 What it cannot restore: stored comparisons' index rows (`compares/` files stay; their listing is empty until
-compared again); segments that fail their checksum or were written before rows 2.2 (listed, left in place:
+compared again); segments that fail their checksum or were written before segment 2.2 (listed, left in place:
 the next start quarantines them); and, where two batches held different rows at one position of one request
 (a CONFLICT) and their commits raced in the other order than their writes, which of the two is served (both
 are flagged CONFLICT either way). A journal line not yet appended when the service crashed is lost too (the
@@ -40,24 +40,22 @@ import pyarrow as pa
 
 from replay_format import FormatError
 from replay_format.core import decode_metadata
-from replay_format.rows import SegmentMeta, read_rows
+from replay_format.request_notes import Reference
+from replay_format.rows import read_rows
+from replay_format.segment import SegmentMeta
 from replay_service.buffers import BufferPool
+from replay_service.checks.check import check
 from replay_service.errors import Conflict, DamagedSegment
-from replay_service.ingest.check import check
 from replay_service.ingest.commit import Committer
 from replay_service.ingest.segment import Segment, SegmentWriter
 from replay_service.settings import ServiceSettings
-from replay_service.store.files import (
-    QUARANTINE_DIR,
-    SegmentCache,
-    fsync_dir,
-    quarantine_segment,
-    segment_files,
-)
+from replay_service.store.durable import fsync_dir
+from replay_service.store.files import QUARANTINE_DIR, SegmentCache, quarantine_segment, segment_files
 from replay_service.store.index import Index, RequestStatus
 from replay_service.store.integrity import open_segment
 from replay_service.store.journal import JOURNAL_NAME, BucketJournal, open_journal, read_journal
 from replay_service.store.reads import RowReader
+from replay_service.store.references import Resolver
 from replay_service.store.runs import RunRegistry
 from replay_service.store.segment_store import LocalSegments, SegmentStore, open_segment_store
 
@@ -278,8 +276,6 @@ class _Rebuild:
             self.report.duplicates.append(rel)
 
     def _event(self, run_id: str, event: dict) -> None:
-        from replay_service.store.references import Reference, Resolver
-
         self.report.events += 1
         kind = event.get("event")
         if kind == "end":

@@ -1,4 +1,5 @@
-"""Runs in the vLLM worker: starts the worker's sink process outside vLLM's process tree, and a handle on it.
+"""Runs in the capturing vLLM process (a worker, or the engine core's tee): starts its sink outside vLLM's process
+tree, and a handle on it (`SinkProcess`, used by `handoff.StepHandoff`).
 
 Why outside the tree: vLLM stops an engine by killing the engine core's whole process tree with
 SIGKILL (`vllm/utils/system_utils.py:207` `kill_process_tree`, called from `vllm/v1/utils.py:605`

@@ -1,5 +1,8 @@
 """vLLM forward context + MoE layer -> `capture.RowSharding`, and the PCP router-mask fix (in each worker).
 
+The forward's sharding, as vLLM's forward context says it (`capture/worker/sharding.py` is the
+engine-neutral one it maps to).
+
 What the plugin reads (vLLM 0.32/0.33 names; see docs/vllm_notes.md section 2 (e)):
 
 - `MoERunner.moe_config`: `dp_size`, `pcp_size`, `is_sequence_parallel`,
@@ -36,7 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from capture.worker.pcp_mask import NaiveDispatch
+from capture.vllm.log import info
+from capture.worker.pcp_mask import NaiveDispatch, PcpPaddingMask
 from capture.worker.restore import restore_rows
 from capture.worker.sharding import RowSharding, Strategy
 
@@ -187,3 +191,24 @@ def mask_dispatch(runner, ctx, par: Parallel) -> NaiveDispatch | None:
     if not naive:
         return None
     return NaiveDispatch(par.dp_group, dispatch_sizes(ctx))
+
+
+def pcp_padding_mask(par: Parallel) -> PcpPaddingMask | None:
+    """Under PCP, the padding mask the router gets, aligned with the gathered rows (seed 000); None without PCP.
+
+    None too where vLLM gathers the mask itself. The runner wraps the router's call in it
+    (`runner.patch_apply_quant_method`)."""
+    if par.pcp_size <= 1:
+        return None
+    if pcp_mask_fixed_upstream():
+        info("routing-replay: this vLLM gathers the PCP padding mask itself; not installing ours")
+        return None
+    needed = None  # without vLLM's switch: always gather
+    try:
+        import vllm.envs as envs
+
+        def needed() -> bool:
+            return bool(envs.VLLM_MOE_SKIP_PADDING)
+    except Exception:  # any error: keep gathering (the switch only saves a collective)
+        pass
+    return PcpPaddingMask(par.pcp_group, par.pcp_size, needed=needed)

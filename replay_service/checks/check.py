@@ -1,4 +1,4 @@
-"""Ingest stage 2, check: the service's verdict on every row of a batch (rows.md, "Flags").
+"""The check (ingest stage 2): the service's verdict on every row of a batch (rows.md, "Flags").
 
 `check` takes a decoded batch (`Rows`) alone: it drops writer padding, sorts rows by
 (request, position), runs the compiled row checks (ZERO, DUPLICATE, OUT_OF_RANGE, content
@@ -21,7 +21,7 @@ import numpy as np
 
 from replay_format import Flag, RunShape
 from replay_format.rows import Rows
-from replay_service.ingest.kernels import RecentRows, check_rows, route_entropy_bits
+from replay_service.checks.kernels import RecentRows, check_rows, route_entropy_bits
 
 
 @dataclass

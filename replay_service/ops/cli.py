@@ -8,14 +8,25 @@ from pathlib import Path
 import typer
 import uvicorn
 
+from replay_service import __version__
 from replay_service.errors import ServiceError
 from replay_service.settings import DEFAULT_PORT, ServiceSettings
 
 app = typer.Typer(help="routing-replay: record, check and serve MoE routing for R3.", no_args_is_help=True)
 
 
+def _print_version(wanted: bool) -> None:
+    """`--version`: the installed release (its distribution version), then exit."""
+    if wanted:
+        typer.echo(f"routing-replay {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def main() -> None:
+def main(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="print the installed routing-replay version and exit"),
+) -> None:
     """routing-replay service commands."""
 
 
@@ -38,9 +49,8 @@ def serve(
 ) -> None:
     """Serve the store in DATA over HTTP."""
     from replay_service.api.auth import Authenticator, listen_refusal
-    from replay_service.app import create_app
+    from replay_service.app import create_app, open_store
     from replay_service.errors import IndexNeedsRebuild, IndexTooNew, IndexUnreachable, SegmentStoreUnreachable
-    from replay_service.store import RouteStore
 
     overrides: dict = {"keep_alive_timeout_s": keep_alive_timeout, "max_connections": max_connections,
                        "tokens_file": tokens_file}
@@ -55,7 +65,7 @@ def serve(
         typer.echo(f"replay-service: tokens file: {exc}", err=True)
         raise typer.Exit(2) from None
     try:
-        store = RouteStore(settings)
+        store = open_store(settings)
     except (IndexNeedsRebuild, IndexTooNew, IndexUnreachable, SegmentStoreUnreachable) as exc:
         typer.echo(f"replay-service: {exc.message}", err=True)
         raise typer.Exit(2) from None
@@ -64,14 +74,14 @@ def serve(
             "start-up: deleted %d unfinished segment writes, quarantined %d unindexed segments (under %s)",
             len(store.swept.removed), len(store.swept.quarantined), data / "quarantine")
     if demo:
-        from replay_service.demo import load_demo
+        from replay_service.ops.demo import load_demo
 
         summary = load_demo(store)
         typer.echo(f"demo run {summary['run_id']!r}: {summary['requests']} requests, {summary['rows']} rows")
     typer.echo(f"routing-replay on http://{host}:{port}  (data: {data.resolve()}, API docs: /docs)")
     if settings.tokens_file is None and insecure:
         logging.getLogger("replay_service").warning("--insecure: no tokens file, every caller may do anything")
-    from replay_service.connections import PROTOCOL
+    from replay_service.ops.connections import PROTOCOL
 
     # httptools + uvloop (uvicorn[standard]): no copy of a body part on its way to the socket (connections.py)
     uvicorn.run(create_app(settings, store), host=host, port=port, log_level=log_level, http=PROTOCOL,
@@ -111,9 +121,9 @@ def reindex(
     <data>/index.sqlite, the old one kept as index.sqlite.before-reindex-<time>; or, with REPLAY_INDEX_URL, the
     PostgreSQL database it names, which must be empty (a new database after losing the old one): one holding
     runs is refused, exit status 2. Exit status 1 when a segment could not be indexed (damaged, or written
-    before rows 2.2).
+    before segment 2.2).
     """
-    from replay_service.store.reindex import reindex as rebuild
+    from replay_service.ops.reindex import reindex as rebuild
     from replay_service.store.segment_store import open_segment_store
 
     settings = ServiceSettings(data_dir=data)
@@ -158,7 +168,7 @@ def verify(
     Segments where REPLAY_SEGMENTS_URL puts them, and those the index (REPLAY_INDEX_URL, or <data>/index.sqlite)
     names: one it names that is not stored counts as damaged.
     """
-    from replay_service.store.integrity import verify_store
+    from replay_service.ops.verify import verify_store
     from replay_service.store.segment_store import open_segment_store
 
     settings = ServiceSettings(data_dir=data)
@@ -180,7 +190,7 @@ def verify(
 
 
 # delete, gc and export work on the store, not through the API: they need no token and no running service, and
-# use the service's own code and settings (store/retention.py, export.py): the index and segments are where
+# use the service's own code and settings (store/retention.py, ops/export.py): the index and segments are where
 # REPLAY_INDEX_URL and REPLAY_SEGMENTS_URL put them, as for `serve`. delete and gc change the index: run them
 # with the service stopped (on a running one: DELETE /v1/runs/{run}, and REPLAY_RETENTION_* settings); with a
 # PostgreSQL index and a bucket, `gc --orphans` is safe beside running replicas.
@@ -192,11 +202,11 @@ def delete(
     data: Path = typer.Option(Path("replay-data"), "--data", help="directory of the Arrow store"),
 ) -> None:
     """Delete RUN's rows and files from DATA (with the service stopped; on a running one: DELETE /v1/runs/RUN)."""
+    from replay_service.app import open_store
     from replay_service.errors import NotFound
-    from replay_service.store import RouteStore
 
     try:
-        store = RouteStore(ServiceSettings(data_dir=data))
+        store = open_store(ServiceSettings(data_dir=data))
     except _refusals() as exc:
         typer.echo(f"replay-service: {exc.message}", err=True)
         raise typer.Exit(2) from None
@@ -220,7 +230,7 @@ def gc(
         "(safe beside running replicas)"),
 ) -> None:
     """Delete the least recently written unpinned runs of DATA until under the limits (with the service stopped)."""
-    from replay_service.store import RouteStore
+    from replay_service.app import open_store
     from replay_service.store.retention import collect_orphans, delete_run, due
 
     settings = ServiceSettings(data_dir=data)
@@ -249,7 +259,7 @@ def gc(
                    f"than REPLAY_ORPHAN_GRACE_S={settings.orphan_grace_s:g} kept")
         return
     try:
-        store = RouteStore(settings)
+        store = open_store(settings)
     except _refusals() as exc:
         typer.echo(f"replay-service: {exc.message}", err=True)
         raise typer.Exit(2) from None
@@ -278,7 +288,7 @@ def export(
 ) -> None:
     """Write RUN's rows (request, position, token, experts, flags) to a Parquet file. Read-only: safe while serving."""
     from replay_service.errors import NotFound
-    from replay_service.export import export_run
+    from replay_service.ops.export import export_run
 
     with _progress() as progress:
         task = progress.add_task("exporting requests", total=None)

@@ -16,7 +16,7 @@ import numpy as np
 
 from replay_format import Flag
 from replay_format.compare import RequestMismatch, ShapeMismatch, read_compare_body
-from replay_service import agreement
+from replay_service.compare import agreement
 from replay_service.errors import Conflict, InvalidInput, NotFound
 from replay_service.store import RouteStore
 

@@ -1,4 +1,6 @@
-"""Runs in the vLLM worker: captured steps go over a pipe to the worker's sink process.
+"""Runs in the vLLM process that captures (a worker, or the engine core's tee): its steps go over a pipe to its sink.
+
+`start_sink` starts one (the worker's and the tee's, one writer each); `StepHandoff` is the pipe.
 
 Why a process and not threads in the worker: the rows' bookkeeping, Arrow encoding
 and HTTP are Python; as threads in the worker they hold its GIL between the model's
@@ -14,38 +16,31 @@ writes as the sink reads (never a wait on the forward path); only past
 `max_backlog_bytes` does `send` wait, so memory stays bounded. A sink that died is an
 error logged once; its rows are counted as lost (`lost_frames`).
 
-The sink runs outside vLLM's process tree (`sink_process.py` says why and how), so what is in the
-pipe survives vLLM killing the worker. What is still in the backlog does not: at the worker's exit
-(`close(wait=False)`, from `worker_capture.py`) the backlog is written out and the pipe closed
+The sink runs outside vLLM's process tree (`launch.py` says why and how), so what is in the
+pipe survives vLLM killing the worker. What is still in the backlog does not: at the process's exit
+(`close(wait=False)`, registered by `start_sink`) the backlog is written out and the pipe closed
 without waiting for the sink, which finishes on its own.
 """
 
 from __future__ import annotations
 
 import fcntl
-import logging
 import os
 import select
 import subprocess
 import threading
 import time
 from collections import deque
+from multiprocessing.util import Finalize
 from typing import IO
 
 from capture.sender_config import SenderConfig
-from capture.vllm.worker.sink_process import SinkProcess
-from replay_format.step_frame import (
-    CloseFrame,
-    ConfigFrame,
-    Ended,
-    FinishFrame,
-    Reference,
-    ReferencesFrame,
-    StepFrame,
-    pack,
-)
-
-log = logging.getLogger("routing_replay.vllm")
+from capture.vllm.config import PluginConfig
+from capture.vllm.log import log
+from capture.vllm.sink.launch import SinkProcess
+from replay_format import RunShape, Source
+from replay_format.request_notes import Reference
+from replay_format.step_frame import CloseFrame, ConfigFrame, Ended, FinishFrame, ReferencesFrame, StepFrame, pack
 
 _F_SETPIPE_SZ = 1031  # Linux fcntl: grow the pipe (unprivileged up to /proc/sys/fs/pipe-max-size, 1 MiB)
 
@@ -207,3 +202,22 @@ class StepHandoff:
             log.error("routing-replay: the sink process (pid %d) did not finish in %.0f s", self.proc.pid, timeout)
             return False
         return True
+
+
+def start_sink(config: PluginConfig, shape: RunShape, writer_prefix: str, source: Source) -> StepHandoff:
+    """Start this process's sink; it sends as one writer, `source` on its rows, spilling under its own directory.
+
+    The writer id is `writer_prefix` (`vllm-dp0` for a worker, `vllm-tee-dp0` for the engine core's
+    tee), this process's id and a random suffix. At the process's exit the hand-off is closed without
+    waiting for the sink (`StepHandoff.close`). A `multiprocessing` finalizer, not `atexit`: vLLM's
+    workers are `multiprocessing` children, and a forked one ends in `os._exit` (no `atexit`) after
+    `multiprocessing.util._exit_function` has run the finalizers, also when a SIGINT or SIGTERM raised
+    `SystemExit` in it; in a main process `multiprocessing` runs them from `atexit`.
+    """
+    writer = f"{writer_prefix}-{os.getpid()}-{os.urandom(3).hex()}"
+    handoff = StepHandoff(SenderConfig(
+        url=config.url, run_id=config.run_id, shape=shape, writer_id=writer, source=source, token=config.token,
+        spill_dir=config.spill_dir / writer,
+    ))
+    Finalize(None, handoff.close, args=(30.0,), kwargs={"wait": False}, exitpriority=10)
+    return handoff

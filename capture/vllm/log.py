@@ -1,0 +1,19 @@
+"""The plugin's log, in every process it runs in (engine core, workers, sinks): one logger and `info`.
+
+No vLLM, numpy or network import: the sink and the finish journal use it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+log = logging.getLogger("routing_replay.vllm")
+
+
+def info(msg: str, *args) -> None:
+    """Log one line at INFO; vLLM's logging config may not propagate our logger, so stderr gets it too then."""
+    text = msg % args if args else msg
+    log.info(text)
+    if not log.isEnabledFor(logging.INFO) or not logging.getLogger().handlers:
+        print(text, file=sys.stderr, flush=True)
