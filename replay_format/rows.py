@@ -30,13 +30,16 @@ from replay_format.core import (
     metadata_int,
     metadata_version,
 )
+from replay_format.weight_versions import INDEX_TYPE as WEIGHT_INDEX_TYPE
+from replay_format.weight_versions import WeightVersions
 
 FORMAT = "routing-replay.rows"
 # 2.1 added the optional num_hidden_layers; 2.2, 2.3 and 2.4 changed segment files only (segment.md, which has
-# its own version since): the row batch itself is unchanged since 2.1
-VERSION = FormatVersion(2, 4)
+# its own version since); 2.5 added the optional weight_version column (weight_versions.py)
+VERSION = FormatVersion(2, 5)
 LEGACY_VERSION = FormatVersion(1, 0)  # no format_version key; `num_layers` where 2.0 says `num_moe_layers`
 COLUMNS = ("request_id", "position", "token_id", "experts", "flags")
+VERSION_COLUMN = "weight_version"  # optional since 2.5: which weights computed each row (weight_versions.py)
 POSITION_MAX = 2**31 - 2
 
 
@@ -154,6 +157,7 @@ class Rows:
     token_ids: np.ndarray  # int32 (n,), NO_TOKEN where unknown
     experts: np.ndarray  # (n, L*K) run dtype
     flags: np.ndarray  # uint16 (n,)
+    weight_versions: WeightVersions | None = None  # None: the batch has no weight_version column (all unknown)
 
     @property
     def num_rows(self) -> int:
@@ -161,14 +165,20 @@ class Rows:
 
     def take(self, index: np.ndarray) -> Rows:
         """These rows at `index` (a bool mask or row numbers), same dictionary."""
+        versions = None if self.weight_versions is None else self.weight_versions.take(index)
         return replace(self, request_index=self.request_index[index], positions=self.positions[index],
-                       token_ids=self.token_ids[index], experts=self.experts[index], flags=self.flags[index])
+                       token_ids=self.token_ids[index], experts=self.experts[index], flags=self.flags[index],
+                       weight_versions=versions)
+
+    def versions(self) -> WeightVersions:
+        """Each row's weight version (all unknown when the batch carries none)."""
+        return WeightVersions.unknown(self.num_rows) if self.weight_versions is None else self.weight_versions
 
     def to_record_batch(self, flags: np.ndarray | None = None,
                         metadata: dict[str, str] | None = None) -> pa.RecordBatch:
         """The rows as a record batch (`flags` replaces theirs; the service writes its verdicts)."""
         return build_rows(self.meta.shape, (self.request_ids, self.request_index), self.positions, self.experts,
-                          self.token_ids, self.flags if flags is None else flags, metadata)
+                          self.token_ids, self.flags if flags is None else flags, metadata, self.weight_versions)
 
 
 RequestIds = Any  # one id per row (list/array of str), a pyarrow DictionaryArray, or (names, int index per row)
@@ -206,11 +216,13 @@ def build_rows(
     token_ids: np.ndarray | None = None,
     flags: np.ndarray | None = None,
     metadata: dict[str, str] | None = None,
+    weight_versions: WeightVersions | None = None,
 ) -> pa.RecordBatch:
     """One record batch; `experts` is `(n, L, K)` or `(n, L*K)` in the run's dtype.
 
     With a `RowsMeta` the batch carries its metadata (what ingest needs); with a bare
     `RunShape` the format, its version and `metadata` (a segment passes `segment.SegmentMeta.to_metadata()`).
+    `weight_versions` (one per row) adds the `weight_version` column; without it the batch has none.
     """
     if isinstance(meta_or_shape, RowsMeta):
         shape, md = meta_or_shape.shape, meta_or_shape.to_metadata()
@@ -229,7 +241,13 @@ def build_rows(
         pa.FixedSizeListArray.from_arrays(pa.array(experts.reshape(-1), shape.arrow_type), shape.row_width),
         pa.array(np.zeros(n, np.uint16) if flags is None else np.asarray(flags, np.uint16)),
     ]
-    return pa.RecordBatch.from_arrays(arrays, schema=rows_schema(shape, md))
+    schema = rows_schema(shape, md)
+    if weight_versions is not None:
+        if weight_versions.num_rows != n:
+            raise FormatError(f"{weight_versions.num_rows} weight versions for {n} rows")
+        arrays.append(weight_versions.to_arrow())
+        schema = schema.append(pa.field(VERSION_COLUMN, pa.dictionary(WEIGHT_INDEX_TYPE, pa.utf8())))
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
 def encode_stream(batches: list[pa.RecordBatch] | pa.RecordBatch, schema: pa.Schema | None = None) -> bytes:
@@ -324,7 +342,7 @@ def read_rows(table: pa.Table, meta: RowsMeta) -> Rows:
     for required in ("request_id", "position", "experts"):
         if required not in names:
             raise FormatError(f"schema lacks column {required!r}; columns are {names}")
-    unknown = set(names) - set(COLUMNS)
+    unknown = set(names) - {*COLUMNS, VERSION_COLUMN}
     if unknown:
         raise FormatError(f"schema has unknown columns {sorted(unknown)}")
     if table.num_rows == 0:
@@ -369,7 +387,8 @@ def read_rows(table: pa.Table, meta: RowsMeta) -> Rows:
     if experts_col.offset:
         flat = flat[experts_col.offset * width : (experts_col.offset + n) * width]
     experts = narrow_ids(flat.reshape(n, width), shape.num_experts, usable=(flags & Flag.PADDING) == 0)
-    return Rows(meta, request_ids, request_index, positions, token_ids, experts, flags)
+    versions = WeightVersions.from_arrow(table.column(VERSION_COLUMN).chunk(0)) if VERSION_COLUMN in names else None
+    return Rows(meta, request_ids, request_index, positions, token_ids, experts, flags, versions)
 
 
 def experts_view(column: pa.FixedSizeListArray, shape: RunShape) -> np.ndarray:

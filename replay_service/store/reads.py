@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from replay_format import NO_TOKEN, Flag, LayerAxis, RunShape
 from replay_format.core import token_ids
+from replay_format.weight_versions import WeightVersions
 from replay_service.store.files import SegmentCache
 from replay_service.store.index import Index
 
@@ -35,6 +36,11 @@ class RouteRows:
     token_ids: np.ndarray  # int32 (n,), NO_TOKEN where unknown
     experts: np.ndarray  # (n, L*K) run dtype, possibly a read-only view of a segment
     flags: np.ndarray  # uint16 (n,)
+    weight_versions: WeightVersions | None = None  # which weights computed each row; None: none known
+
+    def versions(self) -> WeightVersions:
+        """Each row's weight version (all unknown when none is known)."""
+        return WeightVersions.unknown(self.num_rows) if self.weight_versions is None else self.weight_versions
 
     @property
     def num_rows(self) -> int:
