@@ -2,7 +2,8 @@
 
 `RouteSender.submit` makes one `RowChunk` per call (`RowChunk.of`: the caller's buffers are reused
 next step, so it copies); the batcher merges consecutive chunks into one row batch's columns
-(`RowChunk.merged`), their small request dictionaries into one.
+(`RowChunk.merged`), their small request dictionaries into one, and their weight versions (one label per
+call: a step's rows ran under one) into the batch's `weight_version` column.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from replay_format import NO_TOKEN
+from replay_format.weight_versions import WeightVersions
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class RowChunk:
     experts: np.ndarray  # [n, num_moe_layers * top_k] in the run's expert dtype
     token_ids: np.ndarray  # int32 [n], NO_TOKEN where unknown
     flags: np.ndarray  # uint16 [n]
+    versions: WeightVersions  # the weights each row was computed with (unknown where the writer did not say)
 
     @property
     def num_rows(self) -> int:
@@ -45,9 +48,9 @@ class RowChunk:
 
     @classmethod
     def of(cls, request_ids: str | RequestIndex | Sequence[str], positions, experts, token_ids, flags,
-           expert_dtype: np.dtype) -> RowChunk:
+           expert_dtype: np.dtype, weight_version: str | None = None) -> RowChunk:
         """Copies of the caller's rows (`RouteSender.submit` says what each argument may be); ValueError when the
-        request ids do not match the rows."""
+        request ids do not match the rows, FormatError (a ValueError) when `weight_version` is not a label."""
         n = len(positions)
         if isinstance(request_ids, str):
             requests = RequestIndex([request_ids], np.zeros(n, np.int32))
@@ -65,6 +68,7 @@ class RowChunk:
             np.array(experts, expert_dtype).reshape(n, -1),
             np.full(n, NO_TOKEN, np.int32) if token_ids is None else np.array(token_ids, np.int32),
             np.zeros(n, np.uint16) if flags is None else np.array(flags, np.uint16),
+            WeightVersions.unknown(n) if weight_version is None else WeightVersions.single(weight_version, n),
         )
 
     @classmethod
@@ -81,4 +85,5 @@ class RowChunk:
             np.concatenate([c.experts for c in chunks]),
             np.concatenate([c.token_ids for c in chunks]),
             np.concatenate([c.flags for c in chunks]),
+            WeightVersions.concat(c.versions for c in chunks),
         )

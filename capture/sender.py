@@ -117,17 +117,20 @@ class RouteSender:
     # ---- forward-pass side ---------------------------------------------------
 
     def submit(self, request_ids: str | RequestIndex | Sequence[str], positions, experts, token_ids=None,
-               flags=None) -> None:
+               flags=None, weight_version: str | None = None) -> None:
         """Queue rows; copies the arrays (capture buffers are reused next step). Never blocks on I/O.
 
         `request_ids`: one id for all rows, an id per row, or a `RequestIndex` (names and an
         int index into them per row: what a step already has; no per-row strings).
         `token_ids`: NO_TOKEN (-1) where unknown; None when every one is.
+        `weight_version`: the label of the weights that computed these rows (`replay_format.weight_versions`);
+        None: unknown. Every batch carries the `weight_version` column (null where unknown).
         """
         n = len(positions)
         if n == 0:
             return
-        chunk = RowChunk.of(request_ids, positions, experts, token_ids, flags, self.config.shape.dtype)
+        chunk = RowChunk.of(request_ids, positions, experts, token_ids, flags, self.config.shape.dtype,
+                            weight_version)
         with self._lock:
             if self._closing:
                 raise RuntimeError("sender is closed")
@@ -221,7 +224,7 @@ class RouteSender:
         seq = self._next_seq()
         meta = RowsMeta(cfg.run_id, cfg.writer_id, seq, cfg.shape, source=cfg.source)
         batch = build_rows(meta, rows.requests.to_arrow(), rows.positions, rows.experts, token_ids=rows.token_ids,
-                           flags=rows.flags)
+                           flags=rows.flags, weight_versions=rows.versions)
         return _Item(SpillHeader(ItemKind.BATCH, seq, rows=rows.num_rows), encode_stream(batch))
 
     def _enqueue(self, item: _Item) -> None:

@@ -4,6 +4,8 @@
     client = ReplayClient("http://127.0.0.1:8470")
     route = client.get_route("run-1", "req-7", strict=True)       # Route: views of the received body
     batch = client.megatron_batch([("run-1", "req-7")], cp_size=2, cp_rank=r)   # TrainerBatch
+    log(batch.staleness(current="step-12").metrics())   # replayed rows per weight version (async RL)
+    chat = client.get_trajectory("run-1", ["turn-1", "turn-2", "turn-3"])   # the turns as one route
     plan = plan_for_model(model, moe_layers)   # megatron-core: this rank's routers (router_replay.py)
     routes = client.get_openai_routes("run-1", completion, n=2)   # vLLM OpenAI server ids (openai_ids.py)
 """
@@ -19,9 +21,9 @@ from replay_client.router_replay import (
     plan_for_model,
     plan_for_rank,
 )
-from replay_client.trainer import TrainerBatch
+from replay_client.trainer import Staleness, TrainerBatch
 
 __all__ = ["Endpoint", "NotFoundError", "ReplayClient", "ReplayError", "ReplayPlan", "Route", "RouterReplayError",
-           "StrictReadError", "TrainerBatch", "check_config", "check_model", "choice_request_ids",
+           "Staleness", "StrictReadError", "TrainerBatch", "check_config", "check_model", "choice_request_ids",
            "install_router_fallback", "plan_for_model", "plan_for_rank", "response_request_ids", "routes_from_stream",
            "stored_request_id"]

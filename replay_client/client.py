@@ -24,6 +24,8 @@ from replay_client.transport import NotFoundError, ReplayError, StrictReadError,
 from replay_format import ARROW_STREAM_MEDIA_TYPE, NPY_MEDIA_TYPE, Flag, LayerAxis, RunShape, flag_names
 from replay_format.core import Backing
 from replay_format.route import read_routes
+from replay_format.trajectory import TrajectoryInfo, read_trajectory_info
+from replay_format.weight_versions import RecomputeRule, WeightVersions
 
 TOKEN_ENV = "ROUTING_REPLAY_TOKEN"  # the bearer token, when none is given (the vLLM sink reads the same variable)
 
@@ -48,9 +50,13 @@ class Route:
     moe_layers: tuple[int, ...]  # model-layer index of each of the run's MoE layers
     layer_axis: LayerAxis = LayerAxis.MOE
     num_hidden_layers: int = 0  # the model's layer count (0: not said; max(moe_layers) + 1)
+    weight_versions: WeightVersions | None = None  # which weights computed each row; None: none known
+    recompute: RecomputeRule = RecomputeRule.FIRST  # which computation of a recomputed position was served
+    trajectory: TrajectoryInfo | None = None  # `get_trajectory`: the turns and which one each row came from
 
     def __post_init__(self) -> None:
         self.layer_axis = LayerAxis(self.layer_axis)
+        self.recompute = RecomputeRule(self.recompute)
         self.num_hidden_layers = self.num_hidden_layers or (self.moe_layers[-1] + 1 if self.moe_layers else 0)
 
     @property
@@ -68,6 +74,18 @@ class Route:
     def flagged_rows(self) -> list[tuple[int, list[str]]]:
         """(position, flag names) of every flagged row."""
         return [(int(self.positions[i]), flag_names(int(self.flags[i]))) for i in np.flatnonzero(self.flags)]
+
+    def versions(self) -> list[str | None]:
+        """Each row's weight version label (None where unknown: rows written before versions existed, GAP rows)."""
+        if self.weight_versions is None:
+            return [None] * len(self.positions)
+        return self.weight_versions.per_row()
+
+    @property
+    def turn(self) -> np.ndarray | None:
+        """A trajectory's rows: int32 per row, the index into `trajectory.turns` of the turn it came from (-1: a GAP
+        row); None for one request's route."""
+        return None if self.trajectory is None else self.trajectory.turn_index(self.positions)
 
     def torch(self):
         """The ids as a torch tensor sharing this route's memory (uint8/uint16)."""
@@ -93,7 +111,19 @@ def routes_from_stream(backing: Backing) -> list[Route]:
     """A route answer (route.md) as `Route`s whose arrays view `backing`."""
     meta, routes = read_routes(backing)
     return [Route(meta.run_id, r.request_id, r.positions, r.experts, r.flags, r.token_ids, meta.shape.num_experts,
-                  meta.shape.moe_layers, meta.layer_axis, meta.shape.num_hidden_layers) for r in routes]
+                  meta.shape.moe_layers, meta.layer_axis, meta.shape.num_hidden_layers, r.weight_versions,
+                  meta.recompute) for r in routes]
+
+
+def _selection(recompute: RecomputeRule | str, weight_version: str | None) -> dict[str, Any]:
+    """The read parameters that pick among a position's computations; only those that are not the defaults (so a
+    service before weight versions takes the rest)."""
+    out: dict[str, Any] = {}
+    if RecomputeRule(recompute) is not RecomputeRule.FIRST:
+        out["recompute"] = RecomputeRule(recompute).value
+    if weight_version is not None:
+        out["weight_version"] = weight_version
+    return out
 
 
 class ReplayClient:
@@ -249,14 +279,18 @@ class ReplayClient:
 
     def get_route(
         self, run_id: str, request_id: str, start: int = 0, end: int | None = None, strict: bool = False,
-        layer_axis: LayerAxis | str = LayerAxis.MOE,
+        layer_axis: LayerAxis | str = LayerAxis.MOE, recompute: RecomputeRule | str = RecomputeRule.FIRST,
+        weight_version: str | None = None,
     ) -> Route:
         """One request's rows `[start, end)` (default: all); `strict` raises StrictReadError on a flagged row.
 
         `layer_axis="model"`: every model layer, dense ones zero, as vLLM's `routed_experts`.
+        `recompute="latest"`: where a position was computed again under other weights, the newest computation
+        (default `first`: the rows the sampled tokens were produced with); `weight_version`: that version's rows
+        only (other positions GAP). `route.versions()` gives each row's weight version.
         """
         params: dict[str, Any] = {"start": start, "strict": str(strict).lower(),
-                                  "layer_axis": LayerAxis(layer_axis).value}
+                                  "layer_axis": LayerAxis(layer_axis).value, **_selection(recompute, weight_version)}
         if end is not None:
             params["end"] = end
         body = self._fetch_bulk("GET", f"/v1/runs/{run_id}/requests/{request_id}/routes", params=params)
@@ -264,19 +298,43 @@ class ReplayClient:
 
     def get_routes(
         self, run_id: str, request_ids: Sequence[str], start: int = 0, end: int | None = None, strict: bool = False,
-        layer_axis: LayerAxis | str = LayerAxis.MOE,
+        layer_axis: LayerAxis | str = LayerAxis.MOE, recompute: RecomputeRule | str = RecomputeRule.FIRST,
+        weight_version: str | None = None,
     ) -> list[Route]:
-        """Many routes in one round trip, in the order asked, on one layer axis."""
+        """Many routes in one round trip, in the order asked, on one layer axis (`recompute`, `weight_version`:
+        as in `get_route`)."""
         doc = {"requests": list(request_ids), "start": start, "end": end, "strict": strict,
-               "layer_axis": LayerAxis(layer_axis).value}
+               "layer_axis": LayerAxis(layer_axis).value, **_selection(recompute, weight_version)}
         body = self._fetch_bulk("POST", f"/v1/runs/{run_id}/routes/batch", doc)  # one buffer, a few large reads
         return routes_from_stream(body)
 
+    def get_trajectory(
+        self, run_id: str, turns: Sequence[str], recompute: RecomputeRule | str = RecomputeRule.FIRST,
+        strict: bool = False, layer_axis: LayerAxis | str = LayerAxis.MOE,
+    ) -> Route:
+        """The turns of one conversation or resubmitted rollout (request ids, first to last) as one route.
+
+        Positions `0 .. rows of the last turn - 1`; `recompute="first"` (default) takes each from the first turn
+        that holds a row there (each turn's rows as it sampled them: earlier turns immutable), `"latest"` from the
+        last. The route is named after the last turn; `route.trajectory` lists the turns and spans, `route.turn`
+        gives the turn of each row, `route.versions()` each row's weight version. ReplayError 409 when a turn does
+        not continue the one before it (a token that differs, fewer rows).
+        """
+        doc = {"turns": list(turns), "recompute": RecomputeRule(recompute).value, "strict": strict,
+               "layer_axis": LayerAxis(layer_axis).value}
+        body = self._fetch_bulk("POST", f"/v1/runs/{run_id}/routes/trajectory", doc)
+        route = routes_from_stream(body)[0]
+        route.trajectory = read_trajectory_info(body)
+        return route
+
     def get_route_npy(self, run_id: str, request_id: str, start: int = 0, end: int | None = None,
-                      strict: bool = False, layer_axis: LayerAxis | str = LayerAxis.MOE) -> np.ndarray:
-        """One request's ids `(n, layers, K)` as the service's .npy answer (`layer_axis` as in `get_route`)."""
+                      strict: bool = False, layer_axis: LayerAxis | str = LayerAxis.MOE,
+                      recompute: RecomputeRule | str = RecomputeRule.FIRST,
+                      weight_version: str | None = None) -> np.ndarray:
+        """One request's ids `(n, layers, K)` as the service's .npy answer (the parameters as in `get_route`; the
+        versions travel in a header: `get_route` gives them)."""
         params: dict[str, Any] = {"start": start, "strict": str(strict).lower(), "format": "npy",
-                                  "layer_axis": LayerAxis(layer_axis).value}
+                                  "layer_axis": LayerAxis(layer_axis).value, **_selection(recompute, weight_version)}
         if end is not None:
             params["end"] = end
         body = self._fetch_bulk("GET", f"/v1/runs/{run_id}/requests/{request_id}/routes", params=params,

@@ -20,19 +20,30 @@ zero) and `valid == 0`. A real token whose row is flagged or missing follows `mi
 `strict` (the default) raises a 409, `router` hands the router -1 ids (`replay_data()`) so it
 picks that token's experts itself (a RouterReplay that routes -1 rows: NeMo-RL's convention),
 `filler` replays filler ids.
+
+Each replayed token carries the weight version of its row (`batch.versions()`, `batch.weight_version`);
+`batch.staleness(current=...)` counts them (`Staleness.metrics()`: what an asynchronous RL trainer logs),
+and `versions="single"` makes the service refuse (409) a sequence whose rows mix versions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
 from replay_format import LayerAxis, RunShape
 from replay_format.compare import build_compare_body
 from replay_format.core import Backing
-from replay_format.trainer_query import MegatronQuery, SequenceRef, StageLayers, VerlQuery, strict_alias
+from replay_format.trainer_query import (
+    MegatronQuery,
+    SequenceRef,
+    StageLayers,
+    VerlQuery,
+    VersionPolicy,
+    strict_alias,
+)
 from replay_format.trainer_slice import (
     Convention,
     CpSplit,
@@ -47,6 +58,54 @@ SEQUENCE_FIELDS = frozenset(f.name for f in fields(SequenceRef))  # what a seque
 MISSING_ROUTE = -1  # the id `replay_data` gives a fallback token on every k (NeMo-RL's missing-route sentinel)
 
 
+@dataclass(frozen=True)
+class Staleness:
+    """How many replayed rows of a batch each weight version computed: the number asynchronous RL runs log.
+
+    Counts the tokens replayed from a recorded row (`valid == 1`) of this rank's slice; filler has no row.
+    Under TP without sequence parallelism every TP rank holds the same tokens: count one of them.
+    """
+
+    rows: dict[str, int]  # replayed rows per version label, in the slice's label order
+    unknown: int  # replayed rows whose version is not known (written before versions existed)
+    current: str | None = None  # the trainer's own weight version, when given
+    lags: dict[str, int] = field(default_factory=dict)  # versions behind `current`, when every label is an integer
+
+    @property
+    def total(self) -> int:
+        """Replayed rows counted."""
+        return sum(self.rows.values()) + self.unknown
+
+    @property
+    def stale_rows(self) -> int | None:
+        """Rows of a known version other than `current` (None without `current`)."""
+        if self.current is None:
+            return None
+        return sum(n for label, n in self.rows.items() if label != self.current)
+
+    def metrics(self, prefix: str = "replay/") -> dict[str, float]:
+        """A flat dict for a metrics logger: rows per version, unknown rows, versions seen; with `current` the
+        stale rows and their fraction of the known ones; with integer labels the largest and the mean lag."""
+        out: dict[str, float] = {f"{prefix}rows/{label}": float(n) for label, n in self.rows.items()}
+        out[f"{prefix}rows_unknown"] = float(self.unknown)
+        out[f"{prefix}versions"] = float(len(self.rows))
+        stale, known = self.stale_rows, sum(self.rows.values())
+        if stale is not None:
+            out[f"{prefix}stale_rows"] = float(stale)
+            out[f"{prefix}stale_fraction"] = stale / known if known else 0.0
+        if self.lags and known:
+            out[f"{prefix}max_lag"] = float(max(self.lags[label] for label, n in self.rows.items() if n))
+            out[f"{prefix}mean_lag"] = sum(self.lags[label] * n for label, n in self.rows.items()) / known
+        return out
+
+
+def _integer(label: str) -> int | None:
+    try:
+        return int(label)
+    except ValueError:
+        return None
+
+
 @dataclass
 class TrainerBatch(TrainerSlice):
     """One rank's router tokens, in the router's order, with the tensors Megatron and verl take."""
@@ -54,7 +113,8 @@ class TrainerBatch(TrainerSlice):
     @classmethod
     def from_slice(cls, piece: TrainerSlice) -> TrainerBatch:
         """The batch over a read slice's arrays (no copy)."""
-        return cls(piece.meta, piece.experts, piece.valid, piece.sequence, piece.position, piece.fallback)
+        return cls(piece.meta, piece.experts, piece.valid, piece.sequence, piece.position, piece.fallback,
+                   piece.weight_version)
 
     @classmethod
     def read(cls, backing: Backing) -> TrainerBatch:
@@ -106,6 +166,27 @@ class TrainerBatch(TrainerSlice):
 
         return torch.from_numpy(self.valid.astype(np.bool_))
 
+    # ---- weight versions ------------------------------------------------------
+
+    def staleness(self, current: str | None = None) -> Staleness:
+        """Replayed rows per weight version of this batch; `current`: the trainer's version, for the stale count
+        (and the lag in versions, when every label and `current` are integers, e.g. training steps)."""
+        replayed = self.weight_version[self.valid.astype(bool)]
+        counts = np.bincount(replayed[replayed >= 0].astype(np.int64), minlength=len(self.weight_versions))
+        rows = {label: int(n) for label, n in zip(self.weight_versions, counts.tolist()) if n}
+        now = None if current is None else _integer(current)
+        steps = {label: _integer(label) for label in rows}
+        lags: dict[str, int] = {}
+        if now is not None and all(v is not None for v in steps.values()):
+            lags = {label: now - v for label, v in steps.items() if v is not None}
+        return Staleness(rows, int((replayed < 0).sum()), current, lags)
+
+    def versions_tensor(self):
+        """`(m,)` int16: each token's index into `weight_versions` (-1: filler or unknown), sharing memory."""
+        import torch
+
+        return torch.from_numpy(self.weight_version)
+
     # ---- verl -------------------------------------------------------------
 
     def _dense_shape(self) -> tuple[int, int]:
@@ -122,6 +203,10 @@ class TrainerBatch(TrainerSlice):
         import torch
 
         return torch.from_numpy(self.valid.astype(np.bool_)).view(*self._dense_shape())
+
+    def dense_versions(self):
+        """verl: `[batch, seq]` int16 index into `weight_versions` per token (-1: padding, filler, unknown)."""
+        return self.versions_tensor().view(*self._dense_shape())
 
     def dense_replay_mask(self):
         """verl: `[batch, seq]` bool, False where the router must choose itself (missing=router)."""
@@ -207,6 +292,7 @@ def megatron_query(
     layer_axis: LayerAxis | str = LayerAxis.MOE,
     missing: MissingPolicy | str | None = None,
     strict: bool | None = None,
+    versions: VersionPolicy | str = VersionPolicy.ANY,
 ) -> MegatronQuery:
     """The query of `POST /v1/trainer/megatron` for one rank (its body: `to_json()`).
 
@@ -217,6 +303,7 @@ def megatron_query(
     `moe_ordinals` (MoE ordinals) or `model_layer_range` ([lo, hi) of model layers) names this
     pipeline stage's layers; `layer_axis="model"` holds every model layer, dense ones zero.
     `missing`: "strict" (default), "router" or "filler" (`strict=` is its older alias).
+    `versions="single"`: refuse (409) sequences whose rows mix weight versions.
     """
     return MegatronQuery(
         sequences=sequence_refs(sequences), packing=Packing(packing), cp_split=CpSplit(cp_split), cp_size=cp_size,
@@ -225,6 +312,7 @@ def megatron_query(
         total_multiple=total_multiple, total_pad=None if total_pad is None else TotalPad(total_pad),
         data_pad_size_multiplier=data_pad_size_multiplier, fp8_padding=fp8_padding, seq_length=seq_length,
         layers=_layers(moe_ordinals, model_layer_range, layer_axis), missing=_missing(missing, strict),
+        versions=VersionPolicy(versions),
     )
 
 
@@ -239,6 +327,7 @@ def verl_query(
     layer_axis: LayerAxis | str = LayerAxis.MOE,
     missing: MissingPolicy | str | None = None,
     strict: bool | None = None,
+    versions: VersionPolicy | str = VersionPolicy.ANY,
 ) -> VerlQuery:
     """The query of `POST /v1/trainer/verl`: dense `[batch, prompt_width + response_width]` (its body: `to_json()`).
 
@@ -249,6 +338,7 @@ def verl_query(
         sequences=sequence_refs(sequences), prompt_lengths=tuple(int(p) for p in prompt_lengths),
         prompt_width=prompt_width, response_width=response_width,
         layers=_layers(moe_ordinals, model_layer_range, layer_axis), missing=_missing(missing, strict),
+        versions=VersionPolicy(versions),
     )
 
 
@@ -260,4 +350,4 @@ def compare_body(run_id: str, shape: RunShape, request_ids, positions, experts) 
     return build_compare_body(shape, list(request_ids), positions, experts, run_id=run_id)
 
 
-__all__ = ["TrainerBatch", "compare_body", "megatron_query", "sequence_refs", "verl_query"]
+__all__ = ["Staleness", "TrainerBatch", "compare_body", "megatron_query", "sequence_refs", "verl_query"]

@@ -5,7 +5,9 @@ The service builds them (`encode_routes`: `GET .../requests/{request}/routes` an
 `replay_service/web/js/routedata.js` mirrors the reader. A batch is a row batch (rows.md columns);
 the stream's metadata (`RouteMeta`) names the run, its shape, the range served and the layer
 axis of the `experts` column: the run's MoE layers (`LayerAxis.MOE`, the default) or every model
-layer with dense ones zero (`LayerAxis.MODEL`, as vLLM's and SGLang's `routed_experts`).
+layer with dense ones zero (`LayerAxis.MODEL`, as vLLM's and SGLang's `routed_experts`), the rule that chose
+among a position's computations (`RecomputeRule`) and the weight version selected, if any. Since 1.2 every
+batch carries each row's weight version (`weight_version`, rows.md "Weight versions").
 """
 
 from __future__ import annotations
@@ -32,9 +34,12 @@ from replay_format.core import (
     token_ids,
     writable_view,
 )
+from replay_format.weight_versions import INDEX_TYPE, RecomputeRule, WeightVersions, check_label
 
 FORMAT = "routing-replay.route"
-VERSION = FormatVersion(1, 1)  # 1.1 added layer_axis (and carries num_hidden_layers, rows.md 2.1)
+# 1.1 added layer_axis (and carries num_hidden_layers, rows.md 2.1); 1.2 the weight_version column and the
+# recompute and weight_version keys
+VERSION = FormatVersion(1, 2)
 # An answer without format_version came from a service older than this spec: same columns,
 # `num_layers` where 1.0 says `num_moe_layers`. Read as such.
 LEGACY_VERSION = FormatVersion(0, 0)
@@ -52,9 +57,12 @@ class RouteMeta:
     end: int | None = None  # exclusive end asked for; None: each request up to its own last row
     layer_axis: LayerAxis = LayerAxis.MOE  # which layers the `experts` column holds
     version: FormatVersion = VERSION
+    recompute: RecomputeRule = RecomputeRule.FIRST  # which computation of a position was served (1.2)
+    weight_version: str | None = None  # only rows of this version were served (1.2); None: every version
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_axis", LayerAxis(self.layer_axis))  # a plain string names one too
+        object.__setattr__(self, "recompute", RecomputeRule(self.recompute))
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -80,9 +88,12 @@ class RouteMeta:
             "requests": str(self.requests),
             "start": str(self.start),
             "layer_axis": self.layer_axis.value,
+            "recompute": self.recompute.value,
         }
         if self.end is not None:
             md["end"] = str(self.end)
+        if self.weight_version is not None:
+            md["weight_version"] = self.weight_version
         return md
 
     @classmethod
@@ -100,6 +111,12 @@ class RouteMeta:
         except ValueError:
             raise FormatError(f"{what}: schema metadata layer_axis={md['layer_axis']!r} is not one of "
                               f"{', '.join(a.value for a in LayerAxis)}") from None
+        try:
+            recompute = RecomputeRule(md.get("recompute", RecomputeRule.FIRST.value))
+        except ValueError:
+            raise FormatError(f"{what}: schema metadata recompute={md['recompute']!r} is not one of "
+                              f"{', '.join(r.value for r in RecomputeRule)}") from None
+        selected = md.get("weight_version")
         return cls(
             run_id=check_id("run_id", md["run_id"]),
             shape=rows.shape_from_metadata(md, what, shape_version),
@@ -108,6 +125,8 @@ class RouteMeta:
             end=metadata_int(md, "end", what, 0, POSITION_MAX + 1) if "end" in md else None,
             layer_axis=axis,
             version=version,
+            recompute=recompute,
+            weight_version=None if selected is None else check_label(selected, f"{what}: weight_version"),
         )
 
 
@@ -120,6 +139,11 @@ class RequestRoute:
     token_ids: np.ndarray  # int32 (n,), NO_TOKEN where unknown
     experts: np.ndarray  # (n, layers, top_k) in the run's dtype, layers on the answer's axis ((n, L*K) accepted)
     flags: np.ndarray  # uint16 (n,)
+    weight_versions: WeightVersions | None = None  # each row's weight version; None: none known (or before 1.2)
+
+    def versions(self) -> WeightVersions:
+        """Each row's weight version (all unknown when none is known)."""
+        return WeightVersions.unknown(self.num_rows) if self.weight_versions is None else self.weight_versions
 
     @property
     def num_rows(self) -> int:
@@ -139,7 +163,8 @@ def encode_routes(meta: RouteMeta, routes: Iterable[RequestRoute]) -> Iterator[l
     """The answer as an Arrow IPC stream, in parts: one list per request (read lazily), then the end marker.
 
     Each route's `experts` are already on `meta.layer_axis` (`RunShape.to_model_axis` expands MoE rows).
-    The parts reference the routes' arrays (no copy of the ids); write them out in order.
+    The parts reference the routes' arrays (no copy of the ids); write them out in order. Every batch carries the
+    `weight_version` column (null where a row's version is unknown).
     """
     md = meta.to_metadata()
     columns = meta.column_shape
@@ -148,9 +173,10 @@ def encode_routes(meta: RouteMeta, routes: Iterable[RequestRoute]) -> Iterator[l
         for route in routes:
             n = route.num_rows
             yield rows.build_rows(columns, ([route.request_id], np.zeros(n, np.int32)), route.positions,
-                                  route.experts, route.token_ids, route.flags, md)
+                                  route.experts, route.token_ids, route.flags, md, route.versions())
 
-    return ipc_stream_parts(rows.rows_schema(columns, md), batches())
+    schema = rows.rows_schema(columns, md).append(pa.field(rows.VERSION_COLUMN, pa.dictionary(INDEX_TYPE, pa.utf8())))
+    return ipc_stream_parts(schema, batches())
 
 
 def read_routes(backing: Backing) -> tuple[RouteMeta, list[RequestRoute]]:
@@ -191,4 +217,7 @@ def _read_batch(batch: pa.RecordBatch, shape: RunShape, backing: Backing) -> Req
         token_ids=token_ids(batch.column("token_id"), backing),
         experts=writable_view(ids, backing).reshape(batch.num_rows, shape.num_moe_layers, shape.top_k),
         flags=writable_view(batch.column("flags"), backing),
+        weight_versions=(WeightVersions.from_arrow(batch.column(rows.VERSION_COLUMN), f"route answer: column "
+                                                   f"{rows.VERSION_COLUMN!r}")
+                         if rows.VERSION_COLUMN in names else None),
     )

@@ -9,23 +9,28 @@ buffers lie for ranged reads. The service writes it (`replay_service.ingest.segm
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+import numpy as np
 import pyarrow as pa
 
 from replay_format import rows
 from replay_format.core import FormatError, FormatVersion, metadata_int, metadata_version
 from replay_format.rows import RowsMeta
+from replay_format.weight_versions import MAX_LABELS, UNKNOWN, WeightVersions, check_label
 
 # A segment's `format` key names the row batch's format, as every segment written so far does: a segment is a
 # row batch stored, and older readers read it as one. Its `format_version` is the segment's own (below).
 FORMAT = rows.FORMAT
 # 2.2 the keys that make it self-describing; 2.3 buffer compression; 2.4 block checksums and buffer offsets;
-# 2.5 the offsets under BUFFER_OFFSETS_KEY (2.4 wrote them under LEGACY_OFFSETS_KEY, still read).
+# 2.5 the offsets under BUFFER_OFFSETS_KEY (2.4 wrote them under LEGACY_OFFSETS_KEY, still read); 2.6 the rows'
+# weight versions as runs under WEIGHT_VERSIONS_KEY (a segment without the key: every row's version unknown).
 # Up to 2.4 this was the row batch's own version (rows.md): a body and a segment of 2.4 say the same.
-VERSION = FormatVersion(2, 5)
+VERSION = FormatVersion(2, 6)
 # The first version whose segments carry what their index rows say: an older one cannot be reindexed.
 SELF_DESCRIBING_VERSION = FormatVersion(2, 2)
 
@@ -38,9 +43,11 @@ BLOCK_ROWS = 4096
 BLOCK_CHECKSUM_KEY = "block_crc32c"
 BUFFER_OFFSETS_KEY = "buffer_offsets"  # 2.5
 LEGACY_OFFSETS_KEY = "layout"  # 2.4's name for the buffer offsets: read, never written
+# 2.6 (segment.md, "Weight versions"): the rows' versions as runs, not a column (measured: bytes per id unchanged)
+WEIGHT_VERSIONS_KEY = "weight_versions"
 #: the keys only a segment carries: a body's own keys by these names are not carried into its segment
 KEYS = (DIGEST_KEY, WRITTEN_KEY, PADDING_KEY, CHECKSUM_KEY, BLOCK_CHECKSUM_KEY, BUFFER_OFFSETS_KEY,
-        LEGACY_OFFSETS_KEY)
+        LEGACY_OFFSETS_KEY, WEIGHT_VERSIONS_KEY)
 
 
 class SegmentCompression(StrEnum):
@@ -66,6 +73,8 @@ class SegmentMeta:
     written_ns: int  # ns since the epoch, when written: reindex commits a run's segments in this order
     padding: dict[str, int] = field(default_factory=dict)  # request id -> writer padding rows dropped, where not 0
     crc32c: int | None = None  # the checksum (segment.md says over what); None before it is computed
+    # each row's weight version (2.6); None: not one is known (the key is left out)
+    weight_versions: WeightVersions | None = field(default=None, compare=False)
 
     def to_metadata(self) -> dict[str, str]:
         """The segment's schema metadata (a body's unknown keys are not carried into segments)."""
@@ -74,6 +83,8 @@ class SegmentMeta:
         md.update({DIGEST_KEY: self.digest, WRITTEN_KEY: str(self.written_ns)})
         if self.padding:
             md[PADDING_KEY] = json.dumps(self.padding, sort_keys=True)
+        if self.weight_versions is not None and not self.weight_versions.all_unknown:
+            md[WEIGHT_VERSIONS_KEY] = versions_text(self.weight_versions)
         if self.crc32c is not None:
             md[CHECKSUM_KEY] = f"{self.crc32c:08x}"
         return md
@@ -94,4 +105,59 @@ class SegmentMeta:
             crc = int(md[CHECKSUM_KEY], 16) if CHECKSUM_KEY in md else None
         except (ValueError, RecursionError):
             raise FormatError(f"{what}: schema metadata padding or crc32c is malformed") from None
-        return cls(meta, md[DIGEST_KEY], metadata_int(md, WRITTEN_KEY, what), padding, crc)
+        versions = parse_versions(md[WEIGHT_VERSIONS_KEY]) if WEIGHT_VERSIONS_KEY in md else None
+        return cls(meta, md[DIGEST_KEY], metadata_int(md, WRITTEN_KEY, what), padding, crc, versions)
+
+
+def versions_text(versions: WeightVersions) -> str:
+    """The `weight_versions` value of a segment's rows: `{"labels": [...], "runs": [[label index, rows], ...]}`.
+
+    Runs of one index over consecutive rows, in row order, covering every row; index -1 is unknown.
+    """
+    index = versions.index
+    cut = (np.flatnonzero(index[1:] != index[:-1]) + 1).tolist()
+    runs = [[int(index[lo]), hi - lo] for lo, hi in zip([0, *cut], [*cut, len(index)])] if len(index) else []
+    return json.dumps({"labels": list(versions.labels), "runs": runs}, separators=(",", ":"))
+
+
+@functools.lru_cache(maxsize=4096)
+def parse_versions(text: str) -> WeightVersions:
+    """A segment's `weight_versions` value as one version per row; FormatError naming what is malformed.
+
+    Cached (segments are immutable; readers take slices of the answer and never write to it).
+    """
+    what = f"segment: schema metadata {WEIGHT_VERSIONS_KEY}"
+    try:
+        doc = json.loads(text)
+        labels, runs = doc["labels"], doc["runs"]
+        if not (isinstance(labels, list) and isinstance(runs, list) and len(labels) <= MAX_LABELS
+                and all(isinstance(r, list) and len(r) == 2 and all(type(v) is int for v in r) for r in runs)):
+            raise ValueError
+        codes = np.array([r[0] for r in runs], np.int64)
+        counts = np.array([r[1] for r in runs], np.int64)
+    except (ValueError, TypeError, KeyError, IndexError, RecursionError):
+        raise FormatError(f"{what} is malformed") from None
+    for label in labels:
+        check_label(label, what + " label")
+    if len(set(labels)) != len(labels) or ((codes < UNKNOWN) | (codes >= len(labels))).any() or (counts < 1).any():
+        raise FormatError(f"{what} names a label twice, a label index out of range or an empty run")
+    index = np.repeat(codes.astype(np.int16), counts)
+    index.flags.writeable = False
+    return WeightVersions(tuple(labels), index)
+
+
+def segment_versions(metadata: Mapping[bytes, bytes] | None, num_rows: int | None) -> WeightVersions | None:
+    """The weight version of each of a segment's rows from its schema metadata (raw, as pyarrow holds it); None
+    when it names none (before 2.6, or no row's version known). FormatError when the runs do not cover exactly
+    `num_rows` rows (when given: the segment's row count)."""
+    raw = (metadata or {}).get(WEIGHT_VERSIONS_KEY.encode())
+    if raw is None:
+        return None
+    try:
+        versions = parse_versions(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise FormatError(f"segment: schema metadata {WEIGHT_VERSIONS_KEY} is not UTF-8") from None
+    if num_rows is not None and versions.num_rows != num_rows:
+        raise FormatError(f"segment: schema metadata {WEIGHT_VERSIONS_KEY} covers {versions.num_rows} rows of "
+                          f"{num_rows}")
+    return versions

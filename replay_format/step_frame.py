@@ -22,13 +22,17 @@ import numpy as np
 
 from replay_format.core import FormatError, FormatVersion, RunShape
 from replay_format.request_notes import FinishStatus, Reference
+from replay_format.weight_versions import check_label
 
 FORMAT = "routing-replay.step-frame"
-VERSION = FormatVersion(1, 2)  # 1.1: the shape carries num_hidden_layers; 1.2: reference frames
+# 1.1: the shape carries num_hidden_layers; 1.2: reference frames; 1.3: a step's weight version
+VERSION = FormatVersion(1, 3)
 
 LENGTH = struct.Struct("<Q")  # every frame: u64 body length, then the body
 _STEP = struct.Struct("<IIB")  # rows, requests, bits
 _HAS_SPEC = 1  # bits: the step carries spec-decode counts
+_HAS_VERSION = 2  # bits: the step carries its weight version (1.3)
+_VERSION_LENGTH = struct.Struct("<B")  # the weight version's byte length (labels are at most 128 ASCII characters)
 _CLOSE = struct.Struct("<d")
 NO_SAMPLE = -1  # StepFrame.sampled: the sampler reported no count for that request
 
@@ -93,7 +97,8 @@ class StepFrame:
 
     Rows are the step's tokens in batch order; request i owns rows
     `query_start_loc[i]:query_start_loc[i + 1]`. The arrays a reader returns view the frame
-    body (read-only); they are the receiver's to keep.
+    body (read-only); they are the receiver's to keep. `weight_version` is the engine's label for the
+    weights every row of the step was computed with (`replay_format.weight_versions`), None when unknown.
     """
 
     req_ids: list[str]  # the engine's (internal) request ids, batch order
@@ -104,6 +109,7 @@ class StepFrame:
     flags: np.ndarray  # uint16 [n] (the recorder's STALE)
     drafts: np.ndarray | None = None  # uint32 [num_reqs]: spec-decode drafts verified this step (None: no spec decode)
     sampled: np.ndarray | None = None  # int32 [num_reqs]: tokens sampled this step, NO_SAMPLE when unknown
+    weight_version: str | None = None  # the weights the step ran with (None: unknown, e.g. a 1.2 writer)
 
     def __post_init__(self) -> None:
         if (self.drafts is None) != (self.sampled is None):
@@ -154,8 +160,10 @@ def _framed(body: bytes) -> bytes:
 def _pack_step(frame: StepFrame) -> bytes:
     names = [r.encode() for r in frame.req_ids]
     spec = frame.drafts is not None
+    version = frame.weight_version
+    bits = (_HAS_SPEC if spec else 0) | (0 if version is None else _HAS_VERSION)
     parts = [
-        FrameKind.STEP.value, _STEP.pack(len(frame.positions), len(names), _HAS_SPEC if spec else 0),
+        FrameKind.STEP.value, _STEP.pack(len(frame.positions), len(names), bits),
         np.asarray(frame.query_start_loc, np.int32).tobytes(), np.asarray(frame.positions, np.int32).tobytes(),
         np.asarray(frame.token_ids, np.int32).tobytes(), frame.experts.tobytes(),
         np.asarray(frame.flags, np.uint16).tobytes(),
@@ -163,7 +171,15 @@ def _pack_step(frame: StepFrame) -> bytes:
     if spec:
         parts += [np.asarray(frame.drafts, np.uint32).tobytes(), np.asarray(frame.sampled, np.int32).tobytes()]
     parts += [np.array([len(b) for b in names], np.uint32).tobytes(), *names]
+    if version is not None:
+        parts.append(version_trailer(version))
     return _framed(b"".join(parts))
+
+
+def version_trailer(label: str) -> bytes:
+    """A step's weight-version field (`u8` length, then the label; step_frame.md); FormatError for a bad label."""
+    encoded = check_label(label, "step frame weight version").encode()
+    return _VERSION_LENGTH.pack(len(encoded)) + encoded
 
 
 def pack(frame: Frame) -> bytes:
@@ -241,9 +257,17 @@ def _read_step(body: bytes, shape: RunShape) -> StepFrame:
     for size in lengths:
         req_ids.append(body[at : at + size].decode())
         at += size
+    version = None
+    if bits & _HAS_VERSION:
+        (size,) = _VERSION_LENGTH.unpack_from(body, at)
+        at += _VERSION_LENGTH.size
+        if at + size > len(body):
+            raise ValueError(f"weight version of {size} bytes past the end of the frame")
+        version = check_label(body[at : at + size].decode(), "step frame weight version")
+        at += size
     if at != len(body) or int(qsl[-1]) != n:
         raise ValueError(f"{len(body) - at} bytes left over, or query_start_loc ends at {int(qsl[-1])} for {n} rows")
-    return StepFrame(req_ids, qsl, positions, token_ids, experts, flags, drafts, sampled)
+    return StepFrame(req_ids, qsl, positions, token_ids, experts, flags, drafts, sampled, version)
 
 
 class FrameReader:

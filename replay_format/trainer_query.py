@@ -8,13 +8,21 @@ The answer is a trainer slice (trainer_slice.md).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
 from replay_format.core import FormatVersion, LayerAxis
 from replay_format.trainer_slice import Convention, CpSplit, MissingPolicy, Packing, TotalPad
 
-VERSION = FormatVersion(1, 0)  # the bodies carry no version key: their API path (/v1) versions them
+VERSION = FormatVersion(1, 1)  # the bodies carry no version key: their API path (/v1) versions them; 1.1: versions
+
+
+class VersionPolicy(enum.StrEnum):
+    """Whether a sequence of the micro-batch may hold rows of more than one weight version."""
+
+    ANY = "any"  # every row as recorded, whatever its version (the default; the slice says each token's)
+    SINGLE = "single"  # refuse (409, naming them) sequences whose rows were computed by more than one version
 
 
 def strict_alias(strict: bool) -> MissingPolicy:
@@ -65,13 +73,15 @@ class SliceQuery:
     """What one rank asks for, whatever the trainer: the micro-batch, its stage's layers, the missing-row policy.
 
     `missing` None and `strict` None mean strict; `strict` is the older alias of `missing`
-    (`strict_alias`), which the service still takes and the client never sends.
+    (`strict_alias`), which the service still takes and the client never sends. `versions`: whether a
+    sequence may mix weight versions (sent only when `single`, so a service before 1.1 takes the rest).
     """
 
     sequences: tuple[SequenceRef, ...]  # the micro-batch, in order
     layers: StageLayers = field(default_factory=StageLayers)
     missing: MissingPolicy | None = None  # what a real token whose recorded row is flagged or missing gets
     strict: bool | None = None  # deprecated alias: true = missing=strict, false = missing=filler
+    versions: VersionPolicy = VersionPolicy.ANY  # 1.1
 
     def _policy_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {}
@@ -79,6 +89,8 @@ class SliceQuery:
             doc["missing"] = self.missing.value
         if self.strict is not None:
             doc["strict"] = self.strict
+        if self.versions is not VersionPolicy.ANY:
+            doc["versions"] = self.versions.value
         return doc
 
 

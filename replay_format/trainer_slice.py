@@ -2,9 +2,10 @@
 
 The service builds them (`build_slice`: the answer of `POST /v1/trainer/megatron` and
 `POST /v1/trainer/verl`); the trainer reads them (`read_slice`). One row per router token of
-the rank, in the order its router sees them; the metadata (`SliceMeta`) names the layers held
-(on the MoE or the model-layer axis), the missing-row policy that produced it, and the token
-layout (`SliceLayout`) the rows follow. (Over 400 lines on purpose: the layout's typed fields,
+the rank, in the order its router sees them, with the weight version of the row replayed; the
+metadata (`SliceMeta`) names the layers held (on the MoE or the model-layer axis), the
+missing-row policy that produced it, the version labels, and the token layout (`SliceLayout`)
+the rows follow. (Over 400 lines on purpose: the layout's typed fields,
 their JSON form and their checks are one description of one message; split, the slice's
 metadata would be read in two places.)
 """
@@ -31,10 +32,13 @@ from replay_format.core import (
     metadata_int,
     writable_view,
 )
+from replay_format.weight_versions import UNKNOWN, check_label
 
 FORMAT = "routing-replay.trainer-slice"
-VERSION = FormatVersion(1, 1)
+VERSION = FormatVersion(1, 2)
 COLUMNS = ("experts", "valid", "sequence", "position")  # required; 1.1 adds `fallback` (absent in 1.0: zeros)
+VERSION_COLUMN = "weight_version"  # 1.2: int16 index into the metadata's `weight_versions`, -1 unknown (absent: all)
+VERSION_TYPE = np.int16
 WHAT = "trainer slice"
 
 
@@ -202,6 +206,7 @@ class SliceMeta:
     layers: list[int] = field(default_factory=list)  # model-layer index per held layer; default: moe_layers
     num_hidden_layers: int = 0  # the model's layer count; 0: unknown (max(moe_layers) + 1)
     missing: MissingPolicy = MissingPolicy.FILLER  # the policy that built it (1.0 slices were filler or refused)
+    weight_versions: list[str] = field(default_factory=list)  # 1.2: the labels the `weight_version` column indexes
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_axis", LayerAxis(self.layer_axis))
@@ -263,6 +268,7 @@ class SliceMeta:
             "layers": json.dumps(list(self.layers)),
             "num_hidden_layers": str(self.num_hidden_layers),
             "missing": self.missing.value,
+            "weight_versions": json.dumps(list(self.weight_versions)),
         }
 
     @classmethod
@@ -298,7 +304,22 @@ class SliceMeta:
             num_hidden_layers=metadata_int(md, "num_hidden_layers", WHAT, 1, 65535) if "num_hidden_layers" in md
             else 0,
             missing=_enum_key(md, "missing", MissingPolicy, MissingPolicy.FILLER),
+            weight_versions=_labels(md),  # 1.2; before, no version is known
         )
+
+
+def _labels(md: dict[str, str]) -> list[str]:
+    """The `weight_versions` key: a JSON list of distinct labels (absent: none)."""
+    if "weight_versions" not in md:
+        return []
+    try:
+        labels = json.loads(md["weight_versions"])
+    except ValueError:
+        labels = None
+    if not isinstance(labels, list) or len(set(map(str, labels))) != len(labels):
+        raise FormatError(f"{WHAT}: schema metadata weight_versions={md['weight_versions'][:100]!r} is not a JSON "
+                          "list of distinct labels")
+    return [check_label(label, f"{WHAT}: weight version") for label in labels]
 
 
 def _enum_key(md: dict[str, str], key: str, kind: type[enum.StrEnum], default):
@@ -320,6 +341,7 @@ def slice_schema(meta: SliceMeta) -> pa.Schema:
             pa.field("sequence", pa.int32(), nullable=False),
             pa.field("position", pa.int32(), nullable=False),
             pa.field("fallback", pa.uint8(), nullable=False),
+            pa.field(VERSION_COLUMN, pa.from_numpy_dtype(VERSION_TYPE), nullable=False),
         ],
         metadata=meta.to_metadata(),
     )
@@ -335,6 +357,7 @@ class TrainerSlice:
     sequence: np.ndarray  # (m,) int32: index into the micro-batch's sequences, -1 for padding
     position: np.ndarray  # (m,) int32: position in its request, -1 for padding
     fallback: np.ndarray  # (m,) uint8: 1 = no recorded route, the router must choose (missing=router); 1.0: zeros
+    weight_version: np.ndarray  # (m,) int16: index into `weight_versions` of the replayed row's version; -1 unknown
 
     @property
     def num_tokens(self) -> int:
@@ -376,14 +399,27 @@ class TrainerSlice:
         """Experts of the run's routers."""
         return self.meta.num_experts
 
+    @property
+    def weight_versions(self) -> list[str]:
+        """The version labels `weight_version` indexes (those of the rows replayed, first seen first)."""
+        return self.meta.weight_versions
+
+    def versions(self) -> list[str | None]:
+        """Each token's weight version label: the version of the row replayed; None for filler (padding, the last
+        token, a flagged or missing row) and rows written before versions existed."""
+        table = [*self.meta.weight_versions, None]
+        return [table[i] for i in self.weight_version.tolist()]
+
 
 def build_slice(meta: SliceMeta, experts: np.ndarray, valid: np.ndarray, sequence: np.ndarray,
-                position: np.ndarray, fallback: np.ndarray | None = None) -> list[memoryview]:
+                position: np.ndarray, fallback: np.ndarray | None = None,
+                weight_version: np.ndarray | None = None) -> list[memoryview]:
     """The slice as one Arrow IPC stream, in parts to write out in order.
 
     `experts` is `(m, num_layers * top_k)` (or `(m, num_layers, K)`) in the run's dtype, C-contiguous;
-    `fallback` defaults to zeros. The large parts are the arrays' own buffers: nothing is copied
-    between the gather and the socket.
+    `fallback` defaults to zeros, `weight_version` (int16 indices into `meta.weight_versions`) to -1
+    (unknown). The large parts are the arrays' own buffers: nothing is copied between the gather and
+    the socket.
     """
     m = meta.layout.tokens
     if experts.dtype != meta.dtype or experts.size != m * meta.row_width or not experts.flags.c_contiguous:
@@ -391,12 +427,15 @@ def build_slice(meta: SliceMeta, experts: np.ndarray, valid: np.ndarray, sequenc
                           f"{meta.row_width} {meta.dtype} ids")
     if fallback is None:
         fallback = np.zeros(m, np.uint8)
+    if weight_version is None:
+        weight_version = np.full(m, UNKNOWN, VERSION_TYPE)
     columns = {"valid": (valid, np.uint8), "sequence": (sequence, np.int32), "position": (position, np.int32),
-               "fallback": (fallback, np.uint8)}
+               "fallback": (fallback, np.uint8), VERSION_COLUMN: (weight_version, VERSION_TYPE)}
     for name, (array, dtype) in columns.items():
         if array.shape != (m,) or array.dtype != dtype:
             raise FormatError(f"{WHAT}: column {name!r} is {array.dtype} {array.shape}, expected {np.dtype(dtype)} "
                               f"({m},)")
+    _check_version_index(weight_version, meta)
     schema = slice_schema(meta)
     batch = pa.RecordBatch.from_arrays(
         [
@@ -405,6 +444,7 @@ def build_slice(meta: SliceMeta, experts: np.ndarray, valid: np.ndarray, sequenc
             pa.array(sequence),
             pa.array(position),
             pa.array(fallback),
+            pa.array(weight_version),
         ],
         schema=schema,
     )
@@ -435,6 +475,8 @@ def read_slice(backing: Backing) -> TrainerSlice:
     checked = [("valid", pa.uint8()), ("sequence", pa.int32()), ("position", pa.int32())]
     if "fallback" in names:
         checked.append(("fallback", pa.uint8()))
+    if VERSION_COLUMN in names:
+        checked.append((VERSION_COLUMN, pa.from_numpy_dtype(VERSION_TYPE)))
     for name, wanted in checked:
         column = batch.column(name)
         if column.type != wanted or column.null_count:
@@ -449,6 +491,11 @@ def read_slice(backing: Backing) -> TrainerSlice:
                           f"experts means {meta.dtype}")
     m = batch.num_rows
     fallback = writable_view(batch.column("fallback"), backing) if "fallback" in names else np.zeros(m, np.uint8)
+    if VERSION_COLUMN in names:  # 1.2
+        weight_version = writable_view(batch.column(VERSION_COLUMN), backing)
+        _check_version_index(weight_version, meta)
+    else:
+        weight_version = np.full(m, UNKNOWN, VERSION_TYPE)
     return TrainerSlice(
         meta=meta,
         experts=writable_view(ids, backing).reshape(m, meta.num_layers, meta.top_k),
@@ -456,7 +503,15 @@ def read_slice(backing: Backing) -> TrainerSlice:
         sequence=writable_view(batch.column("sequence"), backing),
         position=writable_view(batch.column("position"), backing),
         fallback=fallback,
+        weight_version=weight_version,
     )
+
+
+def _check_version_index(weight_version: np.ndarray, meta: SliceMeta) -> None:
+    """FormatError when an index is neither -1 nor one of the metadata's labels."""
+    if weight_version.size and (weight_version.min() < UNKNOWN or weight_version.max() >= len(meta.weight_versions)):
+        raise FormatError(f"{WHAT}: column {VERSION_COLUMN!r} holds indices {int(weight_version.min())}.."
+                          f"{int(weight_version.max())}, but weight_versions lists {len(meta.weight_versions)} labels")
 
 
 __all__ = ["FORMAT", "VERSION", "Convention", "CpSplit", "LayoutKind", "MissingPolicy", "Packing", "SliceLayout",

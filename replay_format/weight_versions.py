@@ -16,6 +16,7 @@ Two spellings, one meaning:
 
 from __future__ import annotations
 
+import enum
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -211,3 +212,10 @@ def span_from_json(value: object, what: str = "weight_versions") -> VersionSpan:
     if not isinstance(start, int) or not isinstance(end, int) or isinstance(start, bool) or isinstance(end, bool):
         raise FormatError(f"{what}: span {value!r} has non-integer bounds")
     return VersionSpan(check_label(version, f"{what} version"), start, end)
+
+
+class RecomputeRule(enum.StrEnum):
+    """Which computation a read serves where a position was computed more than once under different weights."""
+
+    FIRST = "first"  # the first the request came to hold: the rows its sampled tokens were produced with (default)
+    LATEST = "latest"  # the last one stored: the newest weights' recompute

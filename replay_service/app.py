@@ -12,7 +12,7 @@ from fastapi import Depends, FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from replay_service import __version__
-from replay_service.api import compares, ingest, ops, references, requests, runs, trainer
+from replay_service.api import compares, ingest, ops, references, requests, runs, trainer, trajectories
 from replay_service.api.auth import Authenticator, authorize
 from replay_service.api.errors import install_error_handlers
 from replay_service.api.models import AUTH
@@ -108,7 +108,7 @@ def create_app(settings: ServiceSettings | None = None, store: RouteStore | None
     app.state.metrics = ServiceMetrics()
     install_error_handlers(app)
     app.state.auth = Authenticator.from_file(settings.tokens_file)
-    for module in (ingest, references, runs, requests, compares, trainer, ops):
+    for module in (ingest, references, runs, requests, trajectories, compares, trainer, ops):
         # every API route passes the token gate (its role: api/auth.py ROUTE_NEEDS); docs and web files do not
         app.include_router(module.router, dependencies=[Depends(authorize)], responses=AUTH)
 

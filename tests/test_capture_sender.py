@@ -10,7 +10,9 @@ import json
 import logging
 import time
 
+import httpx
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from capture.sender import RouteSender, SenderConfig
@@ -123,6 +125,32 @@ def test_close_flushes_and_leftovers_drain_at_next_start(tmp_path):
         assert later.flush(60)
         later.close(5)
         _assert_all_arrived(service.url, _expected(6, seed=1))
+
+
+def test_spilled_batches_keep_each_rows_weight_version_and_drain_with_it(tmp_path):
+    """Every batch carries the `weight_version` column (null where the writer did not say); a spill item is a row
+    batch, so it keeps it, and the rows drained later read back with their versions."""
+    port = free_port()
+    down = RouteSender(_config(f"http://127.0.0.1:{port}", tmp_path / "spill", batch_rows=1 << 20))
+    versions = ["default", "default", "rl-step-1", None]
+    for (ids, pos, ex, tok), version in zip(_steps(4, requests=2), versions):
+        down.submit(ids, pos, ex, token_ids=tok, weight_version=version)
+    with pytest.raises(FormatError, match="not a valid label"):
+        down.submit(["x"], [0], np.zeros((1, QWEN3_SHAPE.row_width)), weight_version="not a label")
+    assert not down.close(1.0)  # service down: left on disk
+    (item,) = [p for p in (tmp_path / "spill").glob("*.item") if decode_item(p.read_bytes())[0].kind == ItemKind.BATCH]
+    table = pa.ipc.open_stream(decode_item(item.read_bytes())[1]).read_all()  # the four steps in one batch
+    per_step = STEP_ROWS
+    assert table.column("weight_version").to_pylist() == [v for v in versions for _ in range(per_step)]
+    with ServiceProcess(tmp_path / "data", port=port) as service:
+        later = RouteSender(_config(service.url, tmp_path / "spill"))
+        assert later.flush(60)
+        later.close(5)
+        _assert_all_arrived(service.url, _expected(4, requests=2))
+        for r in range(2):
+            answer = httpx.get(f"{service.url}/v1/runs/cap/requests/req-{r}/routes", params={"format": "json"})
+            assert [row.get("weight_version") for row in answer.json()["rows"]] == [
+                v for v in versions for _ in range(per_step // 2)]
 
 
 def test_drops_only_past_the_disk_budget_and_says_so(tmp_path, caplog):

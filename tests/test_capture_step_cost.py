@@ -3,7 +3,8 @@
 - `StepFrameBuffer` (the step frame built in place in one reused buffer) writes exactly the
   bytes `replay_format.step_frame.pack` writes, for every field combination (token ids or
   none, spec-decode counts or none, flags or none, uint8 and uint16 ids, odd sizes, request
-  names changing between steps, a buffer that has to grow), and `FrameReader` reads them.
+  names changing between steps, a buffer that has to grow, the weight version set once and
+  changed between steps, or never set), and `FrameReader` reads them.
 - `StepRecorder.end_step_into` gives the experts and flags `end_step` gives: clean steps, ids
   out of range (-1 and >= num_experts), a layer missing, a layer kept twice, padding rows,
   too few rows, the `record` path.
@@ -26,7 +27,7 @@ import torch
 
 from capture.vllm.worker.frame_buffer import StepFrameBuffer
 from capture.worker.recorder import StepRecorder
-from replay_format import NO_TOKEN, Flag, RunShape
+from replay_format import NO_TOKEN, Flag, FormatError, RunShape
 from replay_format.step_frame import LENGTH, ConfigFrame, FrameReader, StepFrame, pack
 
 
@@ -46,14 +47,20 @@ def _frame(rng, shape: RunShape, lengths, with_tokens: bool, with_spec: bool, wi
 @pytest.mark.parametrize("with_tokens", [True, False])
 @pytest.mark.parametrize("with_spec", [True, False])
 @pytest.mark.parametrize("with_flags", [True, False])
-def test_frame_buffer_writes_the_bytes_pack_writes(num_experts, with_tokens, with_spec, with_flags):
+@pytest.mark.parametrize("with_version", [True, False])
+def test_frame_buffer_writes_the_bytes_pack_writes(num_experts, with_tokens, with_spec, with_flags, with_version):
     shape = RunShape(num_moe_layers=3, top_k=3, num_experts=num_experts)  # odd row width: odd offsets
     buffer = StepFrameBuffer(shape, capacity=64)  # small: it has to grow
     reader = FrameReader()
     reader.read(pack(ConfigFrame(shape, {}))[LENGTH.size:])
     rng = np.random.default_rng(num_experts)
+    # What the engine core said before each step (None: nothing new); the worker keeps the last.
+    told = ["default", None, None, "rl-step-1", None, "x" * 128, "v2:ckpt/7@a+b=c"] if with_version else [None] * 7
+    version = None
     # Decode-like steps repeat the batch (names reused), then the batch changes, grows and shrinks.
     for step, lengths in enumerate([[1, 1, 1], [1, 1, 1], [5, 1, 2, 7], [3], [0, 2], [1] * 40, [1, 1, 1]]):
+        if told[step] is not None:
+            buffer.set_weight_version(version := told[step])
         req_ids, qsl, positions, token_ids, experts, flags, (drafts, sampled) = _frame(
             rng, shape, lengths, with_tokens, with_spec, with_flags, names_seed=step // 2)
         as_tensor = step % 2 == 0  # the engine hands tensors (int64 positions); arrays work too
@@ -64,10 +71,23 @@ def test_frame_buffer_writes_the_bytes_pack_writes(num_experts, with_tokens, wit
         got = bytes(buffer.close(flags, drafts, sampled))
         reference = StepFrame(req_ids, qsl, positions.astype(np.int32),
                               np.full(n, NO_TOKEN, np.int32) if token_ids is None else token_ids.astype(np.int32),
-                              experts, np.zeros(n, np.uint16) if flags is None else flags, drafts, sampled)
+                              experts, np.zeros(n, np.uint16) if flags is None else flags, drafts, sampled, version)
         assert got == pack(reference)
         back = reader.read(got[LENGTH.size:])
         assert back.req_ids == req_ids and back.experts.tobytes() == experts.tobytes()
+        assert back.weight_version == version
+
+
+def test_frame_buffer_refuses_a_label_outside_the_rule_and_keeps_the_last():
+    buffer = StepFrameBuffer(RunShape(num_moe_layers=1, top_k=1, num_experts=4))
+    buffer.set_weight_version("default")
+    for bad in ("", "with space", "x" * 129, "ünï"):
+        with pytest.raises(FormatError, match="not a valid label"):
+            buffer.set_weight_version(bad)
+    buffer.open(["a-0123abcd"], np.array([0, 1], np.int32), np.array([0], np.int32), None)
+    reader = FrameReader()
+    reader.read(pack(ConfigFrame(buffer.shape, {}))[LENGTH.size:])
+    assert reader.read(bytes(buffer.close(None))[LENGTH.size:]).weight_version == "default"
 
 
 def test_frame_buffer_views_hold_the_steps_positions_and_tokens():

@@ -51,7 +51,7 @@ def test_unknown_token_is_null_on_the_wire():
     table = pa.ipc.open_stream(pa.py_buffer(body)).read_all()
     assert table.column("token_id").to_pylist() == [5, None, 7, None]
     md = {k.decode(): v.decode() for k, v in table.schema.metadata.items()}
-    assert md["format"] == "routing-replay.route" and md["format_version"] == "1.1"
+    assert md["format"] == "routing-replay.route" and md["format_version"] == "1.2"
     assert md["num_moe_layers"] == "3" and md["moe_layers"] == "[3, 4, 5]" and md["end"] == "4"
     assert md["layer_axis"] == "moe" and md["num_hidden_layers"] == "6"
 

@@ -8,7 +8,7 @@ import pytest
 
 from replay_client.trainer import megatron_query, verl_query
 from replay_format import LayerAxis
-from replay_format.trainer_query import MegatronQuery, SequenceRef, StageLayers, VerlQuery
+from replay_format.trainer_query import MegatronQuery, SequenceRef, StageLayers, VerlQuery, VersionPolicy
 from replay_format.trainer_slice import Convention, MissingPolicy, Packing, TotalPad
 from replay_service.api import trainer as api
 
@@ -46,6 +46,8 @@ def test_a_verl_query_writes_the_body_keys_in_order():
                    moe_ordinals=(1, 2), data_pad_size_multiplier=None),
     MegatronQuery(sequences=(SequenceRef("r", "a"),), packing=Packing.BSHD, strict=True),  # an older client's alias
     verl_query(SEQS, [1, 2], 4, 6, layer_axis="model", model_layer_range=(0, 3)),
+    megatron_query(SEQS, versions="single"),
+    verl_query(SEQS, [1, 2], 4, 6, versions=VersionPolicy.SINGLE),
     VerlQuery(sequences=(SequenceRef("r", "a", 2),), prompt_lengths=(3,), prompt_width=3, response_width=1),
 ], ids=lambda q: type(q).__name__)
 def test_the_api_model_turns_the_body_back_into_the_same_query(query):
@@ -56,3 +58,13 @@ def test_the_api_model_turns_the_body_back_into_the_same_query(query):
 def test_a_sequence_with_an_unknown_field_is_refused_before_it_is_sent():
     with pytest.raises(ValueError, match="num_token"):
         megatron_query([{"run": "r", "request": "a", "num_token": 4}])
+
+
+def test_versions_is_sent_only_when_single():
+    """An older service refuses an unknown key: the default (`any`) stays out of the body, `single` goes in."""
+    assert "versions" not in megatron_query(SEQS).to_json()
+    assert megatron_query(SEQS, versions="single").to_json()["versions"] == "single"
+    assert verl_query(SEQS, [1, 2], 4, 6, versions="single").to_json()["versions"] == "single"
+    assert [v.value for v in VersionPolicy] == ["any", "single"]
+    with pytest.raises(ValueError):
+        megatron_query(SEQS, versions="one")

@@ -70,7 +70,7 @@ def test_the_builder_hands_the_arrays_own_buffers_to_the_writer():
 def test_metadata_keys_and_packing_spelled_as_in_the_spec():
     meta = SliceMeta(top_k=2, num_experts=8, moe_ordinals=[0, 3], moe_layers=[3, 9], layout=THD)
     md = meta.to_metadata()
-    assert md["format"] == "routing-replay.trainer-slice" and md["format_version"] == "1.1"
+    assert md["format"] == "routing-replay.trainer-slice" and md["format_version"] == "1.2"
     assert md["num_moe_layers"] == "2" and json.loads(md["moe_ordinals"]) == [0, 3]
     assert json.loads(md["moe_layers"]) == [3, 9]
     layout = json.loads(md["layout"])
@@ -191,3 +191,46 @@ def test_enums_are_spelled_as_in_the_spec():
     assert [c.value for c in CpSplit] == ["zigzag", "contiguous"]
     assert [t.value for t in TotalPad] == ["last_sequence", "tail"]
     assert [c.value for c in Convention] == ["verl", "slime", "miles"]
+
+
+# ---- 1.2: each token's weight version ------------------------------------------------------------------
+
+
+def test_each_token_carries_the_version_of_its_row_and_filler_none():
+    meta = SliceMeta(top_k=2, num_experts=8, moe_ordinals=[1, 2], moe_layers=[5, 7], layout=THD,
+                     weight_versions=["step-7", "step-8"])
+    experts, valid, sequence, position = _arrays(meta)
+    version = np.array([0, 1, -1, 1, -1, -1], np.int16)
+    body = bytearray(b"".join(bytes(p) for p in build_slice(meta, experts, valid, sequence, position, None, version)))
+    got = read_slice(body)
+    assert got.meta == meta and got.weight_versions == ["step-7", "step-8"]
+    assert got.versions() == ["step-7", "step-8", None, "step-8", None, None]
+    assert np.array_equal(got.weight_version, version) and got.weight_version.dtype == np.int16
+    base = np.frombuffer(body, np.uint8).ctypes.data
+    assert base <= got.weight_version.ctypes.data < base + len(body)  # a view, as the other columns
+    assert json.loads(meta.to_metadata()["weight_versions"]) == ["step-7", "step-8"]
+    # a 1.1 slice (no column, no key) reads as every version unknown
+    old = with_metadata(_without_column(body, "weight_version"), {"format_version": "1.1", "weight_versions": None})
+    got = read_slice(old)
+    assert got.weight_versions == [] and got.versions() == [None] * M and got.weight_version.shape == (M,)
+    # without versions, the builder writes unknown
+    plain = read_slice(_body(SliceMeta(top_k=2, num_experts=8, moe_ordinals=[1, 2], moe_layers=[5, 7], layout=THD),
+                             (experts, valid, sequence, position)))
+    assert (plain.weight_version == -1).all()
+
+
+@pytest.mark.parametrize("patch,words", [
+    ({"weight_versions": '["a"]'}, "holds indices -1..1, but weight_versions lists 1 labels"),
+    ({"weight_versions": '["a", "a"]'}, "not a JSON list of distinct labels"),
+    ({"weight_versions": '["a", "b c"]'}, "'b c' is not a valid label"),
+    ({"weight_versions": "{}"}, "not a JSON list"),
+])
+def test_reader_names_bad_versions(patch, words):
+    meta = SliceMeta(top_k=2, num_experts=8, moe_ordinals=[1, 2], moe_layers=[5, 7], layout=THD,
+                     weight_versions=["a", "b"])
+    version = np.array([0, 1, -1, 1, -1, -1], np.int16)
+    body = bytearray(b"".join(bytes(p) for p in build_slice(meta, *_arrays(meta), None, version)))
+    with pytest.raises(FormatError, match=words.replace("[", r"\[")):
+        read_slice(with_metadata(body, patch))
+    with pytest.raises(FormatError, match="holds indices 0..2"):
+        build_slice(meta, *_arrays(meta), None, np.array([0, 1, 2, 0, 0, 0], np.int16))

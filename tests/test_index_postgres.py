@@ -242,3 +242,40 @@ def test_a_replica_that_loses_its_index_answers_503_and_recovers(tmp_path):
             assert np.array_equal(np.array(client.expert_load("lost")["counts"]), expected_load([first, second]))
     finally:
         cluster.close()
+
+
+def test_a_schema_5_database_is_migrated_and_its_rows_read_as_version_unknown(tmp_path, postgres):
+    """A database a release before weight versions left (schema 5: no recompute columns, no version tables) is
+    brought to the current schema on start; its rows read as version unknown, and new rows' versions and
+    recomputes are kept beside them."""
+    from replay_format.rows import build_rows, encode_stream
+    from replay_format.weight_versions import WeightVersions
+
+    url = postgres.new_database()
+    env = {"REPLAY_INDEX_URL": url}
+    rng = np.random.default_rng(23)
+    old, v1, v2 = many_routes(rng, 8), many_routes(rng, 8), many_routes(rng, 8)
+    with ServiceProcess(tmp_path / "data", env=env) as service:
+        ReplayClient(service.url).ingest(batch_bytes("pg5", "w", 0, ["r"] * 8, np.arange(8), old))
+    with psycopg.connect(url, autocommit=True) as conn:
+        for statement in ("ALTER TABLE requests DROP COLUMN recomputed",
+                          "ALTER TABLE requests DROP COLUMN first_recomputed",
+                          "DROP TABLE version_spans", "DROP TABLE run_versions",
+                          "UPDATE schema_version SET version = 5"):
+            conn.execute(statement)
+    with ServiceProcess(tmp_path / "data", env=env) as service:
+        client = ReplayClient(service.url)
+        summary = client.request("pg5", "r")
+        assert (summary["rows"], summary["weight_versions"], summary["recomputed"]) == (8, [], 0)
+        assert client.get_route("pg5", "r").versions() == [None] * 8
+        for seq, (ex, label) in enumerate(((v1, "v1"), (v2, "v2")), start=1):
+            batch = build_rows(RowsMeta("pg5", "w", seq, RunShape(48, 8, 128)), ["s"] * 8, np.arange(8), ex,
+                               weight_versions=WeightVersions.single(label, 8))
+            client.ingest(encode_stream(batch))
+        summary = client.request("pg5", "s")
+        assert (summary["recomputed"], summary["first_recomputed"], summary["flagged"]["CONFLICT"]) == (8, 0, 0)
+        assert summary["weight_versions"] == [{"version": "v1", "start": 0, "end": 8}]
+        assert client.get_route("pg5", "s", recompute="latest").versions() == ["v2"] * 8
+        assert client.run("pg5")["weight_versions"] == [{"version": "v1", "rows": 8}, {"version": None, "rows": 8}]
+    with psycopg.connect(url) as conn:
+        assert conn.execute("SELECT version FROM schema_version").fetchone() == (SCHEMA_VERSION,)

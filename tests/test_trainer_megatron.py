@@ -312,3 +312,45 @@ def test_the_model_axis_ends_at_the_runs_num_hidden_layers(shared_service):
     batch = client.megatron_batch([("mg-tail", "tl-a")], layer_axis="model")
     assert batch.experts.shape == (5, 6, 2) and batch.meta.num_hidden_layers == 6
     assert np.array_equal(batch.experts[:4], shape.to_model_axis(full["tl-a"]))
+
+
+# ---- weight versions: which weights computed each replayed row ----------------------------------------------
+
+
+def test_each_router_token_replays_the_rows_of_the_version_the_slice_names(stored, routers):
+    """Weights updated mid-generation (positions 0..20 by version 7, 21..39 by 8; version 7's rows pick experts
+    0..63, version 8's 64..127): through megatron-core's own top-k with RouterReplay, on every CP x TP rank, each
+    token the slice says is version 8 routes to experts >= 64 on every layer, each version 7 token below 64.
+    `versions="single"` refuses the sequence on every rank, naming it and where the weights changed."""
+    from replay_format.rows import RowsMeta, build_rows, encode_stream
+    from replay_format.weight_versions import WeightVersions
+
+    client, _ = stored
+    half = RunShape(num_moe_layers=L, top_k=K, num_experts=E // 2)
+    rows = routes(np.random.default_rng(31), 39, half).astype(np.uint8)
+    rows[21:] += E // 2
+    labels = ["7"] * 21 + ["8"] * 18
+    batch = build_rows(RowsMeta("mg-versions", "w", 0, QWEN3_SHAPE), ["wv-a"] * 39, np.arange(39, dtype=np.int32),
+                       rows, weight_versions=WeightVersions.of_labels(labels))
+    client.ingest(encode_stream(batch))
+    client.finish("mg-versions", "wv-a", 40)
+    seen = {}
+    for cp_rank in range(2):
+        for tp_rank in range(2):
+            RouterReplay.clear_global_indices()
+            sliced = client.megatron_batch([("mg-versions", "wv-a"), ("mg", "m-c")], cp_size=2, cp_rank=cp_rank,
+                                           tp_size=2, tp_rank=tp_rank)
+            versions = sliced.versions()
+            ids = np.stack([r[0].numpy() for r in _replay(routers, sliced.replay_data(), sliced.num_tokens)], axis=1)
+            for i, (s, p, v) in enumerate(zip(sliced.sequence.tolist(), sliced.position.tolist(), versions)):
+                if s == 0 and sliced.valid[i]:
+                    assert v == labels[p] and ((ids[i] >= E // 2).all() if v == "8" else (ids[i] < E // 2).all())
+                    seen[p] = v
+                else:
+                    assert v is None  # padding, last tokens, and rows stored before versions (run "mg")
+            assert sliced.staleness().rows == {label: versions.count(label) for label in ("7", "8")
+                                               if label in versions}
+            with pytest.raises(ReplayError, match=r"sequence 0 \(mg-versions/wv-a: 7 at \[0, 21\), 8 at \[21, 39\)\)"):
+                client.megatron_batch([("mg-versions", "wv-a"), ("mg", "m-c")], cp_size=2, cp_rank=cp_rank,
+                                      tp_size=2, tp_rank=tp_rank, versions="single")
+    assert seen == dict(enumerate(labels))

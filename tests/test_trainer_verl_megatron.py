@@ -137,3 +137,57 @@ def test_verl_fp8_padding(stored, pool, tp, cp):
         for layer, target, _ in res["routers"]:
             ids = ours.replay_data()[ours.moe_layers.index(layer)].numpy()
             assert target.shape == ids.shape and np.array_equal(target[good], ids[good])
+
+
+# ---- weight versions: verl's own layout of the dense batch puts each token's version where our slice does ----
+
+VERSIONS = {"vm-a": 7, "vm-b": 3, "vm-c": 11, "vm-d": None}  # rows from here on by version "4" (before: "3")
+
+
+@pytest.fixture(scope="module")
+def versioned(shared_service):
+    from replay_format.rows import RowsMeta, build_rows, encode_stream
+    from replay_format.weight_versions import WeightVersions
+
+    client = ReplayClient(shared_service.url)
+    rng = np.random.default_rng(43)
+    for seq, (r, (p, g)) in enumerate(SHAPES.items()):
+        n, switch = p + g - 1, VERSIONS[r]
+        labels = None if switch is None else WeightVersions.of_labels(["3" if i < switch else "4" for i in range(n)])
+        client.ingest(encode_stream(build_rows(RowsMeta("verl-mc-v", "w", seq, SHAPE), [r] * n,
+                                               np.arange(n, dtype=np.int32), routes(rng, n, SHAPE),
+                                               weight_versions=labels)))
+        client.finish("verl-mc-v", r, p + g)
+    return client
+
+
+def _codes(labels: list[str | None]) -> np.ndarray:
+    return np.array([0 if v is None else int(v) for v in labels], np.int64)
+
+
+@pytest.mark.parametrize("tp,cp,pp,path", [(2, 2, 1, "engine"), (1, 2, 2, "legacy")])
+def test_verls_routers_see_each_tokens_version_where_the_slice_puts_it(versioned, pool, tp, cp, pp, path):
+    """The dense batch's per-token versions (`dense_versions()`, as labels 3/4, 0 for none) fed through verl
+    0.9.1's `set_router_replay_data` in place of ids: every router of every rank holds, for each token it
+    replays, the version our own slice for that rank (`megatron_batch(convention="verl")`) names."""
+    client = versioned
+    seqs = [("verl-mc-v", r) for r in ORDER]
+    dense = client.verl_batch(seqs, prompt_lengths=[SHAPES[r][0] for r in ORDER], prompt_width=PW, response_width=RW,
+                              layer_axis="model")
+    table = [*dense.weight_versions, None]
+    codes = _codes([table[i] for i in dense.dense_versions().numpy().reshape(-1).tolist()]).reshape(len(ORDER), -1)
+    assert set(np.unique(codes).tolist()) == {0, 3, 4}
+    response_mask = np.zeros((len(ORDER), RW), np.int64)
+    for b, r in enumerate(ORDER):
+        response_mask[b, : SHAPES[r][1]] = 1
+    case = {"tp": tp, "cp": cp, "pp": pp, "num_layers": 8, "moe_layer_freq": MOE_LAYER_FREQ,
+            "num_experts": SHAPE.num_experts, "top_k": SHAPE.top_k, "path": path,
+            "routes": np.broadcast_to(codes[:, :, None, None], (*codes.shape, 8, SHAPE.top_k)).copy(),
+            "attention_mask": dense.attention_mask().numpy(), "response_mask": response_mask}
+    for res in pool.run(verl_rank_targets, case):
+        ours = client.megatron_batch(seqs, convention="verl", cp_size=cp, cp_rank=res["cp_rank"], tp_size=tp,
+                                     tp_rank=res["tp_rank"])
+        good, want = ours.valid.astype(bool), _codes(ours.versions())
+        assert set(want[good].tolist()) <= {0, 3, 4} and good.any()
+        for _, target, _ in res["routers"]:
+            assert np.array_equal(target[good], np.repeat(want[good, None], SHAPE.top_k, axis=1))

@@ -5,8 +5,9 @@ scheduler's internal ids, then `finish`. Shown: routes land under the user's ids
 spec-decode steps drop rejected rows; a stopped sink (SIGSTOP) never makes `step` wait
 and loses nothing; closing the pipe without a close frame (a worker killed) still
 delivers; a dead sink is counted, not hung on; the sink stays quiet in the engine's log
-(no line per HTTP request, one summary at close); the frame format (step_frame.md)
-round-trips every frame kind and the sink refuses a newer major version, saying so.
+(no line per HTTP request, one summary at close); each step's weight version reaches the service
+on every row of it (steps of several versions and of none read back per row); the frame format
+(step_frame.md) round-trips every frame kind and the sink refuses a newer major version, saying so.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 
+import httpx
 import numpy as np
 import pytest
 
@@ -95,6 +97,25 @@ def test_steps_land_under_the_users_ids(service, tmp_path):
     _finish_all(handoff, 3, 20)
     assert handoff.close(30.0) and handoff.proc.returncode == 0
     _assert_routes(service.url, "h1", _expected(steps, 3))
+
+
+def test_rows_carry_the_weight_version_of_their_step(service, tmp_path):
+    """Steps under "default", then "rl-step-1" (the sink merges only steps of one version), then a 1.2 writer's
+    (no version): every row reads back with its step's version, unknown as null."""
+    steps = list(_steps(9, requests=2, seed=5))
+    versions = ["default"] * 3 + ["rl-step-1"] * 4 + [None] * 2
+    handoff = _handoff(service, tmp_path, "h-versions")
+    for step, version in zip(steps, versions):
+        step.weight_version = version
+        handoff.step(step)
+    _finish_all(handoff, 2, 9)
+    assert handoff.close(30.0) and handoff.proc.returncode == 0
+    _assert_routes(service.url, "h-versions", _expected(steps, 2))
+    for r in range(2):
+        answer = httpx.get(f"{service.url}/v1/runs/h-versions/requests/user-{r}/routes", params={"format": "json"})
+        assert answer.status_code == 200, answer.text
+        got = [row.get("weight_version") for row in answer.json()["rows"]]
+        assert got == [v for v in versions for _ in range(ROWS_PER_REQUEST)], got
 
 
 def test_prefix_cache_hits_read_as_the_computing_requests_rows(service, tmp_path):
@@ -212,8 +233,10 @@ def _reader() -> FrameReader:
 
 @pytest.mark.parametrize("with_tokens", [True, False])
 @pytest.mark.parametrize("with_spec", [True, False])
-def test_packed_step_frame_round_trip(with_tokens, with_spec):
+@pytest.mark.parametrize("version", ["rl-step-12", None])
+def test_packed_step_frame_round_trip(with_tokens, with_spec, version):
     step = next(_steps(1, requests=3, seed=3))
+    step.weight_version = version
     step.req_ids = ["plain-0123abcd", "ünïcode-0123abcd", "with\nnewline"]
     step.flags[4] = 2
     if not with_tokens:
@@ -229,6 +252,27 @@ def test_packed_step_frame_round_trip(with_tokens, with_spec):
         np.testing.assert_array_equal(got.sampled, step.sampled)
     else:
         assert got.drafts is None and got.sampled is None
+    assert got.weight_version == version
+
+
+def test_a_step_without_a_version_reads_unknown_and_a_bad_label_is_refused():
+    """1.3: bit 1 and the label after the request ids; a 1.2 writer's step (no bit) reads as version unknown."""
+    reader = _reader()
+    plain = next(_steps(1, requests=2, seed=4))
+    old = pack(plain)[LENGTH.size:]  # the 1.2 layout: no bit 1, nothing after the request ids
+    assert old[1 + 8] & 2 == 0 and reader.read(old).weight_version is None
+    plain.weight_version = "v7"
+    new = pack(plain)[LENGTH.size:]
+    bits = 1 + 8  # kind, rows, requests, then the bits
+    assert new[:bits] == old[:bits] and new[bits] == old[bits] | 2 and new[bits + 1 : len(old)] == old[bits + 1 :]
+    assert new[len(old):] == b"\x02v7" and reader.read(new).weight_version == "v7"
+    with pytest.raises(FormatError, match="not a valid label"):
+        reader.read(new[:-2] + b" 7")  # a space: outside the label rule
+    with pytest.raises(FormatError, match="step frame"):
+        reader.read(new[:-1])  # the label cut short
+    plain.weight_version = "two words"
+    with pytest.raises(FormatError, match="not a valid label"):
+        pack(plain)
 
 
 def test_control_frames_round_trip_and_bad_frames_are_refused():

@@ -181,3 +181,33 @@ def test_block_ledger_names_the_computation_a_hit_reuses():
     assert ledger.hit_ranges("A", [blocks[10]], 32) == []  # resumed after preemption: its own rows are stored
     assert ledger.hit_ranges("E", [blocks[12]], 32) == []  # an index that cannot match: no reference (GAP)
     assert ledger.hit_ranges("F", [KVCacheBlock(99)], 32) == []  # never seen computed
+
+
+def test_the_engine_cores_weight_version_goes_to_the_workers_on_the_first_step_and_each_change(caplog):
+    """`EngineCore.set_weight_version` (vLLM's own, wrapped) notes the label on the scheduler; `announce` hands it over
+    on the first step ("default": vLLM's initial label) and after each change, and nothing on the other steps."""
+    from vllm.v1.engine.core import EngineCore
+
+    from capture.vllm.engine_core import weight_version
+    from capture.vllm.scheduler_notes import WeightVersion
+
+    weight_version.patch_set_weight_version()
+    weight_version.patch_set_weight_version()  # idempotent: wrapped once
+    assert weight_version.is_patched(EngineCore.set_weight_version)
+
+    class Stand:  # an engine core's attributes the wrapper reads: `scheduler` (any object with a __dict__)
+        pass
+
+    core, scheduler = Stand(), Stand()
+    core.scheduler = scheduler
+    assert [weight_version.announce(scheduler) for _ in range(3)] == [WeightVersion("default"), None, None]
+    EngineCore.set_weight_version(core, "rl-step-1")
+    assert EngineCore.get_weight_version(core) == "rl-step-1"  # vLLM's own state is set as before
+    assert weight_version.current(scheduler) == WeightVersion("rl-step-1")
+    assert [weight_version.announce(scheduler) for _ in range(2)] == [WeightVersion("rl-step-1"), None]
+    caplog.clear()
+    for _ in range(2):
+        EngineCore.set_weight_version(core, "step 2 (bad)")  # vLLM takes any string; the service's rule does not
+    assert [weight_version.announce(scheduler) for _ in range(2)] == [WeightVersion(None), None]
+    assert EngineCore.get_weight_version(core) == "step 2 (bad)"
+    assert sum("is not a label the service stores" in r.getMessage() for r in caplog.records) == 1

@@ -307,3 +307,35 @@ def test_a_preemption_is_no_finish():
     request.status = RequestStatus.FINISHED_STOPPED
     connector.request_finished(request)
     assert [tuple(e) for e in sink.ended] == [("p-0000aaaa", 3, "finished")]
+
+
+def test_teed_frames_carry_the_engine_cores_weight_version_at_commit():
+    """Rows are stamped with the version when vLLM commits them; a new version flushes what was noted before it."""
+    from replay_format import RunShape
+
+    class Frames:
+        def __init__(self) -> None:
+            self.frames: list = []
+
+        def step(self, frame) -> None:
+            self.frames.append(frame)
+
+        def finish(self, ended) -> None:
+            pass
+
+        def close(self, timeout: float = 30.0, wait: bool = True) -> bool:
+            return True
+
+    sink, now = Frames(), ["default"]
+    tee = tee_mod.RoutedExpertsTee(RunShape(2, K, E, (1, 2), LAYERS), sink, lambda: now[0])
+    rows = np.zeros((2, LAYERS, K), np.int32)
+    tee.committed("a-0000aaaa", 0, rows, list(range(10)))
+    tee.committed("b-0000bbbb", 0, rows, list(range(10)))
+    now[0] = "rl-step-1"  # set while paused, between the step that committed these rows and the next
+    tee.committed("a-0000aaaa", 2, rows[:1], list(range(10)))
+    tee.flush()
+    now[0] = None  # a label outside the rule: unknown
+    tee.committed("a-0000aaaa", 3, rows[:1], list(range(10)))
+    tee.flush()
+    assert [(f.req_ids, f.weight_version) for f in sink.frames] == [
+        (["a-0000aaaa", "b-0000bbbb"], "default"), (["a-0000aaaa"], "rl-step-1"), (["a-0000aaaa"], None)]

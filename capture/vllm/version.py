@@ -27,6 +27,7 @@ REQUIRED = (
     ("vllm.v1.core.sched.scheduler", "Scheduler._free_request"),
     ("vllm.v1.core.sched.scheduler", "Scheduler.update_from_output"),
     ("vllm.v1.core.sched.scheduler", "Scheduler.shutdown"),
+    ("vllm.v1.engine.core", "EngineCore.set_weight_version"),
     ("vllm.v1.core.block_pool", "BlockPool.cache_full_blocks"),
     ("vllm.v1.core.kv_cache_manager", "KVCacheManager.get_computed_blocks"),
     ("vllm.forward_context", "get_forward_context"),

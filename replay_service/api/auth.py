@@ -79,6 +79,7 @@ ROUTE_NEEDS: dict[tuple[str, str], Need] = {
     ("POST", "/v1/runs/{run}/requests/{request}/routes"): Need(Role.WRITE),
     ("POST", "/v1/runs/{run}/references"): Need(Role.WRITE),
     ("POST", "/v1/runs/{run}/routes/batch"): Need(Role.READ),  # a read with a body (many request ids)
+    ("POST", "/v1/runs/{run}/routes/trajectory"): Need(Role.READ),  # a read with a body (its turns)
     ("POST", "/v1/runs/{run}/compare"): Need(Role.WRITE),  # stores the comparison (disk, listed to readers)
     ("POST", "/v1/trainer/megatron"): Need(Role.READ, RunsIn.TRAINER_BODY),
     ("POST", "/v1/trainer/verl"): Need(Role.READ, RunsIn.TRAINER_BODY),

@@ -2,13 +2,16 @@
 
 Arrow is the route answer of replay_format/route.md (built by `replay_format.route.encode_routes`),
 `.npy` is numpy's format, JSON is `api.models.RouteJson` for people. The routers only pick the
-HTTP response class; every decision about what goes out is made here.
+HTTP response class; every decision about what goes out is made here. Each carries the rows' weight
+versions: Arrow a `weight_version` column, JSON a `weight_version` per row (and the spans), `.npy` the
+header `X-Replay-Weight-Versions` (the spans as JSON: a reader needs no body parsing to get them).
 """
 
 from __future__ import annotations
 
 import enum
 import io
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +29,7 @@ from replay_format import (
     flag_names,
 )
 from replay_format.route import RequestRoute, RouteMeta, encode_routes
+from replay_format.weight_versions import RecomputeRule, VersionSpan
 from replay_service.errors import InvalidInput, StrictRefusal
 from replay_service.store import RouteStore
 from replay_service.store.reads import RouteRows
@@ -96,24 +100,55 @@ def refuse_if_flagged(route: RouteRows, report_rows: int, what: str) -> None:
 
 def request_route(route: RouteRows, axis: LayerAxis = LayerAxis.MOE) -> RequestRoute:
     """The store's rows as the route format's `RequestRoute` on `axis` (the MoE axis: the same arrays, no copy)."""
-    return RequestRoute(route.request_id, route.positions, route.token_ids, route.experts_on(axis), route.flags)
+    return RequestRoute(route.request_id, route.positions, route.token_ids, route.experts_on(axis), route.flags,
+                        route.weight_versions)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which of a position's computations a read serves: the rule, and a weight version when one is named."""
+
+    rule: RecomputeRule = RecomputeRule.FIRST
+    weight_version: str | None = None
+
+
+VERSIONS_HEADER = "X-Replay-Weight-Versions"
+MAX_VERSIONS_HEADER = 32 << 10  # bytes of spans JSON a header carries (HTTP servers and clients bound header sizes)
+
+
+def version_spans(route: RouteRows) -> list[VersionSpan]:
+    """The route's rows' weight versions as spans over positions (rows of unknown version in none)."""
+    return [] if route.weight_versions is None else route.weight_versions.spans(route.positions)
+
+
+def versions_header(route: RouteRows) -> str:
+    """`X-Replay-Weight-Versions`: the spans as JSON (`[{"version", "start", "end"}]`); InvalidInput over the bound."""
+    text = json.dumps([s.to_json() for s in version_spans(route)], separators=(",", ":"))
+    if len(text) > MAX_VERSIONS_HEADER:
+        raise InvalidInput(f"the rows' weight versions are {len(text)} bytes of spans, more than the "
+                           f"{VERSIONS_HEADER} header carries ({MAX_VERSIONS_HEADER}); read a shorter range "
+                           "(start/end), or format=arrow, whose weight_version column carries them per row")
+    return text
 
 
 def route_answer(run: str, route: RouteRows, start: int, kind: RouteFormat, max_json_rows: int,
-                 axis: LayerAxis = LayerAxis.MOE) -> Answer:
+                 axis: LayerAxis = LayerAxis.MOE, selection: Selection = Selection()) -> Answer:
     """One request's rows `[start, start + n)` in `kind` on layer axis `axis`, with the X-Route-* headers."""
     stop = start + route.num_rows
-    headers = {"X-Route-Start": str(start), "X-Route-End": str(stop), "X-Route-Layer-Axis": axis.value}
+    headers = {"X-Route-Start": str(start), "X-Route-End": str(stop), "X-Route-Layer-Axis": axis.value,
+               "X-Replay-Recompute": selection.rule.value}
     if kind == RouteFormat.JSON:
         if route.num_rows > max_json_rows:
             raise InvalidInput(f"{route.num_rows} rows is more than JSON serves ({max_json_rows}); "
                                "use start/end, or format=arrow or npy")
-        return Answer(kind.media_type, [to_json(route_json(run, route, start, stop, axis))], headers)
+        return Answer(kind.media_type, [to_json(route_json(run, route, start, stop, axis, selection))], headers)
     counts = flag_counts(route.flags)
     headers["X-Route-Flags"] = ",".join(f"{k}={v}" for k, v in counts.items()) or "none"
     if kind == RouteFormat.NPY:
+        headers[VERSIONS_HEADER] = versions_header(route)
         return Answer(kind.media_type, npy_parts(route.experts_on(axis)), headers)
-    meta = RouteMeta(run, route.shape, requests=1, start=start, end=stop, layer_axis=axis)
+    meta = RouteMeta(run, route.shape, requests=1, start=start, end=stop, layer_axis=axis,
+                     recompute=selection.rule, weight_version=selection.weight_version)
     parts = [p for chunk in encode_routes(meta, [request_route(route, axis)]) for p in chunk]
     return Answer(kind.media_type, joined_small(parts), headers)
 
@@ -146,7 +181,8 @@ HELD_ANSWER_BYTES = 1 << 30  # a batch answer up to this size is built whole (it
 
 
 def batch_answer(store: RouteStore, run: str, request_ids: list[str], start: int, end: int | None, strict: bool,
-                 report_rows: int, axis: LayerAxis = LayerAxis.MOE) -> Answer | Iterator[list[memoryview]]:
+                 report_rows: int, axis: LayerAxis = LayerAxis.MOE,
+                 selection: Selection = Selection()) -> Answer | Iterator[list[memoryview]]:
     """Many requests' routes as one Arrow route answer on layer axis `axis`, one record batch per request.
 
     Every request is read before this returns, so a missing request or a strict refusal is a
@@ -156,12 +192,14 @@ def batch_answer(store: RouteStore, run: str, request_ids: list[str], start: int
     request read again as it goes out, so no more than one route is held at a time.
     """
     shape = store.run_shape(run)
-    meta = RouteMeta(run, shape, requests=len(request_ids), start=start, end=end, layer_axis=axis)
+    meta = RouteMeta(run, shape, requests=len(request_ids), start=start, end=end, layer_axis=axis,
+                     recompute=selection.rule, weight_version=selection.weight_version)
     row_bytes = meta.column_shape.row_width * shape.dtype.itemsize
     held: list[RouteRows] | None = []
     size = 0
+    rule, version = selection.rule, selection.weight_version
     for rid in request_ids:
-        route = store.read_route(run, rid, start, end)
+        route = store.read_route(run, rid, start, end, rule, version)
         if strict:
             refuse_if_flagged(route, report_rows, f"request {rid!r}")
         size += route.num_rows * row_bytes
@@ -172,7 +210,8 @@ def batch_answer(store: RouteStore, run: str, request_ids: list[str], start: int
     if held is not None:
         parts = [p for chunk in encode_routes(meta, [request_route(r, axis) for r in held]) for p in chunk]
         return Answer(ARROW_STREAM_MEDIA_TYPE, joined_small(parts))
-    return encode_routes(meta, (request_route(store.read_route(run, rid, start, end), axis) for rid in request_ids))
+    return encode_routes(meta, (request_route(store.read_route(run, rid, start, end, rule, version), axis)
+                                for rid in request_ids))
 
 
 def npy_parts(array: np.ndarray) -> list[bytes | memoryview]:
@@ -182,11 +221,13 @@ def npy_parts(array: np.ndarray) -> list[bytes | memoryview]:
     return [header.getvalue(), np.ascontiguousarray(array).data.cast("B")]
 
 
-def route_json(run_id: str, route: RouteRows, start: int, end: int, axis: LayerAxis = LayerAxis.MOE) -> dict:
+def route_json(run_id: str, route: RouteRows, start: int, end: int, axis: LayerAxis = LayerAxis.MOE,
+               selection: Selection = Selection()) -> dict:
     """The `RouteJson` answer (api/models.py) as plain data (serialised without per-row validation: it is large)."""
     experts = route.experts_on(axis).tolist()
     tokens = route.token_ids
     shape = route.shape
+    labels = route.versions().per_row()
     return {
         "run_id": run_id,
         "request_id": route.request_id,
@@ -200,9 +241,13 @@ def route_json(run_id: str, route: RouteRows, start: int, end: int, axis: LayerA
         "layer_axis": axis.value,
         "layers": list(shape.moe_layers) if axis == LayerAxis.MOE else list(range(shape.num_hidden_layers)),
         "flagged": flag_counts(route.flags),
+        "recompute": selection.rule.value,
+        "weight_version": selection.weight_version,
+        "weight_versions": [s.to_json() for s in version_spans(route)],
         "rows": [
-            {"position": int(p), "token_id": None if t == NO_TOKEN else t, "experts": e, "flags": flag_names(int(f))}
-            for p, t, e, f in zip(route.positions.tolist(), tokens.tolist(), experts, route.flags.tolist())
+            {"position": int(p), "token_id": None if t == NO_TOKEN else t, "experts": e, "flags": flag_names(int(f)),
+             "weight_version": v}
+            for p, t, e, f, v in zip(route.positions.tolist(), tokens.tolist(), experts, route.flags.tolist(), labels)
         ],
     }
 

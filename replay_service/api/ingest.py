@@ -26,12 +26,22 @@ from replay_service.api.deps import (
 )
 from replay_service.api.models import BODY_LIMITS, CONFLICT, ERRORS, STORAGE_FULL, RequestSummary
 from replay_service.errors import ServiceError
-from replay_service.ingest.decode import UploadOptions, decode_batch, decode_route, parse_moe_layers
+from replay_service.ingest.decode import (
+    UploadOptions,
+    decode_batch,
+    decode_route,
+    parse_moe_layers,
+    parse_weight_versions,
+)
 from replay_service.metrics import ServiceMetrics
 from replay_service.store import RequestStatus
 from replay_service.store.ingest_stage import IngestOutcome, IngestResult
 
 router = APIRouter(prefix="/v1", tags=["ingest"], responses=ERRORS)
+WEIGHT_VERSIONS_HELP = (
+    'JSON list of spans [{"version", "start", "end"}] over OUTPUT tokens (vLLM\'s CompletionOutput.weight_versions; '
+    "a JSON body's own field of that name does as well): output token j is the row at position P-1+j, prompt rows "
+    "take output token 0's version; every row covered, no overlap")
 
 
 class IngestAnswer(BaseModel):
@@ -43,6 +53,8 @@ class IngestAnswer(BaseModel):
     padding_dropped: int = Field(description="rows flagged PADDING by the writer: dropped, counted on the request")
     flagged: dict[str, int] = Field(description="rows of this batch per flag, where not 0")
     bytes: int = Field(description="bytes of the segment written (0 for a duplicate)")
+    recomputed: int = Field(0, description="positions this batch computed again under another weight version than "
+                                           "the rows held there (kept, not CONFLICT), counted once per position")
 
 
 # The finish body of replay_format/request_notes.md (`Finish.body` writes it, under these field names);
@@ -64,7 +76,8 @@ def _answer(metrics: ServiceMetrics, result: IngestResult) -> IngestAnswer:
         for name, count in result.flagged.items():
             metrics.rows_flagged.labels(name).inc(count)
     return IngestAnswer(stored=result.stored, duplicate=not result.stored, rows=result.rows,
-                        padding_dropped=result.padding_dropped, flagged=result.flagged, bytes=result.bytes)
+                        padding_dropped=result.padding_dropped, flagged=result.flagged, bytes=result.bytes,
+                        recomputed=result.recomputed)
 
 
 @router.post("/ingest", summary="Store a batch of rows (Arrow IPC stream, idempotent on run_id, writer_id, seq)",
@@ -120,14 +133,23 @@ async def upload_route(
                                           "routed_experts_start_len (default 0; an Arrow body's positions say it)"),
     finish: bool = Query(True, description="also mark the request finished with T = start + rows + 1 tokens (a later "
                                            "turn extends a finished request)"),
+    weight_versions: str | None = Query(None, description=WEIGHT_VERSIONS_HELP),
+    weight_version: str | None = Query(None, description="one weight version for every row (SGLang's "
+                                                         "meta_info.weight_version)"),
+    prompt_tokens: int | None = Query(None, ge=1, le=2**31 - 1,
+                                      description="P, the prompt's tokens (default: T minus the output tokens the "
+                                                  "spans cover)"),
 ) -> IngestAnswer:
     """One request's route (or one turn of it) as the engine handed it out; stored like a batch of rows.
 
     The rows land at positions `start .. start+n-1`; each (start, rows) is its own idempotent batch.
-    Which layers the array holds comes from `moe_layers`, else from the run, never from guessing.
+    Which layers the array holds comes from `moe_layers`, else from the run, never from guessing. Weight versions
+    come as the engine gives them (spans over output tokens, or one version); a 422 names spans that leave a row
+    uncovered or overlap, and labels that break the rule (nothing stored).
     """
     content_type = http.headers.get("content-type", "")
-    options = UploadOptions(num_experts, parse_moe_layers(moe_layers), num_hidden_layers, start)
+    options = UploadOptions(num_experts, parse_moe_layers(moe_layers), num_hidden_layers, start,
+                            parse_weight_versions(weight_versions), weight_version, prompt_tokens)
 
     def store_route() -> IngestResult:
         run_shape = store.run_shape(run) if store.has_run(run) else None

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from replay_format import ARROW_STREAM_MEDIA_TYPE, ID_RULE, JSON_MEDIA_TYPE, NPY_MEDIA_TYPE, LayerAxis, valid_id
+from replay_format.weight_versions import LABEL_RULE, RecomputeRule
 from replay_service.store.index import RequestStatus
 
 FlagCounts = dict[str, int]  # flag name -> rows carrying it
@@ -76,6 +77,26 @@ ARROW_ANSWER = (ARROW_STREAM_MEDIA_TYPE,)
 ROUTE_MEDIA_TYPES = (ARROW_STREAM_MEDIA_TYPE, NPY_MEDIA_TYPE, JSON_MEDIA_TYPE)
 
 
+# ---- weight versions ----------------------------------------------------------------------------
+
+
+class WeightVersionSpan(BaseModel):
+    """Positions `[start, end)` computed with the weights labelled `version` (the shape of vLLM's
+    `WeightVersionSpan`, here over positions, not output tokens)."""
+
+    version: str = Field(description=f"the weights' label: {LABEL_RULE}")
+    start: int
+    end: int = Field(description="exclusive")
+
+
+class VersionRows(BaseModel):
+    """A run's rows served (default rule) with one weight version."""
+
+    version: str | None = Field(description="the label; null: rows whose version is not known (stored before "
+                                            "versions existed, or by a writer that sends none)")
+    rows: int
+
+
 # ---- runs ---------------------------------------------------------------------------------------
 
 
@@ -104,6 +125,10 @@ class RunSummary(BaseModel):
                                        "so ~1.04 for uncompressed uint8 ids of 48 x top-8 (REPLAY_SEGMENT_COMPRESSION "
                                        "lowers it); null before any row")
     flagged: FlagCounts = Field(description="rows per flag (GAP: rows expected but never received)")
+    weight_versions: list[VersionRows] = Field([], description="rows served by the default rule (`first`) per weight "
+                                               "version, by label, then those of no known version (null) where any")
+    recomputed: int = Field(0, description="positions recomputed under other weights (not CONFLICT), over its "
+                                           "requests")
     pinned: bool = Field(False, description="retention never deletes a pinned run (PUT/DELETE .../pin)")
     last_write: float | None = Field(None, description="Unix time of the run's last stored batch (created_at when "
                                                        "none): retention's age of the run counts from it")
@@ -154,6 +179,12 @@ class RequestSummary(BaseModel):
     first_flagged_position: int | None
     flagged: FlagCounts
     clean: bool = Field(description="no row flagged (PADDING aside) and none missing")
+    weight_versions: list[WeightVersionSpan] = Field([], description="the weight versions of the rows served by the "
+                                                     "default rule (`first`), as spans over positions; positions of "
+                                                     "unknown version (or none stored) are in no span")
+    recomputed: int = Field(0, description="positions computed again under other weights: both computations kept, "
+                                           "not CONFLICT; `recompute=latest` reads serve the newer")
+    first_recomputed: int | None = Field(None, description="the first of those positions; null when none")
 
 
 class RequestPage(BaseModel):
@@ -165,6 +196,9 @@ class RequestPage(BaseModel):
 
 LAYER_AXIS_HELP = ("moe: the run's MoE layers (num_moe_layers per row); model: every model layer "
                    "(num_hidden_layers per row, dense layers zero), as vLLM's and SGLang's routed_experts")
+RECOMPUTE_HELP = ("which computation of a position recomputed under other weights is served: first (default: the "
+                  "rows the sampled tokens were produced with) or latest (the last one stored)")
+WEIGHT_VERSION_HELP = "serve only rows of this weight version; other positions read as GAP"
 
 
 class RouteParams(BaseModel):
@@ -175,6 +209,8 @@ class RouteParams(BaseModel):
     strict: bool = Field(False, description="409 instead of data when any row in range is flagged or missing")
     format: str | None = Field(None, description="arrow | npy | json (overrides Accept)")
     layer_axis: LayerAxis = Field(LayerAxis.MOE, description=LAYER_AXIS_HELP)
+    recompute: RecomputeRule = Field(RecomputeRule.FIRST, description=RECOMPUTE_HELP)
+    weight_version: str | None = Field(None, description=WEIGHT_VERSION_HELP)
 
 
 class RouteQuery(BaseModel):
@@ -185,6 +221,8 @@ class RouteQuery(BaseModel):
     end: int | None = Field(None, ge=0, description="exclusive; default: each request to its own end")
     strict: bool = False
     layer_axis: LayerAxis = Field(LayerAxis.MOE, description=LAYER_AXIS_HELP)
+    recompute: RecomputeRule = Field(RecomputeRule.FIRST, description=RECOMPUTE_HELP)
+    weight_version: str | None = Field(None, description=WEIGHT_VERSION_HELP)
 
 
 class RouteJsonRow(BaseModel):
@@ -194,6 +232,7 @@ class RouteJsonRow(BaseModel):
     token_id: int | None = Field(description="null when unknown")
     experts: list[list[int]] = Field(description="[layer][k] expert ids; `layers` names each layer")
     flags: list[str]
+    weight_version: str | None = Field(None, description="the weights that computed the row; null when unknown")
 
 
 class RouteJson(BaseModel):
@@ -212,6 +251,9 @@ class RouteJson(BaseModel):
     layers: list[int] = Field(description="model-layer index of each row's `experts` entry: moe_layers on the moe "
                                           "axis, 0..num_hidden_layers-1 on the model axis")
     flagged: FlagCounts = Field(description="rows per flag in this range")
+    recompute: RecomputeRule = Field(RecomputeRule.FIRST, description="the rule the rows were served by")
+    weight_version: str | None = Field(None, description="the weight version selected; null: every version")
+    weight_versions: list[WeightVersionSpan] = Field([], description="the rows' versions as spans over positions")
     rows: list[RouteJsonRow]
 
 

@@ -53,10 +53,12 @@ def request_summary(run: RunId, request: RequestId, store: Store) -> dict:
 @router.get(
     "/runs/{run}/requests/{request}/routes",
     summary="A request's route: Arrow IPC (default; replay_format/route.md), .npy or JSON by Accept or format; "
-            "MoE layers or every model layer (layer_axis)",
+            "MoE layers or every model layer (layer_axis); which computation of a recomputed position (recompute), "
+            "one weight version only (weight_version)",
     response_class=PartsResponse,
-    responses={200: {**binary_answer(*ROUTE_MEDIA_TYPES, description="Arrow: route.md; .npy: (n, layers, K) ids; "
-                                     "JSON: RouteJson"), "model": RouteJson}, **CONFLICT},
+    responses={200: {**binary_answer(*ROUTE_MEDIA_TYPES, description="Arrow: route.md (a weight_version column); "
+                                     ".npy: (n, layers, K) ids, the versions in the X-Replay-Weight-Versions header "
+                                     "(spans JSON); JSON: RouteJson"), "model": RouteJson}, **CONFLICT},
 )
 async def get_route(
     run: RunId,
@@ -69,11 +71,13 @@ async def get_route(
     kind = encode.pick_format(query.format, accept)
     start, end, axis = query.start, query.end, query.layer_axis
 
+    selection = encode.Selection(query.recompute, query.weight_version)
+
     def work() -> encode.Answer:
-        route = store.read_route(run, request, start, end)
+        route = store.read_route(run, request, start, end, selection.rule, selection.weight_version)
         if query.strict:
             encode.refuse_if_flagged(route, settings.strict_report_rows, f"request {request!r}")
-        return encode.route_answer(run, route, start, kind, settings.max_json_rows, axis)
+        return encode.route_answer(run, route, start, kind, settings.max_json_rows, axis, selection)
 
     answer = await run_in_threadpool(work)
     # the parts view the route's arrays: no copy of the ids between the store and the socket
@@ -93,7 +97,8 @@ async def batch_routes(run: RunId, body: RouteQuery, store: Store, settings: Set
         if not valid_id(rid):
             raise InvalidInput(f"request id {rid!r} is not a valid id: {ID_RULE}")
     answer = await run_in_threadpool(encode.batch_answer, store, run, body.requests, body.start, body.end,
-                                     body.strict, settings.strict_report_rows, body.layer_axis)
+                                     body.strict, settings.strict_report_rows, body.layer_axis,
+                                     encode.Selection(body.recompute, body.weight_version))
     if isinstance(answer, encode.Answer):  # built whole: its parts in a few writes, Content-Length known
         return PartsResponse(answer.parts, answer.media_type, answer.headers)
     return StreamingResponse(_streamed(answer), media_type=ARROW_STREAM_MEDIA_TYPE)

@@ -69,6 +69,9 @@ class _Common(BaseModel):
         "naming the rows; router sets fallback=1 (the trainer's router picks that token's experts: NeMo-RL's -1 "
         "rows); filler replays filler ids (valid=0), which changes every later token's hidden state")
     strict: bool | None = Field(None, description="deprecated alias: true = missing=strict, false = missing=filler")
+    versions: tq.VersionPolicy = Field(
+        tq.VersionPolicy.ANY, description="any (default): rows as recorded, each token's weight version in the "
+        "slice; single: 409 naming every sequence whose rows were computed by more than one weight version")
 
     QUERY: ClassVar[type[tq.MegatronQuery] | type[tq.VerlQuery]]  # the trainer query a body of this kind is
 
@@ -81,7 +84,7 @@ class _Common(BaseModel):
         layers = tq.StageLayers(None if self.moe_ordinals is None else tuple(self.moe_ordinals),
                                 self.model_layer_range, self.layer_axis)
         return self.QUERY(sequences=tuple(s.ref() for s in self.sequences), layers=layers, missing=self.missing,
-                          strict=self.strict, **{k: _frozen(v) for k, v in own.items()})
+                          strict=self.strict, versions=self.versions, **{k: _frozen(v) for k, v in own.items()})
 
 
 def _frozen(value: Any) -> Any:

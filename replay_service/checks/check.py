@@ -6,10 +6,14 @@ hashes, expert load; `kernels.py`), keeps the writer's STALE bits and settles po
 batch repeats. `check_stale` then compares rows with recently stored ones (the STALE content
 check). The result, `CheckedRows`, is what the segment stage writes.
 
-CONFLICT is decided here and only here, by `repeat_conflicts`: the same position twice is a
-resend when the ids are identical (stored once, served once) and a CONFLICT when they differ;
-the first stored row is the one served. The check stage applies it within a batch, the commit
-stage to rows already stored; reads only pick the first stored row per position.
+CONFLICT and recompute are decided here and only here, by `judge_repeats` (rows.md, "Weight versions"): the
+same position twice is a resend when the ids are identical, whatever the versions (stored once, served once); a
+CONFLICT when they differ and the two rows' weight versions are equal or either is unknown (a capture bug); and a
+*recompute* when they differ under two known, different versions (new weights computed the position again: both
+kept, nothing flagged, the request counts the position). Every earlier row at the position is compared, not only
+the served one. The first stored row is the one served by default (`RecomputeRule.FIRST`). The check stage applies
+the rule within a batch, the commit stage to rows already stored, and prefix-cache references to the rows they
+mirror; reads only pick a row per position (`store/reads.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import numpy as np
 
 from replay_format import Flag, RunShape
 from replay_format.rows import Rows
+from replay_format.weight_versions import UNKNOWN
 from replay_service.checks.kernels import RecentRows, check_rows, route_entropy_bits
 
 
@@ -36,6 +41,9 @@ class CheckedRows:
     shadowed: np.ndarray  # bool (n,): repeats a position an earlier row of this batch holds (never served)
     padding_dropped: np.ndarray  # int64 per entry of rows.request_ids: PADDING rows dropped
     digest: str  # identifies the batch's content: a retry of (run, writer, seq) must match it
+    # bool (n,): repeats an earlier row of this batch under another known weight version, with other ids (kept,
+    # never served by the default rule, nothing flagged); None: no row is
+    recomputed: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
@@ -61,13 +69,40 @@ class CheckedRows:
         return list(zip([0, *bounds], [*bounds, self.num_rows]))
 
 
-def repeat_conflicts(experts: np.ndarray, served: np.ndarray) -> np.ndarray:
-    """The rule for rows at a position a row is already served at: True where the ids differ (CONFLICT).
+@dataclass(frozen=True)
+class RepeatVerdicts:
+    """The rule's verdict on each of a group of rows (`judge_repeats`)."""
 
-    `experts` and `served` are `(m, L*K)`: each repeated row and the row served at its position.
-    Identical is a resend: stored, never served or counted again.
+    repeat: np.ndarray  # bool (m,): an earlier row holds this row's position (never served by the default rule)
+    conflict: np.ndarray  # bool (m,): its ids differ from an earlier row's of the same or an unknown version
+    recompute: np.ndarray  # bool (m,): its ids differ only from earlier rows of other known versions
+
+
+def judge_repeats(keys: np.ndarray, experts: np.ndarray, versions: np.ndarray) -> RepeatVerdicts:
+    """The one rule for rows at a position an earlier row holds (module docstring), every earlier row compared.
+
+    `keys` (int64, a position or a (request, position) key), `experts` `(m, L*K)` and `versions` (each row's label
+    index in one label list, `UNKNOWN` = -1) are sorted by key, rows of one key in the order they were held.
     """
-    return np.any(experts != served, axis=1)
+    m = len(keys)
+    repeat = np.zeros(m, np.bool_)
+    conflict = np.zeros(m, np.bool_)
+    differs = np.zeros(m, np.bool_)
+    versions = np.asarray(versions)
+    distance = 1
+    while distance < m:  # row i against row i - d, for every d inside its key's group (groups are short)
+        later = np.flatnonzero(keys[distance:] == keys[:-distance]) + distance
+        if not len(later):
+            break
+        earlier = later - distance
+        repeat[later] = True
+        other = np.any(experts[later] != experts[earlier], axis=1)
+        a, b = versions[later], versions[earlier]
+        same_or_unknown = (a == b) | (a == UNKNOWN) | (b == UNKNOWN)
+        conflict[later] |= other & same_or_unknown
+        differs[later] |= other
+        distance += 1
+    return RepeatVerdicts(repeat, conflict, differs & ~conflict)
 
 
 def check(rows: Rows, shape: RunShape) -> CheckedRows:
@@ -87,25 +122,26 @@ def check(rows: Rows, shape: RunShape) -> CheckedRows:
     # Unchanged since the first release: digests in existing indexes must keep matching their retries.
     digest = f"{rows.num_rows}:{int(hashes.sum(dtype=np.uint64))}:{int(order_key.sum(dtype=np.int64))}"
     flags = content_flags | (rows.flags & Flag.STALE)
-    shadowed = _settle_batch_repeats(order_key, rows.experts, flags)
-    return CheckedRows(rows, flags, content_flags, hashes, load, shadowed, padding_dropped, digest)
+    shadowed, recomputed = _settle_batch_repeats(order_key, rows, flags)
+    return CheckedRows(rows, flags, content_flags, hashes, load, shadowed, padding_dropped, digest, recomputed)
 
 
-def _settle_batch_repeats(order_key: np.ndarray, experts: np.ndarray, flags: np.ndarray) -> np.ndarray:
-    """Shadow rows repeating a position within the batch; CONFLICT on the served (first) row where ids differ."""
+def _settle_batch_repeats(order_key: np.ndarray, rows: Rows, flags: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """Shadow rows repeating a position within the batch; CONFLICT on the served (first) row where the rule says so.
+
+    Returns the shadowed rows and the recomputed ones (None: none).
+    """
     shadowed = np.zeros(len(order_key), np.bool_)
     if len(order_key) < 2:
-        return shadowed
-    repeat = np.concatenate(([False], order_key[1:] == order_key[:-1]))
-    if not repeat.any():
-        return shadowed
+        return shadowed, None
+    if not np.any(order_key[1:] == order_key[:-1]):
+        return shadowed, None
+    verdicts = judge_repeats(order_key, rows.experts, rows.versions().index)
+    shadowed[:] = verdicts.repeat
     # Each row's first row at its position (rows are sorted, so repeats follow their first).
-    first = np.maximum.accumulate(np.where(repeat, 0, np.arange(len(order_key))))
-    repeats = np.flatnonzero(repeat)
-    shadowed[repeats] = True
-    differs = repeat_conflicts(experts[repeats], experts[first[repeats]])
-    flags[first[repeats[differs]]] |= np.uint16(Flag.CONFLICT)
-    return shadowed
+    first = np.maximum.accumulate(np.where(verdicts.repeat, 0, np.arange(len(order_key))))
+    flags[first[verdicts.conflict]] |= np.uint16(Flag.CONFLICT)
+    return shadowed, verdicts.recompute if verdicts.recompute.any() else None
 
 
 @functools.lru_cache(maxsize=256)

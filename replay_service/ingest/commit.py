@@ -12,12 +12,13 @@ group is acknowledged.
 
 Per batch, under its run's lock: a concurrent retry of the same (run, writer, seq) is answered as a
 duplicate (a retry in the same group sees the first inside the transaction); rows at positions already
-served are settled by the check stage's rule (`check.repeat_conflicts`: identical is a resend, different is
-CONFLICT on the served row, recorded as a late flag); then the segment, its spans, the requests' counters
-and the run's totals are written, with the spans that prefix-cache references mirror from the new rows into
-the requests referencing them (`store/references.py`: a reference that arrived before its source's rows
-resolves here). Each batch is committed in its writer's context (`ownership.acting`). The answer is an
-`IngestResult`.
+held are settled by the check stage's rule against every row held there (`check.judge_repeats`: identical is a
+resend; different is CONFLICT on the served row, recorded as a late flag, unless both rows' weight versions are
+known and differ: a recompute, counted once per position on the request); then the segment, its spans, the
+requests' counters, the served rows' weight-version spans and the run's totals are written, with the spans that
+prefix-cache references mirror from the new rows into the requests referencing them (`store/references.py`: a
+reference that arrived before its source's rows resolves here). Each batch is committed in its writer's context
+(`ownership.acting`). The answer is an `IngestResult`.
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ from __future__ import annotations
 import contextvars
 import threading
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from replay_format import Flag, RunShape
-from replay_service.checks.check import CheckedRows, repeat_conflicts
+from replay_format.weight_versions import WeightVersions
+from replay_service.checks.check import CheckedRows, judge_repeats
 from replay_service.errors import Conflict, RunDeleted
 from replay_service.ingest.segment import Segment, SegmentWriter
 from replay_service.ownership import claim_requests
@@ -39,6 +41,14 @@ from replay_service.store.ingest_stage import IngestOutcome, IngestResult
 from replay_service.store.reads import RowReader
 from replay_service.store.references import HeldRows, Resolver
 from replay_service.store.runs import RunState
+
+
+@dataclass
+class _Settled:
+    """A batch's repeats of rows already held: CONFLICT positions, and positions newly recomputed per request."""
+
+    conflicts: list[tuple[str, int]] = field(default_factory=list)  # (request, position): late CONFLICT flags
+    recomputed: dict[str, list[int]] = field(default_factory=dict)  # request -> positions, each counted once
 
 
 @dataclass
@@ -175,38 +185,54 @@ class Committer:
         if duplicate is not None:
             return duplicate, None
         shadowed = checked.shadowed.copy()
-        conflicts = self._settle_stored_repeats(checked, run.shape, shadowed)
+        settled = self._settle_stored_repeats(checked, run.shape, shadowed)
         load = run_load + checked.served_load(shadowed)
         # another writer's request refuses the batch (403): nothing of it kept
         claim_requests(tx, checked.rows.meta.run_id, list(checked.rows.request_ids))
-        held = self._record(tx, segment, shadowed, conflicts, load)
+        held = self._record(tx, segment, shadowed, settled, load)
         Resolver(tx, self.reader, run.run_id, run.shape).propagate(held)
         served_flags = checked.flags[~shadowed]
         flagged = {str(f.name): int(np.count_nonzero(served_flags & f)) for f in COUNTED_FLAGS if f != Flag.PADDING}
-        flagged[str(Flag.CONFLICT.name)] += len(conflicts)
+        flagged[str(Flag.CONFLICT.name)] += len(settled.conflicts)
+        recomputed = sum(len(p) for p in settled.recomputed.values())
         return IngestResult(IngestOutcome.STORED, checked.num_rows, int(checked.padding_dropped.sum()),
-                            {k: v for k, v in flagged.items() if v}, segment.size), load
+                            {k: v for k, v in flagged.items() if v}, segment.size, recomputed), load
 
-    def _settle_stored_repeats(self, checked: CheckedRows, shape: RunShape,
-                               shadowed: np.ndarray) -> list[tuple[str, int]]:
-        """Shadow rows at positions already served; returns (request, position) where they differ (CONFLICT)."""
+    def _settle_stored_repeats(self, checked: CheckedRows, shape: RunShape, shadowed: np.ndarray) -> _Settled:
+        """Shadow rows at positions already held; returns the positions where the rule says CONFLICT (late flags)
+        and, per request, the positions newly recomputed under other weights (the batch's own included)."""
         rows = checked.rows
-        conflicts: list[tuple[str, int]] = []
+        versions = rows.versions()
+        settled = _Settled()
         for lo, hi in checked.request_spans():
             request_id = rows.request_ids[rows.request_index[lo]]
             positions = rows.positions[lo:hi]
-            served_positions, served_experts = self.reader.served_rows(rows.meta.run_id, request_id, shape, positions)
-            if not len(served_positions):
+            stored = self.reader.stored_rows(rows.meta.run_id, request_id, shape, positions)
+            if not len(stored.positions):  # the check stage's verdicts stand
+                if checked.recomputed is not None and checked.recomputed[lo:hi].any():
+                    settled.recomputed[request_id] = np.unique(positions[checked.recomputed[lo:hi]]).tolist()
                 continue
-            slot = np.minimum(np.searchsorted(served_positions, positions), len(served_positions) - 1)
-            repeats = np.flatnonzero(served_positions[slot] == positions)
-            shadowed[lo + repeats] = True
-            differs = repeat_conflicts(rows.experts[lo + repeats], served_experts[slot[repeats]])
-            conflicts += [(request_id, int(p)) for p in positions[repeats[differs]].tolist()]
-        return conflicts
+            m = len(stored.positions)
+            every = np.concatenate([stored.positions, positions])
+            order = np.argsort(every, kind="stable")  # per position: rows held first, then the batch's in order
+            codes = WeightVersions.concat([stored.versions, versions.take(slice(lo, hi))]).index
+            verdicts = judge_repeats(every[order].astype(np.int64), np.concatenate([stored.experts,
+                                     rows.experts[lo:hi]])[order], codes[order])
+            back = np.empty_like(order)
+            back[order] = np.arange(len(order))
+            repeat, conflict, recompute = (v[back] for v in (verdicts.repeat, verdicts.conflict, verdicts.recompute))
+            shadowed[lo:hi] |= repeat[m:]
+            held_positions = np.isin(positions, stored.positions)
+            settled.conflicts += [(request_id, int(p))
+                                  for p in np.unique(positions[conflict[m:] & held_positions]).tolist()]
+            counted = np.unique(stored.positions[recompute[:m]])  # recomputes held before: counted then
+            new = np.setdiff1d(positions[recompute[m:]], counted)
+            if len(new):
+                settled.recomputed[request_id] = new.tolist()
+        return settled
 
     @staticmethod
-    def _record(tx: IndexTransaction, segment: Segment, shadowed: np.ndarray, conflicts: list[tuple[str, int]],
+    def _record(tx: IndexTransaction, segment: Segment, shadowed: np.ndarray, settled: _Settled,
                 run_load: np.ndarray) -> list[HeldRows]:
         """Index the segment; returns the spans inserted (rows the batch's requests now hold)."""
         checked = segment.rows
@@ -227,11 +253,16 @@ class Committer:
             served = ~shadowed[lo:hi]  # only served rows count
             tx.add_served(meta.run_id, request_id, positions[served], checked.flags[lo:hi][served],
                           pos_max=int(positions[-1]), padding=int(padding[index]))
+            if rows.weight_versions is not None:
+                spans = rows.weight_versions.take(slice(lo, hi)).take(served).spans(positions[served])
+                tx.add_versions(meta.run_id, request_id, [(s.version, s.start, s.end) for s in spans])
         for index in np.flatnonzero(padding).tolist():
             if index not in with_rows:  # a request whose rows were all padding this batch
                 tx.add_to_request(meta.run_id, rows.request_ids[index], rows=0, pos_max=-1, flag_bits=0,
                                   first_flagged=None, counts={Flag.PADDING: int(padding[index])})
-        for request_id, position in conflicts:
+        for request_id, position in settled.conflicts:
             tx.mark_conflict(meta.run_id, request_id, position)
+        for request_id, recomputed in settled.recomputed.items():
+            tx.add_recomputed(meta.run_id, request_id, recomputed)
         tx.add_run_totals(meta.run_id, segment.size, run_load, segment.written_ns)
         return held

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -20,12 +21,14 @@ import pyarrow as pa
 from replay_format import ARROW_STREAM_MEDIA_TYPE, JSON_MEDIA_TYPE, NPY_MEDIA_TYPE, RunShape, Source
 from replay_format import rows as rows_format
 from replay_format.rows import Rows, RowsMeta, shape_metadata
+from replay_format.weight_versions import VersionSpan
 from replay_service.errors import InvalidInput, UnsupportedMediaType
 from replay_service.ingest.engine_outputs import (
     EngineRoute,
     decode_npy,
     decode_sglang_json,
     engine_route_rows,
+    parse_spans,
     upload_writer,
 )
 
@@ -71,6 +74,19 @@ def parse_moe_layers(text: str | None) -> tuple[int, ...] | None:
         raise InvalidInput(f"moe_layers={text!r} is not a comma-separated list of layer indices") from None
 
 
+def parse_weight_versions(text: str | None) -> list[VersionSpan] | None:
+    """The `weight_versions` query parameter: a JSON list of spans over output tokens (vLLM's
+    `CompletionOutput.weight_versions` as `[{"version", "start", "end"}]`)."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        raise InvalidInput(f"weight_versions={text[:200]!r} is not JSON: a list of {{'version', 'start', 'end'}} "
+                           "spans over output tokens") from None
+    return parse_spans(value)
+
+
 @dataclass(frozen=True)
 class UploadOptions:
     """What the caller says about an uploaded route beside its body (query parameters)."""
@@ -79,6 +95,9 @@ class UploadOptions:
     moe_layers: tuple[int, ...] | None = None  # model-layer index of each MoE layer
     num_hidden_layers: int | None = None  # the model's layer count
     start: int | None = None  # the first row's position (default 0; an Arrow body's positions say it)
+    weight_versions: list[VersionSpan] | None = None  # spans over output tokens (engine_outputs.upload_versions)
+    weight_version: str | None = None  # one version for every row
+    prompt_tokens: int | None = None  # P, where the spans do not imply it
 
 
 @dataclass
@@ -103,6 +122,9 @@ def decode_route(content_type: str, body: bytes | memoryview, run_id: str, reque
     elif kind == BodyKind.SGLANG_JSON:
         route = decode_sglang_json(body)
     elif kind == BodyKind.ARROW:
+        if options.weight_versions is not None or options.weight_version is not None or options.prompt_tokens:
+            raise InvalidInput("an Arrow route carries its rows' versions in its weight_version column (rows.md); "
+                               "weight_versions, weight_version and prompt_tokens are for .npy and JSON bodies")
         return _arrow_route(body, run_id, request_id, run_shape, options.start)
     else:
         raise UnsupportedMediaType(f"a route is {NPY_MEDIA_TYPE}, {JSON_MEDIA_TYPE} or {ARROW_STREAM_MEDIA_TYPE}; "
@@ -111,6 +133,10 @@ def decode_route(content_type: str, body: bytes | memoryview, run_id: str, reque
     route.moe_layers = _agree("moe_layers", "moe_layers", options.moe_layers, route.moe_layers)
     route.num_hidden_layers = _agree("num_hidden_layers", "num_hidden_layers", options.num_hidden_layers,
                                      route.num_hidden_layers)
+    route.weight_versions = _agree("weight_versions", "weight_versions", options.weight_versions,
+                                   route.weight_versions)
+    route.weight_version = _agree("weight_version", "weight_version", options.weight_version, route.weight_version)
+    route.prompt_tokens = _agree("prompt_tokens", "prompt_tokens", options.prompt_tokens, route.prompt_tokens)
     rows = engine_route_rows(run_id, request_id, route, run_shape, options.num_experts)
     start = route.start or 0
     return Upload(rows, start, start + rows.num_rows + 1)

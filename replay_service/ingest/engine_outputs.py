@@ -8,6 +8,13 @@ never by guessing). Rows start at `start` (vLLM's `routed_experts_prompt_start`,
 `routed_experts_start_len`: a later turn of a conversation). Everything here raises `FormatError`
 (its `UndecodableError` when the body is not .npy or JSON at all), `InvalidInput` or `Conflict`
 (an array that fits neither of the run's axes), naming the problem.
+
+Weight versions (rows.md, "Weight versions"): vLLM's `CompletionOutput.weight_versions` and SGLang's
+`meta_info["weight_versions"]` are spans over OUTPUT tokens. Output token j is sampled from the forward at
+position P-1+j (P: the prompt's tokens), so a span `[s, e)` holds the rows at positions `[P-1+s, P-1+e)`; the
+prompt's rows 0..P-2 take output token 0's version (the prefill that ran them; an upload knows no more).
+`upload_versions` turns the spans into a version per row (`spans_to_rows`): spans that leave a row uncovered,
+overlap, or reach past the route's last token, and labels that break the rule, are refused naming them.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import numpy as np
 
 from replay_format import NO_TOKEN, FormatError, RunShape, Source, UndecodableError
 from replay_format.rows import POSITION_MAX, Rows, RowsMeta, narrow_ids
+from replay_format.weight_versions import VersionSpan, WeightVersions, check_label, span_from_json, spans_to_rows
 from replay_service.errors import Conflict, InvalidInput
 
 ID_DTYPES = ("int32", "int64", "int16", "uint8", "uint16")  # what a JSON route's `dtype` may name
@@ -38,6 +46,53 @@ class EngineRoute:
     source: Source
     start: int | None = None  # first row's position (vLLM routed_experts_prompt_start, SGLang routed_experts_start_len)
     num_hidden_layers: int | None = None  # the caller's model layer count
+    weight_versions: list[VersionSpan] | None = None  # spans over output tokens (vLLM's, SGLang's)
+    weight_version: str | None = None  # one version for every row (SGLang's meta_info["weight_version"])
+    prompt_tokens: int | None = None  # P; default: the tokens before the spans' output tokens
+
+
+MAX_SPANS = 100_000  # weight-version spans one upload may carry (one per weight update during the request)
+
+
+def parse_spans(value: object, what: str = "weight_versions") -> list[VersionSpan]:
+    """A JSON list of spans (`{"version", "start", "end"}` objects or `[version, start, end]` triples)."""
+    if not isinstance(value, list):
+        raise InvalidInput(f"{what} must be a list of spans {{'version', 'start', 'end'}}, got {value!r:.200}")
+    if len(value) > MAX_SPANS:
+        raise InvalidInput(f"{what} holds {len(value)} spans; at most {MAX_SPANS}")
+    return [span_from_json(v, what) for v in value]
+
+
+def upload_versions(route: EngineRoute, start: int, n: int) -> WeightVersions | None:
+    """The weight version of each of the rows `start .. start+n-1` (module docstring); None when none is given.
+
+    FormatError (a bad label, an overlap, a row in no span) or InvalidInput (spans past the route) naming it.
+    """
+    if route.weight_version is not None and route.weight_versions is not None:
+        raise InvalidInput("give weight_versions (spans) or weight_version (one for every row), not both")
+    if route.weight_version is not None:
+        return WeightVersions.single(check_label(route.weight_version, "weight_version"), n)
+    spans = route.weight_versions
+    if spans is None:
+        return None
+    if not spans:
+        raise InvalidInput("weight_versions is empty: it must cover the route's output tokens")
+    tokens = start + n + 1  # T: the route's rows are positions up to T-2
+    outputs = max(s.end for s in spans)
+    prompt = route.prompt_tokens if route.prompt_tokens is not None else tokens - outputs
+    if not 1 <= prompt <= tokens - 1:
+        raise InvalidInput(f"weight_versions cover {outputs} output tokens, but the route's rows "
+                           f"{start}..{start + n - 1} are a sequence of {tokens} tokens: {prompt} prompt tokens "
+                           "cannot be (give prompt_tokens, or spans over output tokens 0..T-P-1)")
+    if outputs > tokens - prompt:
+        raise InvalidInput(f"weight_versions reach output token {outputs - 1}, but a sequence of {tokens} tokens with "
+                           f"{prompt} prompt tokens has {tokens - prompt} output tokens (0..{tokens - prompt - 1})")
+    outputs_of_rows = np.maximum(np.arange(start, start + n, dtype=np.int64) - (prompt - 1), 0)
+    try:
+        return spans_to_rows(spans, outputs_of_rows, "weight_versions (over output tokens; output token j is the "
+                                                     f"row at position {prompt - 1}+j)")
+    except FormatError as exc:
+        raise FormatError(f"{exc}; {n} rows from position {start}, {prompt} prompt tokens") from None
 
 
 @dataclass(frozen=True)
@@ -193,6 +248,11 @@ def decode_sglang_json(body: bytes | memoryview) -> EngineRoute:
     hidden = _json_int(doc, "num_hidden_layers")
     if (start is not None and start < 0) or (hidden is not None and hidden < 1):
         raise InvalidInput("'routed_experts_start_len' must be >= 0 and 'num_hidden_layers' >= 1")
+    prompt = _json_int(doc, "prompt_tokens")
+    if prompt is not None and prompt < 1:
+        raise InvalidInput("'prompt_tokens' must be >= 1")
+    spans = parse_spans(doc["weight_versions"]) if doc.get("weight_versions") is not None else None
+    single = doc.get("weight_version")
     return EngineRoute(
         route=ids.reshape(-1, num_layers, top_k),
         num_experts=_json_int(doc, "num_experts"),
@@ -201,6 +261,9 @@ def decode_sglang_json(body: bytes | memoryview) -> EngineRoute:
         source=Source.SGLANG_OUTPUT,
         start=start,
         num_hidden_layers=hidden,
+        weight_versions=spans,
+        weight_version=None if single is None else check_label(single, "'weight_version'"),
+        prompt_tokens=prompt,
     )
 
 
@@ -253,7 +316,7 @@ def engine_route_rows(run_id: str, request_id: str, route: EngineRoute, run_shap
     return Rows(meta=meta, request_ids=[request_id], request_index=np.zeros(n, np.int32),
                 positions=np.arange(start, start + n, dtype=np.int32),
                 token_ids=_upload_tokens(route.token_ids, start, n), experts=experts,
-                flags=np.zeros(n, np.uint16))
+                flags=np.zeros(n, np.uint16), weight_versions=upload_versions(route, start, n))
 
 
 def _upload_tokens(token_ids: np.ndarray | None, start: int, n: int) -> np.ndarray:

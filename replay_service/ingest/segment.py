@@ -11,8 +11,9 @@ complete when the upload returns: nothing for the commit stage to sync. Uncompre
 checksums and its buffers' offsets, so reads fetch only the rows they serve (`object_image`, store/ranges.py).
 
 A segment carries what its index rows say (segment.md): the batch's run, writer, seq,
-shape, digest, when it was written and the padding dropped per request, and a CRC32C over all of it
-and the rows (`store/integrity.py`), checked whenever the segment is opened for reading.
+shape, digest, when it was written and the padding dropped per request, the rows' weight versions (as runs in
+its metadata, not a column: segment.md, "Weight versions"), and a CRC32C over all of it and the rows
+(`store/integrity.py`), checked whenever the segment is opened for reading.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -67,11 +68,11 @@ class SegmentWriter:
         path = self.store.new_path(checked.rows.meta.run_id)
         meta = segment_meta(checked)
         if isinstance(self.store, S3Segments):  # one upload, complete when it returns
-            image = object_image(checked.rows.to_record_batch(checked.flags, meta.to_metadata()), self.compression)
+            image = object_image(segment_batch(checked, meta), self.compression)
             self.store.put(path, image)
             return Segment(checked, path, image.size, meta.written_ns)
         assert isinstance(self.store, LocalSegments)
-        batch = seal(checked.rows.to_record_batch(checked.flags, meta.to_metadata()))
+        batch = seal(segment_batch(checked, meta))
         size = write_segment(self.store.root / path, batch, self.staging, fsync=self.fsync, direct=self.direct,
                              compression=self.compression, sync_folder=False)
         return Segment(checked, path, size, meta.written_ns, folder_unsynced=self.fsync)
@@ -92,7 +93,15 @@ def segment_meta(checked: CheckedRows) -> SegmentMeta:
     """What the segment of `checked` says beside its rows (everything its index rows record)."""
     rows = checked.rows
     padding = {rows.request_ids[i]: int(checked.padding_dropped[i]) for i in np.flatnonzero(checked.padding_dropped)}
-    return SegmentMeta(rows.meta, checked.digest, time.time_ns(), padding)
+    return SegmentMeta(rows.meta, checked.digest, time.time_ns(), padding, weight_versions=rows.weight_versions)
+
+
+def segment_batch(checked: CheckedRows, meta: SegmentMeta) -> pa.RecordBatch:
+    """The unsealed record batch of a segment: the rows with the service's flags, `meta` as its schema metadata.
+
+    The rows' weight versions are in `meta` (runs, segment.md "Weight versions"), not a `weight_version` column.
+    """
+    return replace(checked.rows, weight_versions=None).to_record_batch(checked.flags, meta.to_metadata())
 
 
 def segment_image(batch: pa.RecordBatch, compression: SegmentCompression = SegmentCompression.NONE) -> pa.Buffer:

@@ -257,6 +257,7 @@ class _Rebuild:
         try:
             run = self.registry.for_batch(meta.rows)
             rows = read_rows(pa.Table.from_batches([batch]), meta.rows)
+            rows.weight_versions = meta.weight_versions  # segment 2.6 keeps them in its metadata, not a column
             checked = check(rows, run.shape)
         except (FormatError, Conflict) as exc:
             self.report.unusable.append((rel, str(exc)))

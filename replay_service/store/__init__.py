@@ -33,6 +33,7 @@ import numpy as np
 from replay_format import Flag, RunShape
 from replay_format.request_notes import Reference
 from replay_format.rows import Rows
+from replay_format.weight_versions import RecomputeRule, check_label
 from replay_service.errors import Conflict, InvalidInput, NotFound, RunDeleted
 from replay_service.ownership import claim_requests, current_actor, require_owner
 from replay_service.settings import ServiceSettings
@@ -198,8 +199,8 @@ class RouteStore:
 
     def runs(self) -> list[dict]:
         """Every run's summary, by run id."""
-        return [{**run_summary(run, self.index.run_aggregate(run["run_id"]),
-                               self.index.count_references(run["run_id"])), **retention_fields(run)}
+        return [{**run_summary(run, self.index.run_aggregate(run["run_id"]), self.index.count_references(run["run_id"]),
+                               self.index.run_versions(run["run_id"])), **retention_fields(run)}
                 for run in self.index.runs()]
 
     def delete_run(self, run_id: str) -> Removed:
@@ -217,8 +218,8 @@ class RouteStore:
         run = self.index.run(run_id)
         if run is None:
             raise NotFound(f"run {run_id!r} not found")
-        return {**run_summary(run, self.index.run_aggregate(run_id), self.index.count_references(run_id)),
-                **retention_fields(run)}
+        return {**run_summary(run, self.index.run_aggregate(run_id), self.index.count_references(run_id),
+                              self.index.run_versions(run_id)), **retention_fields(run)}
 
     def expert_load(self, run_id: str) -> tuple[RunShape, np.ndarray]:
         """A run's shape and its served clean rows' expert counts `(num_moe_layers, num_experts)`."""
@@ -239,27 +240,38 @@ class RouteStore:
 
     def request_summary(self, run_id: str, request_id: str) -> RequestRecord:
         """One request's summary (api.models.RequestSummary fields); NotFound when the run or the request is not."""
-        return RequestRecord.of(self._request(run_id, request_id))
+        row = self._request(run_id, request_id)
+        return RequestRecord.of(row, self.index.version_spans(run_id, [request_id]).get(request_id, []))
 
     def list_requests(self, run_id: str, flag: Flag | None, cursor: str | None, limit: int) -> RequestPage:
         """A page of request summaries after `cursor` by id (those with `flag` only), and the next cursor."""
         self.registry.require(run_id)
         rows = self.index.requests_page(run_id, flag, cursor, limit + 1)
-        items = [RequestRecord.of(r) for r in rows[:limit]]
+        spans = self.index.version_spans(run_id, [r["request_id"] for r in rows[:limit]]) if rows else {}
+        items = [RequestRecord.of(r, spans.get(r["request_id"], [])) for r in rows[:limit]]
         return RequestPage(items, items[-1].request_id if len(rows) > limit else None)
 
-    def read_route(self, run_id: str, request_id: str, start: int = 0, end: int | None = None) -> RouteRows:
+    def read_route(self, run_id: str, request_id: str, start: int = 0, end: int | None = None,
+                   rule: RecomputeRule = RecomputeRule.FIRST, weight_version: str | None = None) -> RouteRows:
         """Rows `[start, end)` of a request, dense by position: a missing position is a GAP row.
 
-        RunDeleted when the run was deleted while it was read (its spans may have gone: never GAP rows for that).
+        Per position the row `rule` serves (reads.py), of `weight_version` only when one is named (positions without
+        a row of it read as GAP). RunDeleted when the run was deleted while it was read (its spans may have gone:
+        never GAP rows for that).
         """
-        return self.read_rows(run_id, self.request_summary(run_id, request_id), start, end)
+        return self.read_rows(run_id, self.request_summary(run_id, request_id), start, end, rule, weight_version)
 
-    def read_rows(self, run_id: str, request: RequestRecord, start: int = 0, end: int | None = None) -> RouteRows:
+    def read_rows(self, run_id: str, request: RequestRecord, start: int = 0, end: int | None = None,
+                  rule: RecomputeRule = RecomputeRule.FIRST, weight_version: str | None = None) -> RouteRows:
         """`read_route` of a request whose summary the caller holds (`request_summary`): no second index lookup.
 
         The late CONFLICT flags are looked up when `request` counted some.
         """
+        if weight_version is not None:
+            try:
+                check_label(weight_version, "weight_version")
+            except ValueError as exc:
+                raise InvalidInput(str(exc)) from None
         state = self.registry.require(run_id)
         if end is None:
             end = request.expected_rows
@@ -270,7 +282,8 @@ class RouteStore:
                 f"range {start}..{end} is {end - start} rows, more than one read returns "
                 f"(REPLAY_MAX_READ_ROWS={self.settings.max_read_rows}); read it in pieces with start/end")
         late = self.index.late_flags(run_id, request.request_id, start, end) if request.flagged[Flag.CONFLICT] else {}
-        route = self.reader.route(run_id, request.request_id, state.shape, start, end, late)
+        route = self.reader.route(run_id, request.request_id, state.shape, start, end, late, RecomputeRule(rule),
+                                  weight_version)
         if state.deleted:
             raise RunDeleted(f"run {run_id!r} was deleted while this read was under way")
         return route

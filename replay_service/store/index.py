@@ -7,7 +7,10 @@ request R's positions `[start, end)` are the rows request S stored there; `refer
 them into spans of R that point at S's segment rows, so rows are stored once). Every statement is
 here, written once for both backends (`Sql`: the few words that differ come from the backend's
 `Dialect`); callers use the typed methods of `Index` (reads) and `IndexTransaction` (writes), never
-SQL text. Where the rows live is a backend (`index_backends/`): a SQLite file beside the segments
+SQL text. Weight versions (rows.md, "Weight versions"): `version_spans` holds, per request, the versions of the
+rows served by the default rule as position spans; `run_versions` counts a run's served rows per version;
+`requests.recomputed` / `first_recomputed` count and locate positions recomputed under other weights.
+Where the rows live is a backend (`index_backends/`): a SQLite file beside the segments
 (default), or a PostgreSQL database (`REPLAY_INDEX_URL`) that several replicas share. (Over 400 lines
 on purpose: every statement of the store is in this one file, beside the typed method that runs it.)
 """
@@ -57,8 +60,10 @@ RUN_DELETED = "run deleted while this batch was stored"
 # requests no referenced_rows (0: nothing was referenced); prefix_refs is new (created by the schema).
 # Before 4, runs had no pinned (0: retention may delete it) nor last_write (NULL: read as created_at).
 # Before 5, requests had no owner (NULL: not owned; the next authenticated writer claims it, ownership.py).
-# A PostgreSQL index starts at 5. A newer version than this one is refused (IndexTooNew).
-SCHEMA_VERSION = 5
+# A PostgreSQL index starts at 5. Before 6 (both backends), requests had no recomputed / first_recomputed (0 and
+# NULL: none known) and version_spans, run_versions are new (empty: every stored row's version unknown).
+# A newer version than this one is refused (IndexTooNew).
+SCHEMA_VERSION = 6
 # Rows a request should have: T-1 once finished with T tokens, else up to the last position seen.
 EXPECTED_ROWS = "COALESCE(final_tokens - 1, pos_max + 1)"
 
@@ -111,6 +116,8 @@ CREATE TABLE IF NOT EXISTS requests (
     {", ".join(f"{c} {integer} NOT NULL DEFAULT 0" for c in COUNT_COLUMNS)},
     referenced_rows {integer} NOT NULL DEFAULT 0,
     owner {text},
+    recomputed {integer} NOT NULL DEFAULT 0,
+    first_recomputed {integer},
     PRIMARY KEY (run_id, request_id)
 );
 CREATE TABLE IF NOT EXISTS segments (
@@ -142,6 +149,20 @@ CREATE TABLE IF NOT EXISTS prefix_refs (
     PRIMARY KEY (run_id, request_id, pos_start, pos_end, source_request_id)
 ){d.without_rowid};
 CREATE INDEX IF NOT EXISTS prefix_refs_by_source ON prefix_refs (run_id, source_request_id, pos_start);
+CREATE TABLE IF NOT EXISTS version_spans (
+    run_id {text} NOT NULL,
+    request_id {text} NOT NULL,
+    pos_start {integer} NOT NULL,
+    pos_end {integer} NOT NULL,
+    version {text} NOT NULL,
+    PRIMARY KEY (run_id, request_id, pos_start)
+){d.without_rowid};
+CREATE TABLE IF NOT EXISTS run_versions (
+    run_id {text} NOT NULL,
+    version {text} NOT NULL,
+    rows {integer} NOT NULL DEFAULT 0,
+    PRIMARY KEY (run_id, version)
+){d.without_rowid};
 """
         if sqlite:
             self.schema += f"""CREATE TRIGGER IF NOT EXISTS segments_of_a_run BEFORE INSERT ON segments
@@ -173,12 +194,13 @@ CREATE INDEX IF NOT EXISTS prefix_refs_by_source ON prefix_refs (run_id, source_
         # ---- deleting a run (retention.py): every table holding its rows, in one transaction (segments before
         # runs: the foreign key)
         self.delete_run_rows = tuple(f"DELETE FROM {table} WHERE run_id = ?"
-                                     for table in ("spans", "row_flags", "prefix_refs", "requests", "segments", "runs"))
+                                     for table in ("spans", "row_flags", "prefix_refs", "version_spans",
+                                                   "run_versions", "requests", "segments", "runs"))
         self.run_aggregate = (
             f"SELECT COUNT(*) AS requests, {total('rows')} AS rows,"
             f" {total(f'CASE WHEN status != {chr(39)}{RequestStatus.OPEN}{chr(39)} THEN 1 ELSE 0 END')} AS ended,"
             f" {total(f'{greatest}({EXPECTED_ROWS} - rows, 0)')} AS gap,"
-            f" {total('referenced_rows')} AS referenced_rows, "
+            f" {total('referenced_rows')} AS referenced_rows, {total('recomputed')} AS recomputed, "
             + ", ".join(f"{total(c)} AS {c}" for c in COUNT_COLUMNS)
             + " FROM requests WHERE run_id = ?"
         )
@@ -244,6 +266,27 @@ CREATE INDEX IF NOT EXISTS prefix_refs_by_source ON prefix_refs (run_id, source_
             **{f: base + f" AND {count_column(f)} > 0" + order for f in COUNTED_FLAGS},
         }
 
+        # ---- weight versions: spans of the served rows' versions, a run's served rows per version, recomputes
+        # One statement per request and commit: a JSON array [[version, pos_start, pos_end], ...] (pieces).
+        self.insert_version_spans = (
+            "INSERT INTO version_spans (run_id, request_id, version, pos_start, pos_end)"
+            f" SELECT ?, ?, j.src, j.lo, j.hi FROM {d.json_pieces} AS j WHERE 1 = 1"  # SQLite: WHERE before an upsert
+            " ON CONFLICT DO NOTHING"  # a position is served once: a second span there is never recorded
+        )
+        self.version_spans_of = (
+            "SELECT request_id, version, pos_start, pos_end FROM version_spans WHERE run_id = ?"
+            f" AND request_id IN ({d.json_texts}) ORDER BY request_id, pos_start"
+        )
+        self.add_run_version = (
+            "INSERT INTO run_versions (run_id, version, rows) VALUES (?, ?, ?)"
+            " ON CONFLICT (run_id, version) DO UPDATE SET rows = run_versions.rows + excluded.rows"
+        )
+        self.select_run_versions = "SELECT version, rows FROM run_versions WHERE run_id = ? ORDER BY version"
+        self.count_recomputed = (
+            "UPDATE requests SET recomputed = recomputed + ?,"
+            f" first_recomputed = {least}(COALESCE(first_recomputed, ?), ?) WHERE run_id = ? AND request_id = ?"
+        )
+
         # ---- per-position verdicts that arrive after the row was stored (CONFLICT with a later batch)
         self.select_row_flags = "SELECT flags FROM row_flags WHERE run_id = ? AND request_id = ? AND position = ?"
         self.row_flags_in_range = ("SELECT position, flags FROM row_flags WHERE run_id = ? AND request_id = ?"
@@ -272,6 +315,10 @@ CREATE INDEX IF NOT EXISTS prefix_refs_by_source ON prefix_refs (run_id, source_
         )
         self.add_pinned = "ALTER TABLE runs ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0"
         self.add_last_write = "ALTER TABLE runs ADD COLUMN last_write REAL"
+        # ---- both backends, schema 6 (weight versions): columns added, nothing rewritten
+        if_new = "" if sqlite else " IF NOT EXISTS"
+        self.add_recomputed = (f"ALTER TABLE requests ADD COLUMN{if_new} recomputed {integer} NOT NULL DEFAULT 0",
+                               f"ALTER TABLE requests ADD COLUMN{if_new} first_recomputed {integer}")
 
 
 class Index:
@@ -295,8 +342,17 @@ class Index:
         return self.backend.conn  # type: ignore[attr-defined]
 
     def _migrate(self, tx: Transaction, found: int) -> None:
-        """Bring an older SQLite index file up to SCHEMA_VERSION, inside `tx` (a crash leaves the old file)."""
-        if self.backend.dialect.name != "sqlite" or found == 0 and not self._columns(tx, "runs"):
+        """Bring an older index up to SCHEMA_VERSION, inside `tx` (a crash leaves it as it was).
+
+        SQLite files of every older release; a PostgreSQL database from 5 (it started there). New tables come
+        from the schema, run after this.
+        """
+        if self.backend.dialect.name != "sqlite":
+            if found:  # a database of schema 5: the weight-version columns (IF NOT EXISTS: a half-done start)
+                for statement in self.sql.add_recomputed:
+                    tx.execute(statement)
+            return
+        if found == 0 and not self._columns(tx, "runs"):
             return  # a new index: the schema creates every table as it is now
         sql = self.sql
         runs, requests, spans = (self._columns(tx, t) for t in ("runs", "requests", "spans"))
@@ -312,6 +368,9 @@ class Index:
             tx.execute(sql.add_referenced_rows)
         if requests and "owner" not in requests:
             tx.execute(sql.add_owner)
+        if requests and "recomputed" not in requests:
+            for statement in sql.add_recomputed:
+                tx.execute(statement)
         if spans and "span_id" not in spans:
             for statement in sql.rebuild_spans:
                 tx.execute(statement)
@@ -394,6 +453,18 @@ class Index:
     def requests_page(self, run_id: str, flag: Flag | None, cursor: str | None, limit: int) -> list[Row]:
         """Up to `limit` requests after `cursor` by id, those with `flag` only when given."""
         return self.query(self.sql.list_requests[flag], (run_id, cursor or "", limit))
+
+    def version_spans(self, run_id: str, request_ids: Sequence[str]) -> dict[str, list[tuple[str, int, int]]]:
+        """The version spans `(version, pos_start, pos_end)` of the rows served by the default rule, per request
+        (those with any), by position; adjacent spans of one version are not merged here (summaries.py does)."""
+        out: dict[str, list[tuple[str, int, int]]] = {}
+        for r in self.query(self.sql.version_spans_of, (run_id, json.dumps(list(request_ids)))):
+            out.setdefault(r["request_id"], []).append((r["version"], r["pos_start"], r["pos_end"]))
+        return out
+
+    def run_versions(self, run_id: str) -> dict[str, int]:
+        """A run's rows served by the default rule per known weight version (version -> rows)."""
+        return {r["version"]: r["rows"] for r in self.query(self.sql.select_run_versions, (run_id,))}
 
     def late_flags(self, run_id: str, request_id: str, start: int, end: int) -> dict[int, int]:
         """Flags recorded for positions `[start, end)` after their rows were stored (position -> bits)."""
@@ -518,6 +589,24 @@ class IndexTransaction:
                             flag_bits=int(np.bitwise_or.reduce(flags)) if flags.size else 0,
                             first_flagged=int(flagged[0]) if flagged.size else None, counts=counts,
                             referenced=referenced)
+
+    def add_versions(self, run_id: str, request_id: str, spans: Sequence[tuple[str, int, int]]) -> None:
+        """Record the versions of rows newly served at positions `[start, end)` (`(version, start, end)` each), and
+        count them in the run's rows per version. Each position is served once, so spans never overlap."""
+        if not spans:
+            return
+        self.tx.execute(self.sql.insert_version_spans, (run_id, request_id, json.dumps([list(s) for s in spans])))
+        per_version: dict[str, int] = {}
+        for version, start, end in spans:
+            per_version[version] = per_version.get(version, 0) + end - start
+        for version, rows in sorted(per_version.items()):
+            self.tx.execute(self.sql.add_run_version, (run_id, version, rows))
+
+    def add_recomputed(self, run_id: str, request_id: str, positions: Sequence[int]) -> None:
+        """Count positions newly recomputed under other weights (each counted once: the caller's rule)."""
+        if positions:
+            first = int(min(positions))
+            self.tx.execute(self.sql.count_recomputed, (len(positions), first, first, run_id, request_id))
 
     def mark_conflict(self, run_id: str, request_id: str, position: int) -> bool:
         """CONFLICT on an already stored row (a later batch disagreed), counted once; False when already marked."""

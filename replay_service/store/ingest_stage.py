@@ -31,6 +31,7 @@ class IngestResult:
     padding_dropped: int = 0
     flagged: dict[str, int] = field(default_factory=dict)  # flag name -> rows of this batch, where not 0
     bytes: int = 0  # segment size
+    recomputed: int = 0  # positions this batch newly recomputed under other weights (checks/check.py), not flagged
 
     @property
     def stored(self) -> bool:

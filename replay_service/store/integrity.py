@@ -20,7 +20,8 @@ import pyarrow as pa
 
 from replay_format import FormatError
 from replay_format.core import decode_metadata, token_ids
-from replay_format.segment import BLOCK_CHECKSUM_KEY, CHECKSUM_KEY
+from replay_format.segment import BLOCK_CHECKSUM_KEY, CHECKSUM_KEY, segment_versions
+from replay_format.weight_versions import WeightVersions
 from replay_service.errors import DamagedSegment
 from replay_service.store.ranges import block_crcs
 from replay_service.store.segment_store import LocalSegments, SegmentStore
@@ -50,6 +51,14 @@ def segment_crc(batch: pa.RecordBatch, metadata: dict[str, str] | None = None) -
     for part in _parts(batch, md):
         crc = google_crc32c.extend(crc, part)
     return crc
+
+
+def _versions_or_damaged(batch: pa.RecordBatch, where: str, rel_path: str) -> WeightVersions | None:
+    """The segment's rows' weight versions (2.6), DamagedSegment when its metadata names them badly."""
+    try:
+        return segment_versions(batch.schema.metadata, batch.num_rows)
+    except FormatError as exc:
+        raise DamagedSegment(f"segment {where} cannot be read ({exc}): restore it from a backup", rel_path) from None
 
 
 def seal(batch: pa.RecordBatch) -> pa.RecordBatch:
@@ -84,8 +93,9 @@ def open_segment(store: SegmentStore | Path, rel_path: str) -> pa.RecordBatch:
         raise DamagedSegment(f"segment {where} is damaged (CRC32C {actual:08x}, written {stored}): its rows "
                              "are not served; restore it from a backup; `replay-service verify` lists every damaged "
                              "segment", rel_path)
+    versions = _versions_or_damaged(batch, where, rel_path)  # 2.6: readers then take them as they are
     blocks = md.get(BLOCK_CHECKSUM_KEY)  # segment 2.4 (ranges.py): what a ranged read checks must hold as well
-    if blocks is not None and blocks != "".join(f"{crc:08x}" for crc in block_crcs(batch)):
+    if blocks is not None and blocks != "".join(f"{crc:08x}" for crc in block_crcs(batch, versions)):
         raise DamagedSegment(f"segment {where} is damaged (its block checksums do not match its rows, which its "
                              "CRC32C does): its rows are not served; restore it from a backup", rel_path)
     return batch

@@ -32,7 +32,15 @@ import pyarrow as pa
 
 from replay_format import FormatError
 from replay_format.core import decode_metadata, token_ids
-from replay_format.segment import BLOCK_CHECKSUM_KEY, BLOCK_ROWS, BUFFER_OFFSETS_KEY, LEGACY_OFFSETS_KEY
+from replay_format.segment import (
+    BLOCK_CHECKSUM_KEY,
+    BLOCK_ROWS,
+    BUFFER_OFFSETS_KEY,
+    LEGACY_OFFSETS_KEY,
+    WEIGHT_VERSIONS_KEY,
+    segment_versions,
+)
+from replay_format.weight_versions import WeightVersions
 from replay_service.errors import DamagedSegment
 
 #: the columns a ranged read returns (what a route read uses; the request ids are the index's business)
@@ -50,14 +58,17 @@ def _part(values: np.ndarray, dtype: str) -> pa.Buffer:
     return pa.py_buffer(np.ascontiguousarray(values, np.dtype(dtype) if dtype else values.dtype.newbyteorder("<")))
 
 
-def block_crcs(batch: pa.RecordBatch) -> list[int]:
+def block_crcs(batch: pa.RecordBatch, versions: WeightVersions | None = None) -> list[int]:
     """CRC32C of each block of `BLOCK_ROWS` rows of `batch` (its first row starts a block), over the served columns'
-    content in segment.md's order: positions, token ids (null as -1), the ids flattened, flags."""
+    content in segment.md's order: positions, token ids (null as -1), the ids flattened, flags; then, in a segment
+    naming weight versions (2.6: `versions`, one per row of `batch`), each row's label index (int16, -1 unknown)
+    and the segment's labels as a JSON list."""
     positions = batch.column("position").to_numpy(zero_copy_only=False)
     tokens = token_ids(batch.column("token_id"))
     experts = batch.column("experts").flatten().to_numpy(zero_copy_only=False)
     flags = batch.column("flags").to_numpy(zero_copy_only=False)
     width = batch.schema.field("experts").type.list_size
+    labels = None if versions is None else pa.py_buffer(json.dumps(list(versions.labels)).encode())
     out = []
     for a in range(0, batch.num_rows, BLOCK_ROWS):
         b = min(a + BLOCK_ROWS, batch.num_rows)
@@ -65,6 +76,8 @@ def block_crcs(batch: pa.RecordBatch) -> list[int]:
         for part in (_part(positions[a:b], "<i4"), _part(tokens[a:b], "<i4"), _part(experts[a * width:b * width], ""),
                      _part(flags[a:b], "<u2")):
             crc = google_crc32c.extend(crc, part)
+        if versions is not None and labels is not None:
+            crc = google_crc32c.extend(google_crc32c.extend(crc, _part(versions.index[a:b], "<i2")), labels)
         out.append(crc)
     return out
 
@@ -72,7 +85,8 @@ def block_crcs(batch: pa.RecordBatch) -> list[int]:
 def ranged_metadata(batch: pa.RecordBatch) -> dict[str, str]:
     """`batch`'s metadata with its block checksums and a buffer offsets placeholder (`fill_offsets` replaces it)."""
     md = decode_metadata(batch.schema.metadata, "segment")
-    md[BLOCK_CHECKSUM_KEY] = "".join(f"{crc:08x}" for crc in block_crcs(batch))
+    versions = segment_versions(batch.schema.metadata, batch.num_rows)
+    md[BLOCK_CHECKSUM_KEY] = "".join(f"{crc:08x}" for crc in block_crcs(batch, versions))
     md[BUFFER_OFFSETS_KEY] = json.dumps(dict.fromkeys(_OFFSET_KEYS, _PLACEHOLDER), separators=(",", ":"))
     return md
 
@@ -114,6 +128,8 @@ class BufferOffsets:
     buffers: dict[str, int | None]  # served buffer -> its byte offset in the segment (None: no validity bitmap)
     crcs: list[int]
     experts_type: pa.FixedSizeListType
+    versions: WeightVersions | None = None  # each row's weight version (segment 2.6), None: none named
+    versions_text: bytes | None = None  # the segment's `weight_versions` value, carried by the rows read
 
     @classmethod
     def from_schema(cls, schema: pa.Schema, size: int) -> BufferOffsets | None:
@@ -145,7 +161,9 @@ class BufferOffsets:
         experts_type = schema.field("experts").type
         if not pa.types.is_fixed_size_list(experts_type):
             raise FormatError(f"segment: column 'experts' has type {experts_type}")
-        return cls(size, rows, offsets, crcs, experts_type)
+        versions = segment_versions(schema.metadata, rows)
+        stated_versions = None if versions is None else (schema.metadata or {})[WEIGHT_VERSIONS_KEY.encode()]
+        return cls(size, rows, offsets, crcs, experts_type, versions, stated_versions)
 
 
 def covering_rows(offsets: BufferOffsets, lo: int, hi: int, rel: str, where: str) -> tuple[int, int]:
@@ -166,7 +184,8 @@ def read_blocks(offsets: BufferOffsets, read_at: ReadAt, r0: int, r1: int, rel: 
     """Rows `[r0, r1)` of a segment (whole blocks: `covering_rows`), columns `SERVED`, fetched through `read_at`.
 
     Every fetched block is checked against its CRC32C; DamagedSegment naming the segment and the rows when one
-    fails (nothing of it is served), or when the bytes are not there.
+    fails (nothing of it is served), or when the bytes are not there. The batch's schema metadata carries the
+    segment's `weight_versions` (2.6; over the segment's rows, not the batch's) when it names any.
     """
     first, last = r0 // BLOCK_ROWS, (r1 - 1) // BLOCK_ROWS
     n = r1 - r0
@@ -195,13 +214,17 @@ def read_blocks(offsets: BufferOffsets, read_at: ReadAt, r0: int, r1: int, rel: 
         pa.Array.from_buffers(pa.uint16(), n, [None, fetch("flags", 2 * r0, 2 * n)]),
     ]
     batch = pa.RecordBatch.from_arrays(arrays, names=list(SERVED))
-    for block, (actual, stored) in enumerate(zip(block_crcs(batch), offsets.crcs[first:last + 1], strict=True)):
+    versions = None if offsets.versions is None else offsets.versions.take(slice(r0, r1))
+    for block, (actual, stored) in enumerate(zip(block_crcs(batch, versions), offsets.crcs[first:last + 1],
+                                                 strict=True)):
         if actual != stored:
             a = r0 + block * BLOCK_ROWS
             raise DamagedSegment(
                 f"segment {where} is damaged (rows {a}..{min(a + BLOCK_ROWS, offsets.rows) - 1}: CRC32C {actual:08x}, "
                 f"written {stored:08x}): its rows are not served; restore it from a backup; `replay-service verify` "
                 "lists every damaged segment", rel)
+    if offsets.versions_text is not None:
+        batch = batch.replace_schema_metadata({WEIGHT_VERSIONS_KEY.encode(): offsets.versions_text})
     return batch
 
 

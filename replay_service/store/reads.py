@@ -1,11 +1,15 @@
-"""Reading stored rows back: one request's route, and the row served at a position.
+"""Reading stored rows back: one request's route, and the rows stored at some positions.
 
-The served row at a position is the first one the request came to hold there (span order: its
-own rows in segment order, rows resolved from a prefix-cache reference from when it resolved, by
-`store/references.py`); later rows at that position are kept on disk and never served. Whether they disagreed
-(CONFLICT) was decided at ingest (`replay_service.checks.check`) and recorded then: in the
-served row's flags, or in the index's late flags when the disagreeing row came later. A read
-only picks rows; it decides no flag except GAP (a position nobody sent: ids zero, never clean).
+The served row at a position is, by the default rule (`RecomputeRule.FIRST`), the first one the request came to
+hold there (span order: its own rows in segment order, rows resolved from a prefix-cache reference from when it
+resolved, by `store/references.py`): the rows its sampled tokens were produced with. `RecomputeRule.LATEST`
+serves the last one held instead (a recompute under newer weights, where there is one), and a read naming a
+`weight_version` sees only rows of that version (other positions read as GAP). Later rows at a position are kept
+on disk either way. Whether they disagreed (CONFLICT) or were a recompute was decided at ingest
+(`replay_service.checks.check.judge_repeats`) and recorded then: in the served row's flags, or in the index's
+late flags when the disagreeing row came later; a position's CONFLICT is served whichever of its rows is. A read
+only picks rows; it decides no flag except GAP (a position nobody sent: ids zero, never clean). Each row carries
+its weight version (segment 2.6 metadata; unknown for older segments).
 
 The common case (one span covering the range, nothing to add) stays a zero-copy view of the
 memory-mapped segment. From an object store, a span's rows are fetched by the blocks holding them and checked
@@ -21,7 +25,8 @@ import pyarrow as pa
 
 from replay_format import NO_TOKEN, Flag, LayerAxis, RunShape
 from replay_format.core import token_ids
-from replay_format.weight_versions import WeightVersions
+from replay_format.segment import segment_versions
+from replay_format.weight_versions import RecomputeRule, WeightVersions
 from replay_service.store.files import SegmentCache
 from replay_service.store.index import Index
 
@@ -70,28 +75,54 @@ class _Pieces:
     token_ids: np.ndarray
     experts: np.ndarray
     flags: np.ndarray
+    versions: WeightVersions
 
     def take(self, index: np.ndarray | slice) -> _Pieces:
         """These rows at `index` (a mask, row numbers or a slice: a slice keeps views)."""
-        return _Pieces(self.positions[index], self.token_ids[index], self.experts[index], self.flags[index])
+        return _Pieces(self.positions[index], self.token_ids[index], self.experts[index], self.flags[index],
+                       self.versions.take(index))
 
-    def first_per_position(self) -> _Pieces:
-        """Sorted by position (stably: stored order within one), the first row of each position only."""
-        rows, p = self, self.positions
+    def by_position(self) -> _Pieces:
+        """Sorted by position, stably (the order held within one position kept)."""
+        p = self.positions
         if len(p) > 1 and np.any(p[1:] < p[:-1]):  # one span is sorted already: no sort on the common path
-            rows = self.take(np.argsort(p, kind="stable"))
-            p = rows.positions
+            return self.take(np.argsort(p, kind="stable"))
+        return self
+
+    def one_per_position(self, rule: RecomputeRule = RecomputeRule.FIRST) -> _Pieces:
+        """Sorted by position, the row `rule` serves of each position only: the first held, or the last."""
+        rows = self.by_position()
+        p = rows.positions
         if len(p) > 1:
-            first = np.concatenate(([True], p[1:] != p[:-1]))
-            if not first.all():
-                return rows.take(first)
+            if rule == RecomputeRule.FIRST:
+                keep = np.concatenate(([True], p[1:] != p[:-1]))
+            else:
+                keep = np.concatenate((p[1:] != p[:-1], [True]))
+            if not keep.all():
+                return rows.take(keep)
         return rows
 
+    def of_version(self, label: str) -> _Pieces:
+        """The rows computed with the weights labelled `label` only."""
+        if label not in self.versions.labels:
+            return self.take(np.zeros(len(self.positions), np.bool_))
+        return self.take(self.versions.index == self.versions.labels.index(label))
 
-def _piece(batch: pa.RecordBatch, width: int) -> _Pieces:
+
+@dataclass(frozen=True)
+class StoredRows:
+    """Every row a request holds at some positions, in the order it came to hold them (not one per position)."""
+
+    positions: np.ndarray  # int32 (m,)
+    experts: np.ndarray  # (m, L*K)
+    versions: WeightVersions  # each row's weight version
+
+
+def _piece(batch: pa.RecordBatch, width: int, versions: WeightVersions | None = None) -> _Pieces:
     positions = batch.column("position").to_numpy()
     experts = batch.column("experts").flatten().to_numpy(zero_copy_only=True).reshape(len(positions), width)
-    return _Pieces(positions, token_ids(batch.column("token_id")), experts, batch.column("flags").to_numpy())
+    return _Pieces(positions, token_ids(batch.column("token_id")), experts, batch.column("flags").to_numpy(),
+                   WeightVersions.unknown(len(positions)) if versions is None else versions)
 
 
 def _concat(pieces: list[_Pieces], shape: RunShape) -> _Pieces:
@@ -99,9 +130,13 @@ def _concat(pieces: list[_Pieces], shape: RunShape) -> _Pieces:
         return pieces[0]
     if not pieces:
         return _Pieces(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros((0, shape.row_width), shape.dtype),
-                       np.zeros(0, np.uint16))
-    return _Pieces(*(np.concatenate([getattr(p, name) for p in pieces])
-                     for name in ("positions", "token_ids", "experts", "flags")))
+                       np.zeros(0, np.uint16), WeightVersions.unknown(0))
+    positions, tokens, experts, flags = (np.concatenate([getattr(p, name) for p in pieces])
+                                         for name in ("positions", "token_ids", "experts", "flags"))
+    return _Pieces(positions, tokens, experts, flags, WeightVersions.concat(p.versions for p in pieces))
+
+
+Span = tuple[pa.RecordBatch, WeightVersions]  # a span's rows, and their weight versions
 
 
 class RowReader:
@@ -111,53 +146,84 @@ class RowReader:
         self.index = index
         self.cache = cache
 
-    def _spans(self, run_id: str, request_id: str, lo: int, hi: int) -> list[pa.RecordBatch]:
+    def _spans(self, run_id: str, request_id: str, lo: int, hi: int) -> list[Span]:
         """The request's stored rows in spans touching positions `[lo, hi]`, in the order it came to hold them."""
-        return [self._rows(s["path"], s["row_start"], s["row_count"])
+        return [self.rows_of(s["path"], s["row_start"], s["row_count"])
                 for s in self.index.spans(run_id, request_id, lo, hi)]
 
-    def _rows(self, path: str, start: int, count: int) -> pa.RecordBatch:
-        """Rows `[start, start + count)` of a segment: fetched and checked by themselves where the store reads ranges
-        (an object store: only their blocks travel), else a slice of the whole segment, opened and checked once."""
+    def rows_of(self, path: str, start: int, count: int) -> Span:
+        """Rows `[start, start + count)` of a segment and their weight versions: fetched and checked by themselves
+        where the store reads ranges (an object store: only their blocks travel), else a slice of the whole segment,
+        opened and checked once."""
         try:
             rows = self.cache.store.read_rows(path, start, start + count)
         except FileNotFoundError:
             rows = None  # the segment cache says what a missing segment means (its run deleted, or damage)
-        return self.cache.get(path).slice(start, count) if rows is None else rows
+        if rows is None:
+            whole = self.cache.get(path)
+            versions = segment_versions(whole.schema.metadata, whole.num_rows)
+            rows = whole.slice(start, count)
+        else:  # the blocks read carry the segment's versions, over the segment's rows (ranges.read_blocks)
+            versions = segment_versions(rows.schema.metadata, None)
+        if versions is None:
+            return rows, WeightVersions.unknown(count)
+        return rows, versions.take(slice(start, start + count))
 
-    def served_rows(self, run_id: str, request_id: str, shape: RunShape,
-                    positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Of sorted `positions`, those already served, and the ids served there: `(positions, experts)`."""
+    def stored_rows(self, run_id: str, request_id: str, shape: RunShape, positions: np.ndarray) -> StoredRows:
+        """Every row the request holds at any of sorted `positions`, in the order it came to hold them."""
         found = []
-        for span in self._spans(run_id, request_id, int(positions[0]), int(positions[-1])):
-            piece = _piece(span, shape.row_width)
+        for batch, versions in self._spans(run_id, request_id, int(positions[0]), int(positions[-1])):
+            piece = _piece(batch, shape.row_width, versions)
             hit = np.isin(piece.positions, positions)
             if hit.any():
                 found.append(piece.take(hit))
-        served = _concat(found, shape).first_per_position()
+        rows = _concat(found, shape)
+        return StoredRows(rows.positions, rows.experts, rows.versions)
+
+    def served_rows(self, run_id: str, request_id: str, shape: RunShape,
+                    positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Of sorted `positions`, those already served and the ids served there by the default rule:
+        `(positions, experts)`."""
+        stored = self.stored_rows(run_id, request_id, shape, positions)
+        served = _Pieces(stored.positions, np.zeros(len(stored.positions), np.int32), stored.experts,
+                         np.zeros(len(stored.positions), np.uint16), stored.versions).one_per_position()
         return served.positions, served.experts
 
     def route(self, run_id: str, request_id: str, shape: RunShape, start: int, end: int,
-              late_flags: dict[int, int]) -> RouteRows:
-        """Rows `[start, end)` of a request: the served row per position, GAP rows where none is stored."""
+              late_flags: dict[int, int], rule: RecomputeRule = RecomputeRule.FIRST,
+              weight_version: str | None = None) -> RouteRows:
+        """Rows `[start, end)` of a request: the row `rule` serves per position (of `weight_version` only, when
+        given), GAP rows where none is stored."""
         spans = self._spans(run_id, request_id, start, end - 1) if end > start else []
-        return assemble_route(request_id, shape, spans, start, end, late_flags)
+        return assemble_route(request_id, shape, [b for b, _ in spans], start, end, late_flags,
+                              [v for _, v in spans], rule, weight_version)
 
 
 def assemble_route(request_id: str, shape: RunShape, spans: list[pa.RecordBatch], start: int, end: int,
-                   late_flags: dict[int, int]) -> RouteRows:
-    """A request's spans (in the order it came to hold them) as a dense route over `[start, end)` with `late_flags`."""
-    rows = _concat([_piece(span, shape.row_width) for span in spans], shape)
+                   late_flags: dict[int, int], versions: list[WeightVersions] | None = None,
+                   rule: RecomputeRule = RecomputeRule.FIRST, weight_version: str | None = None) -> RouteRows:
+    """A request's spans (in the order it came to hold them; `versions`: their rows' weight versions, unknown when
+    not given) as a dense route over `[start, end)` with `late_flags`: per position the row `rule` serves, of
+    `weight_version` only when one is named (positions without a row of it read as GAP)."""
+    rows = _concat([_piece(span, shape.row_width, None if versions is None else versions[i])
+                    for i, span in enumerate(spans)], shape)
     if len(spans) == 1:
         lo, hi = np.searchsorted(rows.positions, [start, end])  # a span's rows are sorted by position
         rows = rows.take(slice(lo, hi))
     else:
         rows = rows.take((rows.positions >= start) & (rows.positions < end))
-    rows = rows.first_per_position()
+    plain = rule == RecomputeRule.FIRST and weight_version is None
+    conflicted = None if plain else rows.positions[(rows.flags & Flag.CONFLICT) != 0]
+    if weight_version is not None:
+        rows = rows.of_version(weight_version)
+    rows = rows.one_per_position(rule)
+    if conflicted is not None and len(conflicted):  # the position's verdict, whichever of its rows is served
+        rows.flags = np.where(np.isin(rows.positions, conflicted), rows.flags | np.uint16(Flag.CONFLICT), rows.flags)
+    served_versions = None if rows.versions.all_unknown else rows.versions
     n = end - start
     dense = len(rows.positions) == n
     if dense and not late_flags:
-        return RouteRows(request_id, shape, rows.positions, rows.token_ids, rows.experts, rows.flags)
+        return RouteRows(request_id, shape, rows.positions, rows.token_ids, rows.experts, rows.flags, served_versions)
 
     out_positions = np.arange(start, end, dtype=np.int32)
     out_experts = np.zeros((n, shape.row_width), shape.dtype)
@@ -167,7 +233,14 @@ def assemble_route(request_id: str, shape: RunShape, spans: list[pa.RecordBatch]
     out_experts[slots] = rows.experts
     out_flags[slots] = rows.flags
     out_tokens[slots] = rows.token_ids
+    held = np.zeros(n, np.bool_)
+    held[slots] = True
     for position, bits in late_flags.items():
-        if start <= position < end:
+        if start <= position < end and (plain or held[position - start]):  # a selection's GAP stays a plain GAP
             out_flags[position - start] |= bits
-    return RouteRows(request_id, shape, out_positions, out_tokens, out_experts, out_flags)
+    out_versions = None
+    if served_versions is not None:
+        index = np.full(n, -1, np.int16)
+        index[slots] = served_versions.index
+        out_versions = WeightVersions(served_versions.labels, index)
+    return RouteRows(request_id, shape, out_positions, out_tokens, out_experts, out_flags, out_versions)

@@ -20,10 +20,11 @@ lock, then one SQLite transaction), so each piece is mirrored exactly once, what
 
 Which row is served where a request holds several at a position: the first it came to hold (the
 span order, `index.SPANS_OVERLAPPING`). So R's own rows stored before the reference was resolved
-keep being served; a mirrored row at such a position follows the one CONFLICT rule
-(`checks.check.repeat_conflicts`): identical is a resend, different flags CONFLICT on R's served row,
-exactly as R's own later rows at a mirrored position do. A reference whose source never arrives
-leaves R's positions GAP: nothing but S's rows is ever mirrored into them.
+keep being served; a mirrored row at such a position follows the one rule (`checks.check.judge_repeats`,
+against every row R holds there): identical is a resend, different flags CONFLICT on R's served row unless the
+two rows' weight versions are known and differ (a recompute, counted on R), exactly as R's own later rows at a
+mirrored position do. Mirrored rows keep their weight versions (they are the source's rows). A reference whose
+source never arrives leaves R's positions GAP: nothing but S's rows is ever mirrored into them.
 
 Run totals: a run's `bytes` stay the bytes of its segments (a reference adds none) and its expert
 load counts rows as computed (referenced rows are not counted again); requests count referenced
@@ -39,7 +40,8 @@ import pyarrow as pa
 
 from replay_format import RunShape
 from replay_format.request_notes import Reference
-from replay_service.checks.check import repeat_conflicts
+from replay_format.weight_versions import WeightVersions
+from replay_service.checks.check import judge_repeats
 from replay_service.store.index import IndexTransaction
 from replay_service.store.reads import RowReader
 
@@ -106,7 +108,7 @@ class Resolver:
 
     def _mirror(self, held: HeldRows, ref: Reference) -> tuple[list[HeldRows], int]:
         """`held`'s rows at the reference's positions, as spans of the referencing request (those it lacks)."""
-        rows = self.reader.cache.get(held.path).slice(held.row_start, held.row_count)
+        rows, versions = self.reader.rows_of(held.path, held.row_start, held.row_count)
         positions = rows.column("position").to_numpy()  # a span's rows are sorted by position
         lo, hi = (int(i) for i in np.searchsorted(positions, [ref.start, ref.end]))
         if lo >= hi:
@@ -116,35 +118,49 @@ class Resolver:
                                           int(positions[hi - 1]))
         for a, b in _subtract((held.row_start + lo, held.row_start + hi), already):
             piece = rows.slice(a - held.row_start, b - a)
-            resolved += self._serve(ref.request_id, held.segment_id, a, piece)
+            resolved += self._serve(ref.request_id, held.segment_id, a, piece,
+                                    versions.take(slice(a - held.row_start, b - held.row_start)))
             span_positions = positions[a - held.row_start : b - held.row_start]
             mirrored.append(HeldRows(ref.request_id, held.segment_id, held.path, a, b - a,
                                      int(span_positions[0]), int(span_positions[-1])))
         return mirrored, resolved
 
-    def _serve(self, request_id: str, segment_id: int, row_start: int, rows: pa.RecordBatch) -> int:
+    def _serve(self, request_id: str, segment_id: int, row_start: int, rows: pa.RecordBatch,
+               versions: WeightVersions) -> int:
         """Insert one mirrored span and count its rows at positions the request did not serve yet."""
         positions = rows.column("position").to_numpy()
         experts = rows.column("experts").flatten().to_numpy(zero_copy_only=True).reshape(len(positions), -1)
         flags = rows.column("flags").to_numpy()
         first = np.concatenate(([True], positions[1:] != positions[:-1]))  # the row served per position
-        positions, experts, flags = positions[first], experts[first], flags[first]
-        served_positions, served_experts = self.reader.served_rows(self.run_id, request_id, self.shape, positions)
+        positions, experts, flags, versions = positions[first], experts[first], flags[first], versions.take(first)
+        stored = self.reader.stored_rows(self.run_id, request_id, self.shape, positions)
         repeat = np.zeros(len(positions), np.bool_)
         conflicts: list[int] = []
-        if len(served_positions):
-            slot = np.minimum(np.searchsorted(served_positions, positions), len(served_positions) - 1)
-            repeat = served_positions[slot] == positions
-            differs = repeat_conflicts(experts[repeat], served_experts[slot[repeat]])
-            conflicts = positions[repeat][differs].tolist()
+        recomputed: list[int] = []
+        if len(stored.positions):
+            m = len(stored.positions)
+            every = np.concatenate([stored.positions, positions])
+            order = np.argsort(every, kind="stable")  # per position: what R held first, then the mirrored row
+            codes = WeightVersions.concat([stored.versions, versions]).index
+            verdicts = judge_repeats(every[order].astype(np.int64), np.concatenate([stored.experts, experts])[order],
+                                     codes[order])
+            back = np.empty_like(order)
+            back[order] = np.arange(len(order))
+            repeat = verdicts.repeat[back][m:]
+            conflicts = positions[verdicts.conflict[back][m:]].tolist()
+            counted = stored.positions[verdicts.recompute[back][:m]]  # recomputes R held before: counted then
+            recomputed = np.setdiff1d(positions[verdicts.recompute[back][m:]], counted).tolist()
         new = ~repeat
         n_new = int(np.count_nonzero(new))
         self.tx.insert_span(self.run_id, request_id, segment_id, row_start, rows.num_rows, int(positions[0]),
                             int(positions[-1]))
         self.tx.add_served(self.run_id, request_id, positions[new], flags[new], pos_max=int(positions[-1]),
                            referenced=n_new)
+        spans = versions.take(new).spans(positions[new])
+        self.tx.add_versions(self.run_id, request_id, [(s.version, s.start, s.end) for s in spans])
         for position in conflicts:
             self.tx.mark_conflict(self.run_id, request_id, int(position))
+        self.tx.add_recomputed(self.run_id, request_id, recomputed)
         return n_new
 
 

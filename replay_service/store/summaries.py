@@ -7,11 +7,12 @@ API edge (`to_json`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from replay_format import Flag
+from replay_format.weight_versions import VersionSpan
 from replay_service.store.index import COUNTED_FLAGS, RequestStatus, Row, count_column
 from replay_service.store.runs import shape_of
 
@@ -35,15 +36,20 @@ class RequestRecord:
     expected_rows: int
     first_flagged_position: int | None
     flagged: Mapping[Flag, int]  # rows per counted flag, and GAP: rows expected but never received
+    # the versions of the rows served by the default rule, as spans over positions (unknown ones in none)
+    weight_versions: tuple[VersionSpan, ...] = ()
+    recomputed: int = 0  # positions computed again under other weights (not CONFLICT), each counted once
+    first_recomputed: int | None = None  # the first of them
 
     @classmethod
-    def of(cls, request: Row) -> RequestRecord:
-        """The record of one `requests` row."""
+    def of(cls, request: Row, version_spans: Sequence[tuple[str, int, int]] = ()) -> RequestRecord:
+        """The record of one `requests` row and its `Index.version_spans` (adjacent ones of one version merged)."""
         expected = expected_rows(request)
         flagged = {f: request[count_column(f)] for f in COUNTED_FLAGS}
         flagged[Flag.GAP] = max(expected - request["rows"], 0)
         return cls(request["request_id"], RequestStatus(request["status"]), request["final_tokens"], request["rows"],
-                   request["referenced_rows"], expected, request["first_flagged"], flagged)
+                   request["referenced_rows"], expected, request["first_flagged"], flagged,
+                   merged_spans(version_spans), request["recomputed"], request["first_recomputed"])
 
     @property
     def clean(self) -> bool:
@@ -62,7 +68,22 @@ class RequestRecord:
             "first_flagged_position": self.first_flagged_position,
             "flagged": {str(f.name): n for f, n in self.flagged.items()},
             "clean": self.clean,
+            "weight_versions": [s.to_json() for s in self.weight_versions],
+            "recomputed": self.recomputed,
+            "first_recomputed": self.first_recomputed,
         }
+
+
+def merged_spans(spans: Sequence[tuple[str, int, int]]) -> tuple[VersionSpan, ...]:
+    """`(version, start, end)` spans by start as `VersionSpan`s, a span that continues the one before under the same
+    version merged into it (each commit records its own)."""
+    out: list[VersionSpan] = []
+    for version, start, end in sorted(spans, key=lambda s: s[1]):
+        if out and out[-1].version == version and out[-1].end == start:
+            out[-1] = VersionSpan(version, out[-1].start, end)
+        else:
+            out.append(VersionSpan(version, start, end))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -82,8 +103,19 @@ def bytes_per_id(segment_bytes: int, stored_rows: int, row_width: int) -> float 
     return segment_bytes / (stored_rows * row_width) if stored_rows > 0 else None
 
 
-def run_summary(run: Row, totals: Row, references: int) -> dict:
-    """A `runs` row, the sums over its requests (`Index.run_aggregate`) and its reference count as a RunSummary."""
+def version_rows(rows: int, per_version: Mapping[str, int]) -> list[dict[str, Any]]:
+    """A run's served rows per weight version, by version (`Index.run_versions`), then those of no known version
+    under `null` (where there are any: rows stored before versions existed, or by a writer that sends none)."""
+    out: list[dict[str, Any]] = [{"version": v, "rows": n} for v, n in sorted(per_version.items())]
+    unknown = rows - sum(per_version.values())
+    if unknown > 0:
+        out.append({"version": None, "rows": unknown})
+    return out
+
+
+def run_summary(run: Row, totals: Row, references: int, per_version: Mapping[str, int] | None = None) -> dict:
+    """A `runs` row, the sums over its requests (`Index.run_aggregate`), its reference count and its rows per
+    weight version (`Index.run_versions`) as a RunSummary."""
     shape = shape_of(run)
     flagged = {str(f.name): totals[count_column(f)] for f in COUNTED_FLAGS}
     flagged[str(Flag.GAP.name)] = totals["gap"]
@@ -105,4 +137,6 @@ def run_summary(run: Row, totals: Row, references: int) -> dict:
         "bytes": run["bytes"],
         "bytes_per_id": bytes_per_id(run["bytes"], totals["rows"] - totals["referenced_rows"], shape.row_width),
         "flagged": flagged,
+        "weight_versions": version_rows(totals["rows"], per_version or {}),
+        "recomputed": totals["recomputed"],
     }

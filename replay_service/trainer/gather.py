@@ -11,6 +11,9 @@ and decides what a token without a clean row gets:
 - a real token whose row is flagged or missing, by `MissingPolicy`: `strict` refuses the
   slice, `router` marks it `fallback == 1` (the trainer's router picks its experts itself:
   NeMo-RL's all -1 row), `filler` gives it filler ids like padding.
+
+Every token replayed from a recorded row carries that row's weight version (an index into the
+slice's labels); filler (padding, last tokens, broken rows) carries none (-1).
 """
 
 from __future__ import annotations
@@ -22,12 +25,23 @@ import numpy as np
 
 from replay_format import LayerAxis, RunShape
 from replay_format.trainer_query import StageLayers
-from replay_format.trainer_slice import MissingPolicy
+from replay_format.trainer_slice import VERSION_TYPE, MissingPolicy
+from replay_format.weight_versions import UNKNOWN
 from replay_service.errors import InvalidInput
 from replay_service.trainer.layouts import SequenceSpec, TokenPlan, filler_rows
 
-# read_rows(i, lo, hi) -> (experts (hi-lo, L*K), ok (hi-lo,) bool): sequence i's offsets [lo, hi)
-ReadRows = Callable[[int, int, int], tuple[np.ndarray, np.ndarray]]
+
+@dataclass(frozen=True)
+class RowsRead:
+    """Recorded rows of one sequence's offsets `[lo, hi)`: ids, which are clean, and each row's version."""
+
+    experts: np.ndarray  # (hi-lo, L*K): every MoE layer of the run
+    ok: np.ndarray  # (hi-lo,) bool: a clean recorded row
+    version: np.ndarray  # (hi-lo,) int16: index into the slice's version labels, UNKNOWN where none is known
+
+
+# read_rows(i, lo, hi): sequence i's offsets [lo, hi)
+ReadRows = Callable[[int, int, int], RowsRead]
 
 
 @dataclass(frozen=True)
@@ -88,6 +102,7 @@ class Gathered:
     valid: np.ndarray  # (m,) uint8: a clean recorded row
     fallback: np.ndarray  # (m,) uint8: the router must choose (missing=router)
     broken: np.ndarray  # int64: plan indices of real tokens whose recorded row is flagged or missing
+    version: np.ndarray  # (m,) int16: the replayed row's version (index into the slice's labels), UNKNOWN for filler
 
 
 def _contiguous_runs(dst: np.ndarray, src: np.ndarray, max_runs: int = 64) -> list[tuple[int, int]] | None:
@@ -103,10 +118,10 @@ def gather_rows(plan: TokenPlan, specs: list[SequenceSpec], read_rows: ReadRows,
                 missing: MissingPolicy) -> Gathered:
     """Ids of every token of `plan` for the `held` layers, and who gets filler or the router's own choice.
 
-    `read_rows(i, lo, hi)` returns `(experts (hi-lo, L*K), ok (hi-lo,) bool)` for sequence `i`'s
-    offsets `[lo, hi)` (ok: a clean recorded row), all the run's MoE layers. Tokens without a
-    clean row get `filler_rows` (router-valid ids) and `valid == 0`; under `missing=router` the
-    real ones among them (not padding, not a last token) also get `fallback == 1`.
+    `read_rows(i, lo, hi)` returns the `RowsRead` of sequence `i`'s offsets `[lo, hi)`, all the
+    run's MoE layers. Tokens without a clean row get `filler_rows` (router-valid ids), `valid == 0`
+    and no version; under `missing=router` the real ones among them (not padding, not a last token)
+    also get `fallback == 1`.
     """
     shape = held.shape
     num_moe_layers, top_k = shape.num_moe_layers, shape.top_k
@@ -114,6 +129,7 @@ def gather_rows(plan: TokenPlan, specs: list[SequenceSpec], read_rows: ReadRows,
     m = plan.num_tokens
     out = np.empty((m, len(ordinals), top_k), shape.dtype)
     valid = np.zeros(m, np.uint8)
+    version = np.full(m, UNKNOWN, VERSION_TYPE)
     needs_row = np.zeros(m, bool)
     order = np.argsort(plan.sequence, kind="stable")
     seq_sorted = plan.sequence[order]
@@ -129,10 +145,10 @@ def gather_rows(plan: TokenPlan, specs: list[SequenceSpec], read_rows: ReadRows,
             continue
         needs_row[idx_rows] = True
         lo, hi = int(offs_rows.min()), int(offs_rows.max()) + 1
-        experts, ok = read_rows(i, lo, hi)
-        experts = experts.reshape(hi - lo, num_moe_layers, top_k)
+        read = read_rows(i, lo, hi)
+        experts = read.experts.reshape(hi - lo, num_moe_layers, top_k)
         local = offs_rows - lo
-        good = ok[local]
+        good = read.ok[local]
         if len(ordinals) != num_moe_layers:
             experts = experts[:, ordinals]
         runs = _contiguous_runs(idx_rows, local) if good.all() else None
@@ -142,6 +158,7 @@ def gather_rows(plan: TokenPlan, specs: list[SequenceSpec], read_rows: ReadRows,
         else:
             out[idx_rows[good]] = experts[local[good]]
         valid[idx_rows[good]] = 1
+        version[idx_rows[good]] = read.version[local[good]]
     without = np.flatnonzero(valid == 0)
     if without.size:
         fill = filler_rows(plan.global_index[without], num_moe_layers, top_k, shape.num_experts)[:, ordinals]
@@ -154,4 +171,4 @@ def gather_rows(plan: TokenPlan, specs: list[SequenceSpec], read_rows: ReadRows,
         full = np.zeros((m, len(held.layers), top_k), shape.dtype)
         full[:, held.positions] = out
         out = full
-    return Gathered(out.reshape(m, -1), valid, fallback, broken)
+    return Gathered(out.reshape(m, -1), valid, fallback, broken, version)

@@ -4,6 +4,8 @@ The answer is a trainer slice (replay_format/trainer_slice.md): one row per rout
 of the rank, in the router's order. Padding and last tokens get `layouts.filler_rows` and
 `valid == 0`; a real token whose row is flagged or missing follows the query's
 `MissingPolicy` (`gather.py`): refused (strict, the default), left to the router, or filler.
+Each replayed token carries its row's weight version; `versions=single` refuses sequences that mix
+versions (`versions.py`).
 """
 
 from __future__ import annotations
@@ -13,14 +15,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from replay_format import ID_RULE, RunShape, flag_names, valid_id
-from replay_format.trainer_query import SequenceRef, TrainerQuery, strict_alias
+from replay_format.trainer_query import SequenceRef, TrainerQuery, VersionPolicy, strict_alias
 from replay_format.trainer_slice import MissingPolicy, SliceMeta, build_slice
 from replay_service.errors import Conflict, InvalidInput, StrictRefusal
 from replay_service.store import RouteStore
+from replay_service.store.reads import RouteRows
 from replay_service.store.summaries import RequestRecord
 from replay_service.trainer import layouts
-from replay_service.trainer.gather import Gathered, HeldLayers, gather_rows, held_layers
+from replay_service.trainer.gather import Gathered, HeldLayers, RowsRead, gather_rows, held_layers
 from replay_service.trainer.plans import SliceLimits, planner
+from replay_service.trainer.versions import VersionLabels, mixed_versions, refuse_mixed
 
 
 @dataclass
@@ -71,13 +75,17 @@ def read_slice(store: RouteStore, query: TrainerQuery, limits: SliceLimits) -> S
         raise InvalidInput(
             f"this rank's slice is {plan.num_tokens} tokens, more than one read returns "
             f"(REPLAY_MAX_READ_ROWS={limits.max_tokens}); use smaller micro-batches")
-    got = gather(store, seqs, plan, held, missing, limits.strict_report_rows)
+    whole = whole_sequences(store, seqs) if query.versions is VersionPolicy.SINGLE else {}
+    refuse_mixed([m for i, route in whole.items() if (m := mixed_versions(i, seqs[i].ref, route)) is not None],
+                 limits.strict_report_rows)
+    labels = VersionLabels()
+    got = gather(store, seqs, plan, held, missing, limits.strict_report_rows, labels, whole)
     starts = np.array([s.start for s in specs], np.int64)
     position = np.where(plan.sequence >= 0, starts[np.maximum(plan.sequence, 0)] + plan.offset, -1).astype(np.int32)
     meta = SliceMeta(top_k=shape.top_k, num_experts=shape.num_experts, moe_ordinals=held.moe_ordinals.tolist(),
                      moe_layers=held.moe_layers, layout=plan.layout, layer_axis=held.axis, layers=held.layers,
-                     num_hidden_layers=shape.num_hidden_layers, missing=missing)
-    parts = build_slice(meta, got.experts, got.valid, plan.sequence, position, got.fallback)
+                     num_hidden_layers=shape.num_hidden_layers, missing=missing, weight_versions=labels.labels)
+    parts = build_slice(meta, got.experts, got.valid, plan.sequence, position, got.fallback, got.version)
     return SliceAnswer(parts, plan.num_tokens, int(got.valid.sum()))
 
 
@@ -119,24 +127,39 @@ def stored_sequences(store: RouteStore, refs: tuple[SequenceRef, ...]) -> list[S
     return seqs
 
 
+def whole_sequences(store: RouteStore, seqs: list[StoredSequence]) -> dict[int, RouteRows]:
+    """Every sequence's rows fed (`[start, start + rows)`), by its index: what every rank of the batch sees alike."""
+    return {i: store.read_rows(s.ref.run, s.request, s.spec.start, s.spec.start + s.spec.rows)
+            for i, s in enumerate(seqs)}
+
+
 def gather(store: RouteStore, seqs: list[StoredSequence], plan: layouts.TokenPlan, held: HeldLayers,
-           missing: MissingPolicy, report_rows: int) -> Gathered:
-    """The plan's ids and masks (`gather.gather_rows`); StrictRefusal naming the first flagged or missing rows
-    of real tokens under `missing=strict`."""
+           missing: MissingPolicy, report_rows: int, labels: VersionLabels,
+           whole: dict[int, RouteRows] | None = None) -> Gathered:
+    """The plan's ids, masks and versions (`gather.gather_rows`, versions as indices into `labels`); StrictRefusal
+    naming the first flagged or missing rows of real tokens under `missing=strict`.
+
+    `whole`: sequences whose rows fed were read already (`whole_sequences`), sliced here instead of read again.
+    """
     flagged: list[dict] = []
     strict = missing is MissingPolicy.STRICT
     specs = [s.spec for s in seqs]
+    held_rows = whole or {}
 
-    def read_rows(i: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    def read_rows(i: int, lo: int, hi: int) -> RowsRead:
         seq = seqs[i]
         ref, spec = seq.ref, seq.spec
-        route = store.read_rows(ref.run, seq.request, spec.start + lo, spec.start + hi)
-        ok = route.flags == 0
+        if i in held_rows:
+            route, cut = held_rows[i], slice(lo, hi)
+        else:
+            route, cut = store.read_rows(ref.run, seq.request, spec.start + lo, spec.start + hi), slice(None)
+        flags, positions = route.flags[cut], route.positions[cut]
+        ok = flags == 0
         if strict and not ok.all() and len(flagged) < report_rows:
             for j in np.flatnonzero(~ok)[: report_rows - len(flagged)]:
-                flagged.append({"run_id": ref.run, "request_id": ref.request, "position": int(route.positions[j]),
-                                "flags": flag_names(int(route.flags[j]))})
-        return route.experts, ok
+                flagged.append({"run_id": ref.run, "request_id": ref.request, "position": int(positions[j]),
+                                "flags": flag_names(int(flags[j]))})
+        return RowsRead(route.experts[cut], ok, labels.codes(route.versions().take(cut)))
 
     got = gather_rows(plan, specs, read_rows, held, missing)
     if strict and got.broken.size:

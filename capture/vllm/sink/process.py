@@ -95,7 +95,8 @@ class Sink:
     """Steps and finish events to rows and finish calls, in order.
 
     Plain steps (no spec decode) that arrive together are merged and handed to the sender
-    as one: the bookkeeping and the copies then run once per read rather than once per step.
+    as one: the bookkeeping and the copies then run once per read rather than once per step;
+    steps of another weight version than the held ones are not merged with them (a hand-over is one version).
     """
 
     def __init__(self, sender: RouteSender) -> None:
@@ -106,6 +107,8 @@ class Sink:
     def step(self, frame: StepFrame) -> None:
         """One step, in order with the others."""
         if frame.drafts is None:
+            if self._plain and self._plain[-1].weight_version != frame.weight_version:
+                self.flush()
             self._plain.append(frame)
             return
         self.flush()
@@ -165,11 +168,11 @@ class Sink:
             return
         sel = np.flatnonzero(keep)
         self.sender.submit(RequestIndex(names, index), positions=frame.positions[sel], experts=frame.experts[sel],
-                           token_ids=frame.token_ids[sel], flags=frame.flags[sel])
+                           token_ids=frame.token_ids[sel], flags=frame.flags[sel], weight_version=frame.weight_version)
 
 
 def _merged(group: list[StepFrame]) -> StepFrame:
-    """Consecutive plain steps as one (a request appears once per step it ran in)."""
+    """Consecutive plain steps of one weight version as one (a request appears once per step it ran in)."""
     offsets = np.cumsum([0] + [f.num_tokens for f in group])
     query_start_loc = np.concatenate([f.query_start_loc[:-1] + off for f, off in zip(group, offsets)] + [offsets[-1:]])
     return StepFrame(
@@ -179,6 +182,7 @@ def _merged(group: list[StepFrame]) -> StepFrame:
         token_ids=np.concatenate([f.token_ids for f in group]),
         experts=np.concatenate([f.experts for f in group]),
         flags=np.concatenate([f.flags for f in group]),
+        weight_version=group[0].weight_version,
     )
 
 

@@ -10,6 +10,8 @@ experts slot; `close` (at `sample_tokens`) writes flags, the spec-decode counts,
 request names (encoded once per batch composition: decode steps repeat them) and the
 header, and returns the whole frame, length prefix included, as a view of the buffer.
 The view is valid until the next `open`; the hand-off copies it only when the pipe is full.
+The weight version the engine core last named (`set_weight_version`, on the first step and
+on a change only) is kept encoded, and `close` copies those few bytes after the request names.
 
 Byte-equality with `pack` is tested (tests/test_capture_step_cost.py) for every field
 combination; `FORMAT_VERSION` is the step-frame version these bytes follow, refused at
@@ -25,14 +27,17 @@ import torch
 
 from replay_format import NO_TOKEN, RunShape
 from replay_format.core import FormatVersion
-from replay_format.step_frame import VERSION, FrameKind
+from replay_format.step_frame import VERSION, FrameKind, version_trailer
+from replay_format.weight_versions import LABEL_MAX
 
-FORMAT_VERSION = FormatVersion(1, 2)  # the step frame layout written here (step_frame.md)
+FORMAT_VERSION = FormatVersion(1, 3)  # the step frame layout written here (step_frame.md)
 if VERSION != FORMAT_VERSION:  # a new layout must be written here too (and tested against pack)
     raise ImportError(f"capture.vllm.worker.frame_buffer writes step frames {FORMAT_VERSION}, the format is {VERSION}")
 
 _HEAD = struct.Struct("<Q1sIIB")  # length prefix, kind, then step_frame's `_STEP` (rows, requests, bits)
 _HAS_SPEC = 1
+_HAS_VERSION = 2
+_VERSION_ROOM = 1 + LABEL_MAX  # the weight version's bytes at most
 _KIND = FrameKind.STEP.value
 
 
@@ -55,6 +60,8 @@ class StepFrameBuffer:
         self._names_of: list[str] | None = None  # the request ids `_names` encodes
         self._names = b""  # their u32 lengths, then the UTF-8 bytes
         self._zeros = memoryview(bytes(1024))  # the flags of a clean step, copied from here
+        self.weight_version: str | None = None  # the label every frame carries from now on (None: unknown)
+        self._version = b""  # its field (step_frame.md: u8 length, label); empty: no field
         self._alloc(capacity)
         self.n = self.num_reqs = 0
         self._experts_at = self._flags_at = 0
@@ -81,7 +88,7 @@ class StepFrameBuffer:
             names = [rid.encode() for rid in req_ids]
             self._names = np.array([len(b) for b in names], np.uint32).tobytes() + b"".join(names)
             self._names_of = list(req_ids)
-        need = _HEAD.size + 4 * (r + 1) + 10 * n + n * self.row_bytes + 8 * r + len(self._names)
+        need = _HEAD.size + 4 * (r + 1) + 10 * n + n * self.row_bytes + 8 * r + len(self._names) + _VERSION_ROOM
         if need > len(self.buf):
             self._alloc(max(need, 2 * len(self.buf)))
         i32 = self._i32
@@ -99,6 +106,12 @@ class StepFrameBuffer:
         self.experts = np.ndarray((n, self.shape.num_moe_layers, self.shape.top_k), self.dtype, self.buf, at)
         self.n, self.num_reqs = n, r
         return n
+
+    def set_weight_version(self, label: str | None) -> None:
+        """From the next frame on, steps carry the weight version `label` (None: unknown); FormatError for a label
+        outside the rule (`replay_format.weight_versions.check_label`), the last one then stays."""
+        self._version = b"" if label is None else version_trailer(label)
+        self.weight_version = label
 
     @property
     def positions(self) -> np.ndarray:
@@ -133,5 +146,11 @@ class StepFrameBuffer:
         names = self._names
         view[end : end + len(names)] = names
         end += len(names)
-        _HEAD.pack_into(self.buf, 0, end - 8, _KIND, n, r, _HAS_SPEC if drafts is not None else 0)
+        bits = _HAS_SPEC if drafts is not None else 0
+        version = self._version
+        if version:
+            view[end : end + len(version)] = version
+            end += len(version)
+            bits |= _HAS_VERSION
+        _HEAD.pack_into(self.buf, 0, end - 8, _KIND, n, r, bits)
         return view[:end]

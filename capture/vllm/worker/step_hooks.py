@@ -4,7 +4,8 @@
 `runner_v2.py`) call it:
 - `execute_model` -> `on_execute`: notes the `SchedulerOutput`; the engine core's notes on it
   (`capture.vllm.scheduler_notes`) go to the sink: prefix-cache hits of newly scheduled requests as
-  references, finished/aborted requests as finish events.
+  references, finished/aborted requests as finish events; a weight version (first step, or a new
+  one) is kept in the frame buffer, and every step sent from then on carries it.
 - `_model_forward` (V2: `prepare_inputs`) -> `open_step` / `close_forward`: the step's request ids
   (an `OpenStep`); query_start_loc, positions and input ids go straight into the step's frame
   (`frame_buffer.StepFrameBuffer`, one reused buffer); captures outside a step (dummy/profile runs
@@ -135,11 +136,19 @@ class StepHooks:
             self.enabled = previous.enabled
             self.steps, self.ignored_captures = previous.steps, previous.ignored_captures
             self.capture_s, self.hook_s = previous.capture_s, previous.hook_s
+            if self.frame is not None and previous.frame is not None:  # told once: it holds until the next change
+                self.frame.set_weight_version(previous.frame.weight_version)
 
     def on_execute(self, scheduler_output) -> None:
         """execute_model: note the step's scheduler output; hand the engine core's notes on it to the sink."""
         self.sched = scheduler_output
         notes = notes_of(scheduler_output)
+        if notes is not None and notes.weight_version is not None and self.frame is not None:
+            try:
+                self.frame.set_weight_version(notes.weight_version.label)  # the engine core checked the label
+            except Exception:  # any error: never break the step (the rows go as version unknown)
+                log.exception("routing-replay: cannot stamp steps with weight version %r", notes.weight_version)
+                self.frame.set_weight_version(None)
         if notes is not None and notes.prefix_hits and self.handoff is not None:
             self.handoff.references(notes.prefix_hits)
         finished = getattr(scheduler_output, "finished_req_ids", None)

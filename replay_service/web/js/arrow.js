@@ -280,10 +280,16 @@ export function readStream(buffer) {
 }
 
 function findDictionaryField(fields, id) {
+  const found = dictionaryField(fields, id);
+  if (!found) throw new Error(`arrow: dictionary ${id} has no field`);
+  return found;
+}
+
+function dictionaryField(fields, id) { // depth first; null when no field (nor child) has dictionary `id`
   for (const f of fields) {
     if (f.dictionary && f.dictionary.id === id) return f;
-    const inner = findDictionaryField(f.children, id);
+    const inner = dictionaryField(f.children, id);
     if (inner) return inner;
   }
-  throw new Error(`arrow: dictionary ${id} has no field`);
+  return null;
 }
