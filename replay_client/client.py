@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -115,6 +116,29 @@ def routes_from_stream(backing: Backing) -> list[Route]:
                   meta.recompute) for r in routes]
 
 
+def _span_json(span: Any) -> dict[str, Any]:
+    """One span as the service reads it, from a vLLM `WeightVersionSpan`, a `VersionSpan`, a dict or a triple."""
+    if isinstance(span, dict):
+        return {"version": span["version"], "start": int(span["start"]), "end": int(span["end"])}
+    if isinstance(span, list | tuple):
+        version, start, end = span
+        return {"version": version, "start": int(start), "end": int(end)}
+    return {"version": span.version, "start": int(span.start), "end": int(span.end)}
+
+
+def _version_options(weight_versions: Sequence[Any] | None, weight_version: str | None,
+                     prompt_tokens: int | None) -> dict[str, Any]:
+    """The weight-version fields of an engine-output upload (the service checks them: 422 naming a bad span)."""
+    out: dict[str, Any] = {}
+    if weight_versions is not None:
+        out["weight_versions"] = [_span_json(s) for s in weight_versions]
+    if weight_version is not None:
+        out["weight_version"] = weight_version
+    if prompt_tokens is not None:
+        out["prompt_tokens"] = int(prompt_tokens)
+    return out
+
+
 def _selection(recompute: RecomputeRule | str, weight_version: str | None) -> dict[str, Any]:
     """The read parameters that pick among a position's computations; only those that are not the defaults (so a
     service before weight versions takes the rest)."""
@@ -182,6 +206,9 @@ class ReplayClient:
         finish: bool = True,
         start: int = 0,
         num_hidden_layers: int | None = None,
+        weight_versions: Sequence[Any] | None = None,
+        weight_version: str | None = None,
+        prompt_tokens: int | None = None,
     ) -> dict:
         """A route `(rows, model layers or MoE layers, K)` (e.g. vLLM's `routed_experts`), sent as .npy.
 
@@ -189,6 +216,9 @@ class ReplayClient:
         they land at `start .. start+rows-1`, and `finish` ends (or extends) the request at
         `start + rows + 1` tokens. `moe_layers` (model-layer indices) says which layers are MoE
         layers; a new run whose array has an all-zero layer needs it (the service never guesses).
+        `weight_versions`: vLLM's `CompletionOutput.weight_versions` as returned (`WeightVersionSpan`s,
+        `VersionSpan`s, dicts or triples; spans over OUTPUT tokens), or `weight_version` one label for every row;
+        `prompt_tokens` the prompt's length where the spans do not say it (rows.md, "Weight versions").
         """
         buf = io.BytesIO()
         np.save(buf, np.ascontiguousarray(route), allow_pickle=False)
@@ -199,6 +229,9 @@ class ReplayClient:
             params["moe_layers"] = ",".join(str(int(x)) for x in moe_layers)
         if num_hidden_layers is not None:
             params["num_hidden_layers"] = int(num_hidden_layers)
+        params.update(_version_options(weight_versions, weight_version, prompt_tokens))
+        if "weight_versions" in params:
+            params["weight_versions"] = json.dumps(params["weight_versions"], separators=(",", ":"))
         return self._json(
             "POST",
             f"/v1/runs/{run_id}/requests/{request_id}/routes",
@@ -222,11 +255,16 @@ class ReplayClient:
         start: int | None = None,
         num_hidden_layers: int | None = None,
         finish: bool = True,
+        weight_versions: Sequence[Any] | None = None,
+        weight_version: str | None = None,
+        prompt_tokens: int | None = None,
     ) -> dict:
         """SGLang's `meta_info["routed_experts"]` (base64 of int32 ids; `num_layers` as SGLang counts them).
 
         `start` is the request's `routed_experts_start_len` (sent under SGLang's name); `token_ids`
-        are the tokens from `start` (rows or rows + 1 of them) or the whole sequence.
+        are the tokens from `start` (rows or rows + 1 of them) or the whole sequence. `weight_versions`
+        (`meta_info["weight_versions"]`, spans over output tokens) or `weight_version` (one label) as for
+        `upload_route`.
         """
         if not isinstance(routed_experts, str):
             routed_experts = base64.b64encode(np.ascontiguousarray(routed_experts, np.int32).tobytes()).decode()
@@ -241,6 +279,7 @@ class ReplayClient:
             doc["routed_experts_start_len"] = int(start)
         if num_hidden_layers is not None:
             doc["num_hidden_layers"] = int(num_hidden_layers)
+        doc.update(_version_options(weight_versions, weight_version, prompt_tokens))
         return self._json("POST", f"/v1/runs/{run_id}/requests/{request_id}/routes", json=doc,
                           params={"finish": str(finish).lower()})
 

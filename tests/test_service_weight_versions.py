@@ -269,6 +269,27 @@ def test_sglang_spans_and_one_version_for_every_row(shared_service):
     assert client.get_route(run, "s").versions() == ["7"] * 9
 
 
+def test_the_clients_uploads_send_the_engines_spans_as_returned(shared_service):
+    """`upload_vllm_output` takes vLLM's `WeightVersionSpan`s as the engine returns them (objects with version,
+    start, end), `upload_sglang_output` SGLang's spans; both land as the endpoint's own test above says."""
+    from vllm.outputs import WeightVersionSpan  # vLLM's own record: what CompletionOutput.weight_versions holds
+
+    client = ReplayClient(shared_service.url)
+    run = "wv-client-upload"
+    ex = routes(np.random.default_rng(23011), 11, SMALL)
+    client.upload_vllm_output(run, "r", ex, num_experts=8,
+                              weight_versions=[WeightVersionSpan("default", 0, 3), WeightVersionSpan("step-1", 3, 7)])
+    assert client.get_route(run, "r").versions() == ["default"] * 7 + ["step-1"] * 4
+    ids = routes(np.random.default_rng(23012), 9, SMALL).astype(np.int32)
+    client.upload_sglang_output(run, "s", ids, num_layers=4, top_k=2, num_experts=8,
+                                weight_versions=[{"version": "a", "start": 0, "end": 2}, ["b", 2, 7]])
+    assert client.get_route(run, "s").versions() == ["a"] * 4 + ["b"] * 5
+    client.upload_sglang_output(run, "t", ids, num_layers=4, top_k=2, num_experts=8, weight_version="7")
+    assert client.get_route(run, "t").versions() == ["7"] * 9
+    with pytest.raises(Exception, match="overlap"):
+        client.upload_vllm_output(run, "u", ex, num_experts=8, weight_versions=[("a", 0, 3), ("b", 2, 7)])
+
+
 @pytest.mark.parametrize("spans, named", [
     ([["a", 0, 3], ["b", 2, 7]], "overlap"),
     ([["a", 0, 3], ["b", 4, 7]], "position 3 is in no span"),
