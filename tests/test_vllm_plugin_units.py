@@ -63,6 +63,16 @@ def test_spec_decode_rejected_rows_dropped_and_finish_length():
     assert book.finish("never-seen") is None
 
 
+def test_an_abort_mid_step_keeps_the_row_whose_sample_vllm_dropped():
+    """vLLM handles an abort between a step's forward and its output: the scheduler's count misses the step's
+    sample while its row was sent. The aborted request's length covers the rows sent (a finish never cuts rows)."""
+    book = StepBook()
+    book.row_ids(_frame(["a-0000abcd", "b-0000abcd"], [0, 5, 10], list(range(5)) + list(range(5))), np.ones(10, bool))
+    book.row_ids(_frame(["a-0000abcd"], [0, 1], [5]), np.ones(1, bool))  # a's forward of position 5 ran
+    assert book.finish("a-0000abcd", 6, FinishStatus.ABORTED) == Finish("a", 7, FinishStatus.ABORTED)  # rows 0..5
+    assert book.finish("b-0000abcd", 6, FinishStatus.FINISHED) == Finish("b", 6, FinishStatus.FINISHED)  # as given
+
+
 def test_spec_counts_from_the_engine_and_a_missing_sampler_count():
     from types import SimpleNamespace
 

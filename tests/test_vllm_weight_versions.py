@@ -23,6 +23,15 @@ version) are the first weights' and the rest the second's.
   routes on with `VLLM_SERVER_DEV_MODE=1`) served on loopback over the same engine (no second engine
   start): requests from `/inference/v1/generate`, the update through `/pause?mode=keep` (its default
   clears the cache), `/update_weight_version`, `/resume`; checked as the cache-cleared case.
+- Trajectories (`POST /v1/runs/{run}/routes/trajectory`, `ReplayClient.get_trajectory`): three turns of one
+  conversation through the server's `/v1/completions` (each prompt the previous turn's whole sequence + new
+  tokens; `/pause?mode=keep`, new weights, `/reset_prefix_cache`, `/update_weight_version`, `/resume` between
+  turns), and a partial rollout: aborted with `pause_generation(mode="abort")` after PAUSE_AFTER tokens, new
+  weights, resubmitted as a new request (prompt + partial output). Each reads back as one route: under `first`
+  each turn's own rows and version where it first covers a position, under `latest` the last turn's; the later
+  turns' recompute of the prefix under newer weights stays in their own routes, never CONFLICT.
+- An abort through `AsyncLLM.abort` that lands mid-step (the step's sample dropped, its rows sent) ends the
+  request `aborted` with every row kept.
 
 The stored rows are read twice: from the service's segment files (every row it stored, with its
 version: runs in each segment's metadata, segment.md; a local segment store) and through the
@@ -33,9 +42,11 @@ service's reads (per-row versions, the request summary). The two checkpoints rou
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,9 +58,11 @@ import pytest
 vllm = pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
-from replay_client.client import ReplayClient  # noqa: E402
+from replay_client.client import ReplayClient, Route  # noqa: E402
+from replay_client.openai_ids import Endpoint, response_request_ids  # noqa: E402
 from replay_format.segment import segment_versions  # noqa: E402
-from replay_format.weight_versions import VersionSpan, span_from_json  # noqa: E402
+from replay_format.trajectory import TurnSpan  # noqa: E402
+from replay_format.weight_versions import RecomputeRule, VersionSpan, span_from_json  # noqa: E402
 from tests.support.vllm_model import (  # noqa: E402
     checkpoint_norms,
     hf_switched_reference,
@@ -141,7 +154,8 @@ class Progress:
     """Which requests have PAUSE_AFTER output tokens; `ready` is set once all have."""
 
     def __init__(self, batch: dict[str, list[int]]) -> None:
-        self.want, self.have, self.ready = set(batch), set(), asyncio.Event()
+        self.want, self.ready = set(batch), asyncio.Event()
+        self.have: set[str] = set()
 
     def saw(self, rid: str, tokens: int) -> None:
         if tokens >= PAUSE_AFTER:
@@ -154,8 +168,9 @@ class Progress:
         ready = asyncio.create_task(self.ready.wait())
         done, _ = await asyncio.wait([ready, *tasks], timeout=GUARD_S, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
-            if task is not ready and task.exception() is not None:
-                raise task.exception()
+            failed = task.exception() if task is not ready else None
+            if failed is not None:
+                raise failed
         assert ready in done, f"requests with {PAUSE_AFTER} tokens: {sorted(self.have)} of {sorted(self.want)}"
 
 
@@ -191,13 +206,10 @@ async def _through_async_llm(engine: Engine, batch: dict[str, list[int]], clear_
     return finals
 
 
-async def _through_rl_endpoints(engine: Engine, batch: dict[str, list[int]], clear_cache: bool,
-                                switch: Switch) -> dict[str, Finished]:
-    """vLLM's own OpenAI server app (`build_app` + `init_app_state`, RL routes on: VLLM_SERVER_DEV_MODE=1) served on
-    loopback over the module's engine: the requests stream from `POST /inference/v1/generate` (token in, token out;
-    its final chunk carries `weight_versions`), the update is `POST /pause?mode=keep`, the weights
-    (`collective_rpc`: no RL endpoint writes a tensor), `POST /update_weight_version`, `POST /resume`.
-    {stored request id: Finished} (vLLM names them `generate-tokens-<request_id>`)."""
+@contextlib.asynccontextmanager
+async def _served(engine: Engine) -> AsyncIterator[httpx.AsyncClient]:
+    """vLLM's own OpenAI server app (`build_app` + `init_app_state`; the RL and dev routes on: VLLM_SERVER_DEV_MODE=1,
+    `--enable-scale-out`) served on loopback over the module's engine (no second engine start): a client of it."""
     import uvicorn
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
@@ -215,46 +227,56 @@ async def _through_rl_endpoints(engine: Engine, batch: dict[str, list[int]], cle
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     serving = asyncio.create_task(server.serve())
-    url = f"http://127.0.0.1:{port}"
-    finals: dict[str, Finished] = {}
-    progress = Progress(batch)
     try:
-        while not server.started:  # a hang guard below: the whole round is bounded
+        while not server.started:  # a hang guard below: each round is bounded
             assert not serving.done(), serving
             await asyncio.sleep(0.05)
-        async with httpx.AsyncClient(base_url=url, timeout=GUARD_S) as http:
-
-            async def one(rid: str, prompt: list[int]) -> None:
-                body = {"request_id": rid, "token_ids": prompt, "stream": True,
-                        "sampling_params": {"max_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}}
-                output: list[int] = []
-                spans = None
-                async with http.stream("POST", "/inference/v1/generate", json=body) as answer:
-                    assert answer.status_code == 200, await answer.aread()
-                    async for line in answer.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        for choice in json.loads(line[len("data: "):]).get("choices", []):
-                            output += choice.get("token_ids") or []
-                            spans = choice.get("weight_versions") or spans
-                            progress.saw(rid, len(output))
-                assert spans, f"{rid}: no weight_versions in the final chunk"
-                finals[f"generate-tokens-{rid}"] = Finished(prompt, output, [span_from_json(s) for s in spans])
-
-            requests = [asyncio.create_task(one(rid, prompt)) for rid, prompt in batch.items()]
-            await progress.wait(requests)
-            pause = {"mode": "keep"} if clear_cache else {"mode": "keep", "clear_cache": "false"}  # default: clear
-            assert (await http.post("/pause", params=pause)).json() == {"status": "paused"}
-            assert (await http.get("/is_paused")).json() == {"is_paused": True}
-            await switch.write_weights()
-            answer = await http.post("/update_weight_version", json={"new_version": switch.label})
-            assert answer.status_code == 200, answer.text
-            assert (await http.get("/weight_info")).json() == {"weight_version": switch.label}
-            assert (await http.post("/resume")).status_code == 200
-            await asyncio.wait_for(asyncio.gather(*requests), GUARD_S)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=GUARD_S) as http:
+            yield http
     finally:
         server.should_exit = True
         await asyncio.wait_for(serving, 30)
+
+
+async def _through_rl_endpoints(engine: Engine, batch: dict[str, list[int]], clear_cache: bool,
+                                switch: Switch) -> dict[str, Finished]:
+    """vLLM's own OpenAI server app over the module's engine (`_served`): the requests stream from
+    `POST /inference/v1/generate` (token in, token out; its final chunk carries `weight_versions`), the update is
+    `POST /pause?mode=keep`, the weights (`collective_rpc`: no RL endpoint writes a tensor),
+    `POST /update_weight_version`, `POST /resume`. {stored request id: Finished} (vLLM names them
+    `generate-tokens-<request_id>`)."""
+    finals: dict[str, Finished] = {}
+    progress = Progress(batch)
+    async with _served(engine) as http:
+
+        async def one(rid: str, prompt: list[int]) -> None:
+            body = {"request_id": rid, "token_ids": prompt, "stream": True,
+                    "sampling_params": {"max_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}}
+            output: list[int] = []
+            spans = None
+            async with http.stream("POST", "/inference/v1/generate", json=body) as answer:
+                assert answer.status_code == 200, await answer.aread()
+                async for line in answer.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    for choice in json.loads(line[len("data: "):]).get("choices", []):
+                        output += choice.get("token_ids") or []
+                        spans = choice.get("weight_versions") or spans
+                        progress.saw(rid, len(output))
+            assert spans, f"{rid}: no weight_versions in the final chunk"
+            finals[f"generate-tokens-{rid}"] = Finished(prompt, output, [span_from_json(s) for s in spans])
+
+        requests = [asyncio.create_task(one(rid, prompt)) for rid, prompt in batch.items()]
+        await progress.wait(requests)
+        pause = {"mode": "keep"} if clear_cache else {"mode": "keep", "clear_cache": "false"}  # default: clear
+        assert (await http.post("/pause", params=pause)).json() == {"status": "paused"}
+        assert (await http.get("/is_paused")).json() == {"is_paused": True}
+        await switch.write_weights()
+        answer = await http.post("/update_weight_version", json={"new_version": switch.label})
+        assert answer.status_code == 200, answer.text
+        assert (await http.get("/weight_info")).json() == {"weight_version": switch.label}
+        assert (await http.post("/resume")).status_code == 200
+        await asyncio.wait_for(asyncio.gather(*requests), GUARD_S)
     return finals
 
 
@@ -375,7 +397,7 @@ def _check_round(engine: Engine, service, batch: dict[str, list[int]], clear_cac
         assert want_versions == [first] * at + [second] * (rows - at)
         by_version = stored[rid]
         assert None not in by_version, f"{rid}: rows stored without a weight version"
-        assert sorted(by_version) == sorted({first, second}), sorted(by_version, key=str)
+        assert set(by_version) == {first, second}, sorted(by_version, key=str)
         # The first weights' rows: every position before the switch, as the sampled tokens were produced.
         assert sorted(by_version[first]) == list(range(at)), rid
         _same_sets(_as_array(by_version[first], range(at)), first_ref[rid][:at], f"{rid} {first}")
@@ -430,3 +452,274 @@ def test_the_openai_servers_rl_endpoints_pause_update_and_resume(engine, shared_
     `/update_weight_version`, `/resume`; requests from `/inference/v1/generate`, whose spans the rows follow."""
     batch = {f"served-{i}": p for i, p in enumerate(prompts(LENGTHS, salt=23))}
     _check_round(engine, shared_service, batch, clear_cache=True, drive=_through_rl_endpoints)
+
+
+# ---- trajectories: a multi-turn conversation and a partial rollout, each read back as one route
+
+CONVERSATION = (20, 4, 4)  # turn 1's prompt, then the user's new tokens of each later turn
+TURN_NEW = 16  # output tokens per turn
+ABORT_LENGTHS = (21, 24, 27, 30)
+ABORT_BUDGET = 96  # never reached: each request is aborted once it has PAUSE_AFTER tokens (max_model_len 128)
+PARTIAL_PROMPT = 30
+PARTIAL_BUDGET = 32  # the rollout's output tokens: the aborted request's ~8-10, the resumed request the rest
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One turn as it ran: the id its rows are stored under, its sequence, the weights and version it ran under."""
+
+    request_id: str
+    sequence: list[int]  # prompt + output
+    version: str  # the engine's weight version while it ran (vLLM's own `/weight_info`, before and after)
+    norms: list[list[float]] | None  # the router-feeding weights it ran with (None: the checkpoint's own)
+
+    @property
+    def rows(self) -> int:
+        """Rows of a finished turn of T tokens: T - 1."""
+        return len(self.sequence) - 1
+
+
+def _next_weights(engine: Engine) -> Switch:
+    """A new checkpoint's router-feeding weights (seeded, unlike every earlier one) and its version label."""
+    engine.updates += 1
+    return Switch(engine, router_norms(100 + engine.updates), f"rl-step-{engine.updates}")
+
+
+async def _update_between_requests(http: httpx.AsyncClient, switch: Switch) -> None:
+    """An update with nothing in flight through the server's RL and dev endpoints: `/pause?mode=keep`, the weights,
+    `/reset_prefix_cache` (nothing cached survives: the next turn computes its whole prompt under the new weights),
+    `/update_weight_version`, `/resume`."""
+    assert (await http.post("/pause", params={"mode": "keep"})).json() == {"status": "paused"}
+    await switch.write_weights()
+    assert (await http.post("/reset_prefix_cache")).json() == {"success": True}
+    answer = await http.post("/update_weight_version", json={"new_version": switch.label})
+    assert answer.status_code == 200, answer.text
+    assert (await http.post("/resume")).status_code == 200
+    switch.engine.norms = switch.norms
+
+
+async def _conversation(engine: Engine) -> list[Turn]:
+    """Three turns of one conversation through the server's `/v1/completions` (the prompt as token ids), an update
+    and a prefix-cache reset between turns; each turn's prompt is the previous turn's whole sequence + new tokens.
+    Each response's route is found by `replay_client.openai_ids` (`cmpl-<X-Request-Id>` -> `...-0`)."""
+    added = prompts(CONVERSATION, salt=24)
+    turns: list[Turn] = []
+    async with _served(engine) as http:
+        for k, new in enumerate(added):
+            if k:
+                await _update_between_requests(http, _next_weights(engine))
+            prompt = (turns[-1].sequence if turns else []) + new
+            version = (await http.get("/weight_info")).json()["weight_version"]
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": TURN_NEW, "temperature": 0.0,
+                    "ignore_eos": True, "return_token_ids": True}
+            answer = await http.post("/v1/completions", json=body, headers={"X-Request-Id": f"conversation-{k}"})
+            assert answer.status_code == 200, answer.text
+            doc = answer.json()
+            assert doc["id"] == f"cmpl-conversation-{k}", doc["id"]
+            [rid] = response_request_ids(doc["id"], len(doc["choices"]), endpoint=Endpoint.COMPLETIONS)
+            [choice] = doc["choices"]
+            assert choice["prompt_token_ids"] == prompt and len(choice["token_ids"]) == TURN_NEW, choice
+            # /v1/completions answers no weight_versions (vLLM 0.32: only /inference/v1/generate does): the version
+            # the engine ran, by vLLM's own /weight_info, unchanged over the turn.
+            assert (await http.get("/weight_info")).json() == {"weight_version": version}
+            turns.append(Turn(rid, prompt + choice["token_ids"], version, engine.norms))
+    return turns
+
+
+def _reference(engine: Engine, turn: Turn) -> np.ndarray:
+    """transformers over the turn's whole sequence with the weights it ran under (a fresh computation)."""
+    ref, margin = hf_switched_reference(engine.model_dir, {turn.request_id: turn.sequence}, turn.norms, turn.norms,
+                                        {turn.request_id: turn.rows})
+    assert margin > 0
+    return ref[turn.request_id]
+
+
+def _turn_index(bounds: list[int]) -> list[int]:
+    """The turn of each position when turn k serves `[bounds[k], bounds[k + 1])`."""
+    return [k for k in range(len(bounds) - 1) for _ in range(bounds[k], bounds[k + 1])]
+
+
+def _check_trajectory(client: ReplayClient, turns: list[Turn], own: dict[str, Route]) -> None:
+    """The turns as one route: under `first` each position from the first turn that holds it (each turn's own stored
+    rows and version, earlier turns unchanged), under `latest` from the last turn; no row flagged."""
+    rids = [t.request_id for t in turns]
+    last = turns[-1]
+    bounds = [0, *[t.rows for t in turns]]
+    first = client.get_trajectory(RUN, rids)
+    assert first.request_id == last.request_id and first.recompute == RecomputeRule.FIRST
+    assert first.positions.tolist() == list(range(last.rows))
+    assert first.token_ids.tolist() == last.sequence[:-1]
+    assert not first.flags.any(), first.flagged_rows()
+    assert first.trajectory is not None and first.trajectory.turns == tuple(rids)
+    assert first.trajectory.spans == tuple(TurnSpan(k, rid, bounds[k], bounds[k + 1]) for k, rid in enumerate(rids))
+    assert first.turn is not None and first.turn.tolist() == _turn_index(bounds)
+    assert first.versions() == [turns[k].version for k in _turn_index(bounds)]
+    for k, rid in enumerate(rids):  # exactly the turn's own stored rows where it first covers a position
+        lo, hi = bounds[k], bounds[k + 1]
+        assert np.array_equal(first.experts[lo:hi], own[rid].experts[lo:hi]), (rid, lo, hi)
+    # Where a later turn computed a position again (other weights), its ids differ from the row served there.
+    differing = np.zeros(last.rows, bool)
+    for k, rid in enumerate(rids):
+        lo, hi = bounds[k], bounds[k + 1]
+        for later in rids[k + 1:]:
+            differing[lo:hi] |= (own[later].experts[lo:hi] != own[rid].experts[lo:hi]).any(axis=(1, 2))
+    assert first.trajectory.differing == int(differing.sum()) > 0
+
+    latest = client.get_trajectory(RUN, rids, recompute="latest")  # the newest computation everywhere
+    assert latest.recompute == RecomputeRule.LATEST and latest.positions.tolist() == list(range(last.rows))
+    assert latest.trajectory is not None
+    assert latest.trajectory.spans == (TurnSpan(len(rids) - 1, last.request_id, 0, last.rows),)
+    assert latest.versions() == [last.version] * last.rows
+    assert np.array_equal(latest.experts, own[last.request_id].experts)
+    assert not latest.flags.any(), latest.flagged_rows()
+
+
+def _check_turn(summary: dict, route: Route, turn: Turn, ref: np.ndarray, status: str = "finished") -> None:
+    """One turn's own summary and route: all its rows, none flagged, none a recompute within it, all one version,
+    equal to transformers under its weights."""
+    assert summary["status"] == status and summary["num_tokens"] == len(turn.sequence), summary
+    assert summary["clean"] and summary["rows"] == turn.rows, summary
+    assert summary["flagged"]["CONFLICT"] == 0 and summary["recomputed"] == 0, summary
+    assert summary["weight_versions"] == [{"version": turn.version, "start": 0, "end": turn.rows}], summary
+    assert route.positions.tolist() == list(range(turn.rows)) and not route.flags.any(), route.flagged_rows()
+    assert route.token_ids.tolist() == turn.sequence[:-1]
+    assert route.versions() == [turn.version] * turn.rows
+    _same_sets(route.experts.astype(np.int64), ref, f"{turn.request_id} {turn.version}")
+
+
+def test_a_multi_turn_conversation_reads_as_one_route_each_turn_as_it_sampled(engine, shared_service):
+    """Three turns through the OpenAI server, an update and a cache reset between turns: every turn recomputes the
+    conversation so far under newer weights (kept in its own route, not CONFLICT); the trajectory serves each
+    turn's own rows where it first covers a position (`first`), or the last turn's (`latest`)."""
+    turns = engine.run(_conversation(engine))
+    assert len({t.version for t in turns}) == len(turns), [t.version for t in turns]
+    for before, after in zip(turns, turns[1:]):
+        assert after.sequence[:len(before.sequence)] == before.sequence and after.rows > before.rows
+    refs = {t.request_id: _reference(engine, t) for t in turns}
+    seqs = {t.request_id: t.sequence for t in turns}
+    with ReplayClient(shared_service.url) as client:
+        summaries = wait_finished(client, RUN, seqs, timeout=120)
+        own = {rid: client.get_route(RUN, rid) for rid in seqs}
+        for turn in turns:
+            _check_turn(summaries[turn.request_id], own[turn.request_id], turn, refs[turn.request_id])
+        for before, after in zip(turns, turns[1:]):  # the later turn's recompute of the prefix, newer weights
+            prefix = own[after.request_id].experts[:before.rows]
+            assert int(_differ(prefix, own[before.request_id].experts).sum()) > 0, after.request_id
+        _check_trajectory(client, turns, own)
+
+
+async def _partial_rollout(engine: Engine, prompt: list[int]) -> tuple[Finished, Finished]:
+    """A rollout aborted mid-way, the weights updated, then resubmitted as a new request (prompt + partial output)
+    through AsyncLLM's Python API: once it has PAUSE_AFTER tokens, `pause_generation(mode="abort")` (vLLM's RL
+    pause that aborts what is in flight and returns the partial outputs), the weights, `update_weight_version`,
+    `resume_generation()`, and the rest of the budget asked for. (aborted, resumed) as vLLM answered them.
+
+    Not `AsyncLLM.abort`: the stream it ends can be behind the engine (tried here: once 33 steps behind, usually
+    one), so the partial output a user holds is shorter than what the aborted request stored, and a trajectory
+    over it is refused (a later turn with fewer rows, or other tokens) or, one step behind, serves at the seam the
+    row whose sample vLLM dropped. The pause's abort comes between steps: the outputs hold every token computed."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = engine.llm
+
+    async def generate(rid: str, tokens: list[int], budget: int, progress: Progress | None = None):
+        params = SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True)
+        last = None
+        async for out in llm.generate(TokensPrompt(prompt_token_ids=tokens), params, request_id=rid):
+            last = out
+            if progress is not None:
+                progress.saw(rid, len(out.outputs[0].token_ids))
+        assert last is not None and last.finished, rid
+        done = last.outputs[0]
+        return done.finish_reason, Finished(list(last.prompt_token_ids), list(done.token_ids),
+                                            [VersionSpan(s.version, s.start, s.end) for s in done.weight_versions])
+
+    progress = Progress({"partial-aborted": prompt})
+    task = asyncio.create_task(generate("partial-aborted", prompt, PARTIAL_BUDGET, progress))
+    await progress.wait([task])
+    await llm.pause_generation(mode="abort")  # clear_cache: vLLM's default
+    reason, aborted = await asyncio.wait_for(task, GUARD_S)
+    assert reason == "abort" and PAUSE_AFTER <= len(aborted.output) < PARTIAL_BUDGET, (reason, len(aborted.output))
+    switch = _next_weights(engine)
+    await switch.write_weights()
+    await llm.update_weight_version(switch.label)
+    engine.norms = switch.norms
+    await llm.resume_generation()
+    reason, resumed = await asyncio.wait_for(
+        generate("partial-resumed", prompt + aborted.output, PARTIAL_BUDGET - len(aborted.output)), GUARD_S)
+    assert reason == "length", reason
+    return aborted, resumed
+
+
+def test_a_partial_rollout_aborted_and_resubmitted_reads_as_one_route(engine, shared_service):
+    """The aborted request's rows (the old version) over its positions, the resumed request's (the new version,
+    its recompute of the prefix kept in its own route) after them; every row's version as vLLM's spans say."""
+    prompt = prompts((PARTIAL_PROMPT,), salt=25)[0]
+    old_norms = engine.norms
+    old = engine.run(engine.llm.get_weight_version())
+    aborted, resumed = engine.run(_partial_rollout(engine, prompt))
+    new = engine.run(engine.llm.get_weight_version())
+    assert new != old and resumed.prompt == prompt + aborted.output
+    turns = [Turn("partial-aborted", aborted.prompt + aborted.output, old, old_norms),
+             Turn("partial-resumed", resumed.prompt + resumed.output, new, engine.norms)]
+    for turn, done in zip(turns, (aborted, resumed)):  # vLLM's own spans, mapped to positions: one version each
+        assert [s.version for s in done.spans] == [turn.version], done.spans
+        assert versions_by_position(len(done.prompt), done.spans, turn.rows) == [turn.version] * turn.rows
+    refs = {t.request_id: _reference(engine, t) for t in turns}
+    with ReplayClient(shared_service.url) as client:
+        summaries = wait_finished(client, RUN, {t.request_id: t.sequence for t in turns}, timeout=120)
+        own = {t.request_id: client.get_route(RUN, t.request_id) for t in turns}
+        for turn, status in zip(turns, ("aborted", "finished")):
+            _check_turn(summaries[turn.request_id], own[turn.request_id], turn, refs[turn.request_id], status)
+        _check_trajectory(client, turns, own)
+
+
+async def _abort_streams(engine: Engine, batch: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Each request aborted through `AsyncLLM.abort` once its stream shows PAUSE_AFTER tokens (as the OpenAI server
+    does when a client goes away); {request id: the output tokens its user holds: the stream's final output}."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = engine.llm
+
+    async def one(rid: str, prompt: list[int]) -> list[int]:
+        params = SamplingParams(max_tokens=ABORT_BUDGET, temperature=0.0, ignore_eos=True)
+        held: list[int] = []
+        reason, asked = None, False
+        async for out in llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=rid):
+            held, reason = list(out.outputs[0].token_ids), out.outputs[0].finish_reason
+            if len(held) >= PAUSE_AFTER and not asked:
+                asked = True
+                await llm.abort(rid)  # the stream then ends with the abort's final output
+        assert reason == "abort", (rid, reason, len(held))
+        return held
+
+    held = await asyncio.wait_for(asyncio.gather(*(one(rid, p) for rid, p in batch.items())), GUARD_S)
+    return dict(zip(batch, held))
+
+
+def test_a_request_aborted_mid_step_ends_aborted_with_every_row_kept(engine, shared_service):
+    """vLLM 0.32 handles an abort between a step's forward and its output (core.py `_process_aborts_queue`): the
+    forward of the request's last token ran (its rows were sent) and the scheduler dropped the token it sampled, so
+    the scheduler's count is one short of the rows. The plugin's finish then covered fewer rows than were stored and
+    the service refused it (a finish never cuts rows): the request stayed `open` for good. Now it ends `aborted`,
+    every row kept. The engine may also have run ahead of the stream: the stored rows start with what the user holds.
+    (Whether an abort lands mid-step is vLLM's timing: four requests make it near certain that one does.)"""
+    batch = {f"aborted-{i}": p for i, p in enumerate(prompts(ABORT_LENGTHS, salt=26))}
+    version = engine.run(engine.llm.get_weight_version())
+    held = engine.run(_abort_streams(engine, batch))
+    users = {rid: batch[rid] + tokens for rid, tokens in held.items()}
+    with ReplayClient(shared_service.url) as client:
+        summaries = wait_finished(client, RUN, users, timeout=60)
+        for rid, seq in users.items():
+            summary = summaries[rid]
+            assert summary["status"] == "aborted", summary
+            rows = summary["rows"]
+            assert rows >= len(seq) - 1 and summary["num_tokens"] == rows + 1, (rid, len(seq), summary)
+            assert summary["clean"] and summary["flagged"]["CONFLICT"] == 0, summary
+            assert summary["weight_versions"] == [{"version": version, "start": 0, "end": rows}], summary
+            route = client.get_route(RUN, rid)
+            assert route.positions.tolist() == list(range(rows)) and not route.flags.any(), route.flagged_rows()
+            n = min(rows, len(seq))
+            assert route.token_ids[:n].tolist() == seq[:n], rid

@@ -18,7 +18,9 @@ Pure Python/numpy (no vLLM import), so it is tested directly.
   core says which request computed them (a `Reference`), sent on in stored ids for the service
   to resolve (`reference`).
 - Finish: the total token count is what the scheduler reports when available, else the
-  highest position seen + 2 (the last sampled token never ran through the model).
+  highest position seen + 2 (the last sampled token never ran through the model). An abort that
+  lands mid-step leaves a row past the scheduler's count (the step's sample is dropped): an aborted
+  request's count is then the highest position sent + 2.
 """
 
 from __future__ import annotations
@@ -146,6 +148,12 @@ class StepBook:
         st = self.requests.pop(internal, None)
         if st is None or st.external in self._bad_ids:
             return None
+        status = FinishStatus(status or FinishStatus.FINISHED)
         if num_tokens is None:
             num_tokens = st.max_position + 2
-        return Finish(st.external, int(num_tokens), FinishStatus(status or FinishStatus.FINISHED))
+        elif status is FinishStatus.ABORTED:
+            # Aborted while its step ran (vLLM 0.32 handles aborts between the forward and `update_from_output`,
+            # core.py `_process_aborts_queue`): the forward of its last token ran and its rows were sent, but the
+            # scheduler dropped the token it sampled. Its length then covers the rows sent: a finish must not cut them.
+            num_tokens = max(int(num_tokens), st.max_position + 2)
+        return Finish(st.external, int(num_tokens), status)
