@@ -180,3 +180,30 @@ def shared_service(tmp_path_factory, request):
     """One service process for every test that needs a default one (each test module uses its own run ids)."""
     with ServiceProcess(tmp_path_factory.mktemp("shared") / "data", env=index_env(request)) as proc:
         yield proc
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Close the ZeroMQ contexts vLLM engine clients left behind, before pytest's last garbage collection.
+
+    A vLLM client that was not shut down (or whose shutdown ran after its event loop closed) leaves a context
+    whose sockets may hold unsent messages; collected at exit, `Context.__del__` terminates it with the sockets'
+    default linger (forever), and the test process never exits after the summary line (seen once in a whole-suite
+    run, never with one vLLM module alone). Closing them with linger 0 drops only messages to engines already gone.
+    """
+    import gc
+    import sys
+
+    zmq = sys.modules.get("zmq")
+    if zmq is None:
+        return
+    closed = 0
+    for context in [obj for obj in gc.get_objects() if isinstance(obj, zmq.Context)]:
+        if context.closed:  # an asyncio context shadows a plain one: closing either closes both
+            continue
+        try:
+            context.destroy(linger=0)
+            closed += 1
+        except zmq.ZMQError:
+            pass  # already terminated underneath (a shadow of a context closed above)
+    if closed:
+        print(f"\nconftest: closed {closed} ZeroMQ context(s) left open by vLLM clients", file=sys.stderr)
