@@ -182,28 +182,27 @@ def shared_service(tmp_path_factory, request):
         yield proc
 
 
-def pytest_sessionfinish(session, exitstatus):
-    """Close the ZeroMQ contexts vLLM engine clients left behind, before pytest's last garbage collection.
+_EXIT_STATUS: list[int] = []
 
-    A vLLM client that was not shut down (or whose shutdown ran after its event loop closed) leaves a context
-    whose sockets may hold unsent messages; collected at exit, `Context.__del__` terminates it with the sockets'
-    default linger (forever), and the test process never exits after the summary line (seen once in a whole-suite
-    run, never with one vLLM module alone). Closing them with linger 0 drops only messages to engines already gone.
+
+def pytest_sessionfinish(session, exitstatus):
+    """Remember the session's exit status for `pytest_unconfigure` (below)."""
+    _EXIT_STATUS.append(int(exitstatus))
+
+
+def pytest_unconfigure(config):
+    """After a session that loaded vLLM, exit now, with the session's status, instead of collecting garbage.
+
+    A vLLM engine client that was not shut down cleanly (or whose shutdown ran after its event loop closed)
+    leaves a ZeroMQ context with a socket still open; pytest's last garbage collection (its own
+    `pytest_unconfigure`, which runs after this one) calls `Context.__del__`, whose `term` waits for that socket
+    for ever: the process never exits after its summary line (seen in whole-suite runs, never with one vLLM
+    module alone; `destroy(linger=0)` waits the same). Everything the run reports is printed by then.
     """
-    import gc
+    import os
     import sys
 
-    zmq = sys.modules.get("zmq")
-    if zmq is None:
-        return
-    closed = 0
-    for context in [obj for obj in gc.get_objects() if isinstance(obj, zmq.Context)]:
-        if context.closed:  # an asyncio context shadows a plain one: closing either closes both
-            continue
-        try:
-            context.destroy(linger=0)
-            closed += 1
-        except zmq.ZMQError:
-            pass  # already terminated underneath (a shadow of a context closed above)
-    if closed:
-        print(f"\nconftest: closed {closed} ZeroMQ context(s) left open by vLLM clients", file=sys.stderr)
+    if "zmq" in sys.modules and _EXIT_STATUS:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_EXIT_STATUS[-1])
