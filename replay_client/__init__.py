@@ -8,9 +8,11 @@
     chat = client.get_trajectory("run-1", ["turn-1", "turn-2", "turn-3"])   # the turns as one route
     plan = plan_for_model(model, moe_layers)   # megatron-core: this rank's routers (router_replay.py)
     routes = client.get_openai_routes("run-1", completion, n=2)   # vLLM OpenAI server ids (openai_ids.py)
+    metrics = client.check_batch("run-1", ids)   # the gate: RoutingUnhealthy, else metrics to log (health.py)
 """
 
 from replay_client.client import NotFoundError, ReplayClient, ReplayError, Route, StrictReadError, routes_from_stream
+from replay_client.health import HealthReport, RoutingUnhealthy, Verdict
 from replay_client.openai_ids import Endpoint, choice_request_ids, response_request_ids, stored_request_id
 from replay_client.router_replay import (
     ReplayPlan,
@@ -23,7 +25,8 @@ from replay_client.router_replay import (
 )
 from replay_client.trainer import Staleness, TrainerBatch
 
-__all__ = ["Endpoint", "NotFoundError", "ReplayClient", "ReplayError", "ReplayPlan", "Route", "RouterReplayError",
-           "Staleness", "StrictReadError", "TrainerBatch", "check_config", "check_model", "choice_request_ids",
+__all__ = ["Endpoint", "HealthReport", "NotFoundError", "ReplayClient", "ReplayError", "ReplayPlan", "Route",
+           "RouterReplayError", "RoutingUnhealthy", "Staleness", "StrictReadError", "TrainerBatch", "Verdict",
+           "check_config", "check_model", "choice_request_ids",
            "install_router_fallback", "plan_for_model", "plan_for_rank", "response_request_ids", "routes_from_stream",
            "stored_request_id"]

@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 import pyarrow as pa
 
+from replay_client.health import HealthReport, RoutingUnhealthy, batch_request_ids, gate_level
 from replay_client.openai_ids import Endpoint, choice_request_ids, stored_request_id
 from replay_client.trainer import TrainerBatch, compare_body, megatron_query, verl_query
 from replay_client.transport import NotFoundError, ReplayError, StrictReadError, Transport
@@ -422,14 +423,26 @@ class ReplayClient:
 
     # ---- comparisons ------------------------------------------------------
 
-    def compare(self, run_id: str, request_ids, positions, experts, label: str | None = None) -> dict:
-        """Post the trainer's own top-k (n, L, K) per (request, position); the stored comparison comes back."""
+    def compare(self, run_id: str, request_ids, positions, experts, label: str | None = None,
+                step: int | None = None, weight_version: str | None = None) -> dict:
+        """Post the trainer's own top-k (n, L, K) per (request, position); the stored comparison comes back.
+
+        `step`: the training step it was made at (comparisons with a step form the run's agreement series,
+        `agreement_series`); `weight_version`: the trainer's weight version it was made against. Both are kept in
+        the stored answer.
+        """
         info = self.run(run_id)
         shape = RunShape(info["num_moe_layers"], info["top_k"], info["num_experts"], tuple(info["moe_layers"]),
                          info.get("num_hidden_layers", 0))
         body = compare_body(run_id, shape, request_ids, positions, experts)
-        params = {"label": label} if label is not None else None
-        return self._json("POST", f"/v1/runs/{run_id}/compare", content=body, params=params,
+        params: dict[str, Any] = {}
+        if label is not None:
+            params["label"] = label
+        if step is not None:
+            params["step"] = int(step)
+        if weight_version is not None:
+            params["weight_version"] = weight_version
+        return self._json("POST", f"/v1/runs/{run_id}/compare", content=body, params=params or None,
                           headers={"content-type": ARROW_STREAM_MEDIA_TYPE})
 
     def compares(self, run_id: str) -> list[dict]:
@@ -447,3 +460,65 @@ class ReplayClient:
         if end is not None:
             params["end"] = end
         return self._json("GET", f"/v1/runs/{run_id}/compares/{compare_id}/requests/{request_id}", params=params)
+
+    def agreement_series(self, run_id: str) -> list[dict]:
+        """The run's comparisons posted with a `step`, in step order (ties by creation time): each point's `step`,
+        `weight_version`, `compare_id`, `created_at`, `label`, `tokens`, `router_mismatch`, `token_mismatch`,
+        `jaccard` and `worst_layers` (up to 3: `layer`, `model_layer`, `router_mismatch`)."""
+        return self._json("GET", f"/v1/runs/{run_id}/agreement")["points"]
+
+    # ---- run health ---------------------------------------------------------
+
+    def run_health(self, run_id: str, window_s: float | None = None) -> HealthReport:
+        """The health verdict on a whole run, or on its requests written in the last `window_s` seconds.
+
+        Run scope never judges OPEN (requests still being written are normal in a live run) nor MISSING.
+        """
+        params = None if window_s is None else {"window_s": float(window_s)}
+        return HealthReport.from_json(self._json("GET", f"/v1/runs/{run_id}/health", params=params))
+
+    def batch_health(self, run_id: str, request_ids: Sequence[Any],
+                     weight_version: str | None = None) -> HealthReport:
+        """The health verdict on the requests of one training batch (at most the service's
+        REPLAY_MAX_BATCH_REQUESTS, 4096 by default).
+
+        `request_ids`: ids, or the sequences given to `megatron_batch` / `verl_batch` ((run, request) pairs or
+        dicts). `weight_version`: the trainer's current weight version, against which rows of other versions count
+        as stale (STALENESS, `r3/version_stale_frac`); without it the service takes the run's newest.
+        """
+        doc: dict[str, Any] = {"requests": batch_request_ids(run_id, request_ids)}
+        if weight_version is not None:
+            doc["weight_version"] = weight_version
+        return HealthReport.from_json(self._json("POST", f"/v1/runs/{run_id}/health", json=doc))
+
+    def check_batch(self, run_id: str, request_ids: Sequence[Any], weight_version: str | None = None,
+                    fail_on: str = "fail") -> dict[str, float]:
+        """The training-loop gate: call it after the rollout batch is assembled, before its routes are fetched and
+        replayed (docs/health.md shows where in each trainer).
+
+        Raises `RoutingUnhealthy` (carrying the `HealthReport`; its message names each failed check, its count,
+        value and limit, and the first requests with their first positions) when the batch's verdict is
+        `fail_on` ("fail", the default, or "warn") or worse. Otherwise returns the report's flat metrics
+        (`r3/verdict`, `r3/fallback_frac`, `r3/router_mismatch`, ...: stable names, floats, absent figures left
+        out) to log as they are: `wandb.log(metrics, step=step)`, `mlflow.log_metrics(metrics, step=step)`, or
+        TensorBoard's `writer.add_scalar(name, value, step)` per item.
+        """
+        level = gate_level(fail_on)
+        report = self.batch_health(run_id, request_ids, weight_version)
+        if report.verdict.at_least(level):
+            raise RoutingUnhealthy(report, level)
+        return dict(report.metrics)
+
+    def health_thresholds(self, run_id: str) -> dict:
+        """The limits a run's checks are judged against: `{"run_id", "thresholds": {CHECK: {"warn", "fail"}},
+        "overridden": [CHECK, ...]}` (a limit of None: never reached; 0: any count reaches it)."""
+        return self._json("GET", f"/v1/runs/{run_id}/health/thresholds")
+
+    def set_health_thresholds(self, run_id: str, thresholds: dict[str, dict[str, float | None]]) -> dict:
+        """Override some of a run's limits, merged over the defaults: `{"ZERO": {"warn": 0, "fail": 0.01}}`
+        (ReplayError 422 naming an unknown check). Answers as `health_thresholds`."""
+        return self._json("PUT", f"/v1/runs/{run_id}/health/thresholds", json=thresholds)
+
+    def reset_health_thresholds(self, run_id: str) -> dict:
+        """Drop a run's overrides: every check back to the default limits. Answers as `health_thresholds`."""
+        return self._json("DELETE", f"/v1/runs/{run_id}/health/thresholds")

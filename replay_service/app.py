@@ -12,11 +12,12 @@ from fastapi import Depends, FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from replay_service import __version__
-from replay_service.api import compares, ingest, ops, references, requests, runs, trainer, trajectories
+from replay_service.api import compares, health, ingest, ops, references, requests, runs, trainer, trajectories
 from replay_service.api.auth import Authenticator, authorize
 from replay_service.api.errors import install_error_handlers
 from replay_service.api.models import AUTH
 from replay_service.buffers import BufferPool
+from replay_service.health.exporter import RunHealthCollector
 from replay_service.ingest.pipeline import IngestPipeline
 from replay_service.metrics import ServiceMetrics
 from replay_service.settings import ServiceSettings
@@ -106,9 +107,11 @@ def create_app(settings: ServiceSettings | None = None, store: RouteStore | None
     )
     app.state.settings = settings
     app.state.metrics = ServiceMetrics()
+    # per-run health, read from the index at scrape time: every replica answers for the whole service
+    app.state.metrics.registry.register(RunHealthCollector(lambda: app.state.store, settings))
     install_error_handlers(app)
     app.state.auth = Authenticator.from_file(settings.tokens_file)
-    for module in (ingest, references, runs, requests, trajectories, compares, trainer, ops):
+    for module in (ingest, references, runs, requests, trajectories, compares, health, trainer, ops):
         # every API route passes the token gate (its role: api/auth.py ROUTE_NEEDS); docs and web files do not
         app.include_router(module.router, dependencies=[Depends(authorize)], responses=AUTH)
 

@@ -56,6 +56,17 @@ class ServiceSettings(BaseSettings):
     max_batch_requests: int = Field(default=4096, description="most requests in one batch read")
     page_limit_max: int = Field(default=1000, description="largest page of a request listing")
     strict_report_rows: int = Field(default=16, description="bad rows named in a strict-read refusal")
+    health_bucket_s: float = Field(
+        default=60.0, gt=0, description="width of a run's ingest-time health bucket (flag rates, expert load over "
+        "time), seconds; fixed per data directory in practice: buckets of other widths are not merged")
+    health_window_s: float = Field(
+        default=3600.0, gt=0, description="the recent window /metrics judges each run's health over: requests "
+        "written in the last this many seconds")
+    health_where: int = Field(default=20, ge=1, le=1000,
+                              description="requests a health finding names (each with its first position)")
+    metrics_max_runs: int = Field(
+        default=100, ge=0, description="runs /metrics exports per-run health series for (the most recently "
+        "written); every run is still counted in replay_runs{verdict}")
     segment_compression: SegmentCompression = Field(
         default=SegmentCompression.NONE, description="Arrow IPC buffer compression of new segment files: none "
         "(reads are zero-copy views of the page cache), lz4 or zstd (fewer bytes per id on disk; a segment is "

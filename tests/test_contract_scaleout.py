@@ -35,6 +35,7 @@ CONTRACT = [
     "tests/test_service_bad_input.py",
     "tests/test_service_references.py",
     "tests/test_service_group_commit.py",
+    "tests/test_service_health.py",
 ]
 
 

@@ -8,8 +8,8 @@ non-loopback address unless told --insecure. A finish below the stored rows is a
 from __future__ import annotations
 
 import json
+import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import httpx
@@ -23,6 +23,7 @@ from replay_format import ARROW_STREAM_MEDIA_TYPE
 from replay_service.api.auth import ROUTE_NEEDS, Role, listen_refusal, load_tokens, need_of
 from replay_service.app import WEB_DIR, create_app
 from replay_service.ops import cli
+from tests.support.browser import browser, new_page, require_browser, set_hash
 from tests.support.data import batch_bytes, routes
 from tests.support.service import ServiceProcess
 
@@ -205,41 +206,85 @@ def test_insecure_serves_a_public_address(tmp_path):
         assert httpx.get(f"{proc.url}/v1/runs", timeout=10).status_code == 200
 
 
-NODE = shutil.which("node")
+# the sessionStorage key the web view keeps its token under (web/js/api.js)
+TOKEN_KEY = re.search(r'^export const TOKEN_KEY = "([^"]+)";$', (WEB_DIR / "js" / "api.js").read_text(), re.M).group(1)
 
 
-@pytest.mark.skipif(NODE is None, reason="node is not installed")
-def test_web_view_asks_for_a_token_once_per_tab(tmp_path):
-    """replay_service/web/js/api.js under node with stand-ins for fetch, prompt and sessionStorage (no browser)."""
-    web = WEB_DIR / "js"
-    shutil.copytree(web, tmp_path / "js")
-    (tmp_path / "js" / "package.json").write_text('{"type": "module"}')
-    script = tmp_path / "js" / "check.mjs"
-    script.write_text("""
-const store = new Map();
-globalThis.sessionStorage = {getItem: k => store.get(k) ?? null, setItem: (k, v) => store.set(k, v),
-                             removeItem: k => store.delete(k)};
-const prompts = [];
-globalThis.window = {prompt: (msg) => { prompts.push(msg); return "tok-123"; }};
-const seen = [];
-globalThis.fetch = async (url, init) => {
-  const auth = (init.headers || {}).Authorization || null;
-  seen.push(auth);
-  const ok = auth === "Bearer tok-123";
-  return {ok, status: ok ? 200 : 401, statusText: ok ? "OK" : "Unauthorized",
-          json: async () => ok ? {runs: []} : {detail: "no"}};
-};
-const api = await import("./api.js");
-const a = await api.getJSON("/v1/runs");
-const b = await api.getJSON("/v1/runs");
-console.log(JSON.stringify({a, b, prompts: prompts.length, seen, stored: store.get(api.TOKEN_KEY)}));
-""")
-    out = subprocess.run([NODE, str(script)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    got = json.loads(out.stdout)
-    assert got["a"] == got["b"] == {"runs": []}
-    assert got["prompts"] == 1 and got["stored"] == "tok-123"
-    assert got["seen"] == [None, "Bearer tok-123", "Bearer tok-123"]
+def test_web_view_asks_for_its_token_in_a_form(tmp_path):
+    """Headless Chromium against a service with a tokens file: a form in the page, never a native dialog."""
+    require_browser()
+    (tmp_path / "tokens").write_text(TOKENS)
+    with ServiceProcess(tmp_path / "data", env={"REPLAY_TOKENS_FILE": str(tmp_path / "tokens")}) as proc:
+        assert httpx.post(f"{proc.url}/v1/ingest", content=rows("web-run", "seed", 4),
+                          headers={**ARROW, **bearer(WRITE)}, timeout=30).status_code == 200
+        with browser() as b:
+            page, watch = new_page(b, proc.url)
+            page.goto(f"{proc.url}/#/")
+            form = page.locator("#token-form")
+            form.wait_for()
+            assert page.locator("#main").is_hidden()  # the page waits below the form
+            field = page.get_by_label("Read token")
+            assert field.get_attribute("type") == "password"
+            assert page.locator("#token-error").is_hidden() and page.locator("#session").is_hidden()
+            # a token the service does not know: refused, said so, the form stays, nothing kept
+            field.fill("x" * 24)
+            page.click("#token-submit")
+            page.locator("#token-error").wait_for()
+            assert "refused" in page.inner_text("#token-error")
+            _shot(page, tmp_path, "signin-refused")
+            assert form.is_visible() and page.evaluate(f"() => sessionStorage.getItem({json.dumps(TOKEN_KEY)})") is None
+            # the read token: the runs page loads with it, the header offers sign-out
+            field.fill(READ)
+            page.click("#token-submit")
+            page.wait_for_function("() => document.body.dataset.ready === '1'")
+            assert page.locator("tr[data-run='web-run']").is_visible() and form.count() == 0
+            assert page.evaluate(f"() => sessionStorage.getItem({json.dumps(TOKEN_KEY)})") == READ
+            assert page.locator("#sign-out").is_visible() and page.locator("#change-token").is_visible()
+            _shot(page, tmp_path, "signin-signed-in")
+            # another page in the same tab reads with the held token: no form
+            set_hash(page, "/runs/web-run")
+            assert "web-run" in page.inner_text("h1") and form.count() == 0
+            # change token: the form again (cancellable), a wrong one refused, the old one still held
+            page.click("#change-token")
+            form.wait_for()
+            page.get_by_label("Read token").fill("y" * 24)
+            page.click("#token-submit")
+            page.locator("#token-error").wait_for()
+            page.click("#token-cancel")
+            assert form.count() == 0 and page.locator("#main").is_visible()
+            assert page.evaluate(f"() => sessionStorage.getItem({json.dumps(TOKEN_KEY)})") == READ
+            # a held token the service stops knowing: the run page's two concurrent reads both get a 401 and
+            # share one form (a second form would strand the first read: the page would never be ready)
+            page.evaluate(f"() => sessionStorage.setItem({json.dumps(TOKEN_KEY)}, {json.dumps('z' * 24)})")
+            page.evaluate("() => { document.body.dataset.ready = '0'; location.hash = '/runs/web-run?tab=compares'; }")
+            page.locator("#token-error").wait_for()
+            assert page.locator("#token-form").count() == 1 and page.locator("#session").is_hidden()
+            page.get_by_label("Read token").fill(READ)
+            page.click("#token-submit")
+            page.wait_for_function("() => document.body.dataset.ready === '1'")
+            assert page.locator("#no-compares").is_visible() and form.count() == 0
+            # sign out: the token is dropped and the form returns
+            page.click("#sign-out")
+            form.wait_for()
+            assert page.evaluate(f"() => sessionStorage.getItem({json.dumps(TOKEN_KEY)})") is None
+            assert page.locator("#session").is_hidden() and page.locator("#token-error").is_hidden()
+            page.get_by_label("Read token").fill(ADMIN)  # any known role reads
+            page.click("#token-submit")
+            page.wait_for_function("() => document.body.dataset.ready === '1' && !!document.querySelector('h1')")
+            assert "web-run" in page.inner_text("h1")
+            assert watch.dialogs == [], watch.dialogs  # never window.prompt / alert / confirm
+            assert not [e for e in watch.errors if "pageerror" in e], watch.errors
+            assert watch.foreign_urls() == []
+            page.context.close()
+
+
+def _shot(page, out: Path, name: str) -> None:
+    """A screenshot in the test's tmp dir, copied to /tmp/health_shots/ for whoever reviews the view."""
+    path = out / f"{name}.png"
+    page.screenshot(path=str(path))
+    shots = Path("/tmp/health_shots")
+    shots.mkdir(exist_ok=True)
+    shutil.copy(path, shots / path.name)
 
 
 def test_the_images_serve_with_tokens():

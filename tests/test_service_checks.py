@@ -31,6 +31,13 @@ def _planted_rows(num_experts: int, seed: int) -> np.ndarray:
             ids[slot] = rng.choice([num_experts, rng.integers(num_experts, 256)])
         for r in range(5, ROWS, 13):  # the last id in range
             ids[r, rng.integers(LAYERS), rng.integers(TOP_K)] = num_experts - 1
+        for r in range(9, ROWS, 17):  # a layer of -1 padding (255 each: out of range, never a duplicate)
+            ids[r, rng.integers(LAYERS)] = 255
+        for r in range(10, ROWS, 19):  # one out-of-range id twice, and a duplicate beside out-of-range ids
+            layer = rng.integers(LAYERS)
+            ids[r, layer, :2] = num_experts
+            if r % 2:
+                ids[r, layer, 3] = ids[r, layer, 2]
     ids[::97] = 0
     return ids.reshape(ROWS, LAYERS * TOP_K)
 

@@ -81,6 +81,9 @@ ROUTE_NEEDS: dict[tuple[str, str], Need] = {
     ("POST", "/v1/runs/{run}/routes/batch"): Need(Role.READ),  # a read with a body (many request ids)
     ("POST", "/v1/runs/{run}/routes/trajectory"): Need(Role.READ),  # a read with a body (its turns)
     ("POST", "/v1/runs/{run}/compare"): Need(Role.WRITE),  # stores the comparison (disk, listed to readers)
+    ("POST", "/v1/runs/{run}/health"): Need(Role.READ),  # a read with a body (a training batch's requests)
+    ("PUT", "/v1/runs/{run}/health/thresholds"): Need(Role.WRITE),  # the run's own policy, set by its trainer
+    ("DELETE", "/v1/runs/{run}/health/thresholds"): Need(Role.WRITE),
     ("POST", "/v1/trainer/megatron"): Need(Role.READ, RunsIn.TRAINER_BODY),
     ("POST", "/v1/trainer/verl"): Need(Role.READ, RunsIn.TRAINER_BODY),
     ("PUT", "/v1/runs/{run}/pin"): Need(Role.ADMIN),  # retention: what may be deleted is the operator's call

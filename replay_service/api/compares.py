@@ -6,10 +6,11 @@ from fastapi import APIRouter, Query, Request
 from starlette.concurrency import run_in_threadpool
 
 from replay_format import ARROW_STREAM_MEDIA_TYPE
+from replay_format.weight_versions import check_label
 from replay_service.api.deps import RequestId, RunId, Settings, Store, read_body
 from replay_service.api.models import BODY_LIMITS, CONFLICT, ERRORS, CompareList, CompareRequestDetail, CompareResult
-from replay_service.compare.comparison import compare_request_detail, record_compare
-from replay_service.errors import UnsupportedMediaType
+from replay_service.compare.comparison import Posted, compare_request_detail, record_compare
+from replay_service.errors import InvalidInput, UnsupportedMediaType
 
 router = APIRouter(prefix="/v1", tags=["compare"], responses=ERRORS)
 
@@ -30,13 +31,21 @@ async def compare(
     store: Store,
     settings: Settings,
     label: str | None = Query(None, max_length=200, description="free text naming this comparison"),
+    step: int | None = Query(None, ge=0, le=2**53, description="the training step it was made at (the agreement "
+                             "series: GET /v1/runs/{run}/agreement)"),
+    weight_version: str | None = Query(None, description="the weight version the trainer's routing is of"),
 ) -> dict:
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media and media not in ARROW_TYPES:
         raise UnsupportedMediaType(f"compare takes {ARROW_STREAM_MEDIA_TYPE}, got {media}")
     async with request.app.state.ingest_slots:  # bounds bodies held in memory, like ingest
         body = await read_body(request, settings.max_body_bytes)
-    return await run_in_threadpool(record_compare, store, run, body, label)
+    if weight_version is not None:
+        try:
+            check_label(weight_version, "weight_version")
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from None
+    return await run_in_threadpool(record_compare, store, run, body, label, Posted(step, weight_version))
 
 
 @router.get("/runs/{run}/compares", summary="Stored comparisons of a run, newest first", response_model=CompareList)

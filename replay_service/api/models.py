@@ -336,6 +336,8 @@ class CompareResult(BaseModel):
     compare_id: str
     run_id: str
     label: str | None
+    step: int | None = Field(None, description="the training step it was posted with (the agreement series)")
+    weight_version: str | None = Field(None, description="the weight version it was posted with")
     created_at: float
     requests: int = Field(description="requests in the trainer's body")
     tokens: int = Field(description="tokens compared (with a clean recorded row)")

@@ -61,6 +61,16 @@ class CheckedRows:
                    np.zeros(int(uncount.sum()), np.bool_), unload)
         return self.load - unload
 
+    def load_where(self, keep: np.ndarray) -> np.ndarray:
+        """The expert load `(num_moe_layers, num_experts)` of the clean rows `keep` marks (e.g. one weight version)."""
+        pick = keep & (self.content_flags == 0)
+        shape = self.rows.meta.shape
+        load = np.zeros_like(self.load)
+        if pick.any():
+            check_rows(self.rows.experts[pick], shape.num_moe_layers, shape.top_k, shape.num_experts,
+                       np.zeros(int(pick.sum()), np.bool_), load)
+        return load
+
     def request_spans(self) -> list[tuple[int, int]]:
         """`[lo, hi)` row ranges holding one request each, in order."""
         if not self.num_rows:

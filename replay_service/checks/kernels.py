@@ -106,12 +106,21 @@ def _check_rows_top8_u8(experts, words, num_moe_layers, num_experts, skip, flags
             x = words[r, layer]
             any_bits |= x
             h = (h ^ x) * _FNV_PRIME
-            duplicate |= _repeats_a_byte(x)
+            layer_oor = False
             if below_128:
-                out_of_range |= (((x & ~_HIGH_BITS) + over_limit) | x) & _HIGH_BITS != np.uint64(0)
+                layer_oor = (((x & ~_HIGH_BITS) + over_limit) | x) & _HIGH_BITS != np.uint64(0)
             elif num_experts < 256 and (x & _HIGH_BITS) != np.uint64(0):
                 for j in range(8):
-                    out_of_range |= experts[r, layer * 8 + j] >= num_experts
+                    layer_oor |= experts[r, layer * 8 + j] >= num_experts
+            if layer_oor:  # rare; as in _check_rows, an id past num_experts is never a duplicate (-1 padding)
+                out_of_range = True
+                for j in range(8):
+                    e = experts[r, layer * 8 + j]
+                    if e < num_experts:
+                        for i in range(j):
+                            duplicate |= experts[r, layer * 8 + i] == e
+            else:
+                duplicate |= _repeats_a_byte(x)
         hashes[r] = h
         if any_bits == 0:
             flags[r] = _ZERO

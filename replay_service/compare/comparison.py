@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,8 +25,16 @@ WORST_TOKENS = 20
 WORST_LAYERS = 10
 
 
+@dataclass(frozen=True)
+class Posted:
+    """Where in training a comparison was made: its step and the weight version of the trainer's routing."""
+
+    step: int | None = None
+    weight_version: str | None = None
+
+
 def run_compare(store: RouteStore, run: str, body: bytes | memoryview, label: str | None,
-                compare_id: str | None = None) -> tuple[dict, list[RequestMismatch]]:
+                posted: Posted = Posted(), compare_id: str | None = None) -> tuple[dict, list[RequestMismatch]]:
     """Compare a compare body with run `run`'s recorded rows: (the answer, per-request mismatch bits to store)."""
     shape = store.run_shape(run)
     try:
@@ -67,6 +76,8 @@ def run_compare(store: RouteStore, run: str, body: bytes | memoryview, label: st
         "compare_id": compare_id or uuid.uuid4().hex[:16],
         "run_id": run,
         "label": label,
+        "step": posted.step,
+        "weight_version": posted.weight_version,
         "created_at": time.time(),
         "requests": len(rows.request_ids),
         "missing_rows": missing_rows,
@@ -76,9 +87,9 @@ def run_compare(store: RouteStore, run: str, body: bytes | memoryview, label: st
 
 
 def record_compare(store: RouteStore, run: str, body: bytes | memoryview, label: str | None,
-                   compare_id: str | None = None) -> dict:
+                   posted: Posted = Posted(), compare_id: str | None = None) -> dict:
     """`run_compare`, then store the comparison (its answer and its per-token bits); the answer."""
-    doc, per_request = run_compare(store, run, body, label, compare_id)
+    doc, per_request = run_compare(store, run, body, label, posted, compare_id)
     store.compares.save(doc, per_request)
     return doc
 

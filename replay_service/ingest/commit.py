@@ -25,17 +25,19 @@ from __future__ import annotations
 
 import contextvars
 import threading
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from replay_format import Flag, RunShape
-from replay_format.weight_versions import WeightVersions
+from replay_format.weight_versions import UNKNOWN, WeightVersions
 from replay_service.checks.check import CheckedRows, judge_repeats
 from replay_service.errors import Conflict, RunDeleted
 from replay_service.ingest.segment import Segment, SegmentWriter
 from replay_service.ownership import claim_requests
+from replay_service.store.health import TICK_FLAGS, HealthTables
 from replay_service.store.index import COUNTED_FLAGS, Index, IndexTransaction
 from replay_service.store.ingest_stage import IngestOutcome, IngestResult
 from replay_service.store.reads import RowReader
@@ -66,10 +68,13 @@ class _Waiting:
 class Committer:
     """Commits segments to the index in groups (module docstring); answers retries."""
 
-    def __init__(self, index: Index, reader: RowReader, segments: SegmentWriter) -> None:
+    def __init__(self, index: Index, reader: RowReader, segments: SegmentWriter, health: HealthTables,
+                 health_bucket_s: float) -> None:
         self.index = index
         self.reader = reader
         self.segments = segments
+        self.health = health  # each batch's rows and load in its ingest-time bucket (store/health.py)
+        self.health_bucket_s = health_bucket_s
         self._queue: list[_Waiting] = []
         self._turn = threading.Condition()  # guards the queue and `_leading`
         self._leading = False
@@ -186,7 +191,8 @@ class Committer:
             return duplicate, None
         shadowed = checked.shadowed.copy()
         settled = self._settle_stored_repeats(checked, run.shape, shadowed)
-        load = run_load + checked.served_load(shadowed)
+        batch_load = checked.served_load(shadowed)
+        load = run_load + batch_load
         # another writer's request refuses the batch (403): nothing of it kept
         claim_requests(tx, checked.rows.meta.run_id, list(checked.rows.request_ids))
         held = self._record(tx, segment, shadowed, settled, load)
@@ -194,9 +200,27 @@ class Committer:
         served_flags = checked.flags[~shadowed]
         flagged = {str(f.name): int(np.count_nonzero(served_flags & f)) for f in COUNTED_FLAGS if f != Flag.PADDING}
         flagged[str(Flag.CONFLICT.name)] += len(settled.conflicts)
+        self._count_health(tx, checked, run, shadowed, flagged, batch_load)
         recomputed = sum(len(p) for p in settled.recomputed.values())
         return IngestResult(IngestOutcome.STORED, checked.num_rows, int(checked.padding_dropped.sum()),
                             {k: v for k, v in flagged.items() if v}, segment.size, recomputed), load
+
+    def _count_health(self, tx: IndexTransaction, checked: CheckedRows, run: RunState, shadowed: np.ndarray,
+                      flagged: dict[str, int], batch_load: np.ndarray) -> None:
+        """Add the batch's served rows, their flags and their clean rows' load (per weight version too) to the run's
+        health tables, in the ingest-time bucket of now."""
+        served = ~shadowed
+        versions = checked.rows.versions()
+        version_loads: dict[str, np.ndarray] = {}
+        codes = np.unique(versions.index[served])
+        for code in codes[codes != UNKNOWN].tolist():
+            if len(codes) == 1:  # one version for every served row: the batch's load is its
+                version_loads[versions.labels[code]] = batch_load
+            else:
+                version_loads[versions.labels[code]] = checked.load_where(served & (versions.index == code))
+        bucket = time.time() // self.health_bucket_s * self.health_bucket_s
+        self.health.add_batch(tx, run.run_id, run.shape, bucket, int(served.sum()),
+                              {f: flagged.get(str(f.name), 0) for f in TICK_FLAGS}, batch_load, version_loads)
 
     def _settle_stored_repeats(self, checked: CheckedRows, shape: RunShape, shadowed: np.ndarray) -> _Settled:
         """Shadow rows at positions already held; returns the positions where the rule says CONFLICT (late flags)

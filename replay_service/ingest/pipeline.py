@@ -45,7 +45,8 @@ class IngestPipeline:
         staging = BufferPool(keep=settings.max_concurrent_ingests)  # segment images before they are written
         segments = SegmentWriter(store.segments, staging, fsync=settings.fsync, direct=settings.direct_io,
                                  compression=settings.segment_compression)
-        return cls(store.registry, segments, Committer(store.index, store.reader, segments),
+        return cls(store.registry, segments, Committer(store.index, store.reader, segments, store.health,
+                                                          settings.health_bucket_s),
                    RecentRows(settings.stale_table_rows), settings.stale_min_entropy_bits)
 
     def ingest(self, rows: Rows) -> IngestResult:

@@ -51,6 +51,7 @@ from replay_service.ingest.segment import Segment, SegmentWriter
 from replay_service.settings import ServiceSettings
 from replay_service.store.durable import fsync_dir
 from replay_service.store.files import QUARANTINE_DIR, SegmentCache, quarantine_segment, segment_files
+from replay_service.store.health import HealthTables
 from replay_service.store.index import Index, RequestStatus
 from replay_service.store.integrity import open_segment
 from replay_service.store.journal import JOURNAL_NAME, BucketJournal, open_journal, read_journal
@@ -192,7 +193,10 @@ def _rebuild_into(index: Index, segments: SegmentStore, runs: dict[str, list[_It
                   report: ReindexReport, progress: Callable[[str], None]) -> None:
     """Commit every run's items (sorted) into `index` through the ingest pipeline's commit stage."""
     cache = SegmentCache(segments, settings.open_segment_cache, settings.open_segment_cache_bytes)
-    committer = Committer(index, RowReader(index, cache), _KeepFiles(segments, BufferPool(keep=1), fsync=False))
+    # Health buckets are counted at the time of the rebuild (a segment's ingest time is not recorded): the rebuilt
+    # run's flag rates over time start at the reindex.
+    committer = Committer(index, RowReader(index, cache), _KeepFiles(segments, BufferPool(keep=1), fsync=False),
+                          HealthTables(index), settings.health_bucket_s)
     rebuild = _Rebuild(index, cache, committer, report, progress)
     for run_id in sorted(runs):
         rebuild.run(run_id, runs[run_id])

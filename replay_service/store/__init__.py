@@ -5,6 +5,7 @@ Layout under the data directory:
     index.sqlite                      spans, counters, idempotency keys (WAL)   index.py
     runs/<run_id>/<uuid>.arrow        one segment per acknowledged ingest batch files.py
     compares/<run_id>/<id>.npz        stored comparisons                        compares.py
+                                      run-health tables (in the index)          health.py
     trash/                            folders of runs being deleted             retention.py
 
 Segments may live in an S3-compatible bucket instead (`REPLAY_SEGMENTS_URL=s3://bucket/prefix`,
@@ -40,6 +41,7 @@ from replay_service.settings import ServiceSettings
 from replay_service.store.compares import CompareStore
 from replay_service.store.ends import upload_end
 from replay_service.store.files import QUARANTINE_DIR, SegmentCache, Sweep, require_index, sweep_unindexed
+from replay_service.store.health import HealthTables
 from replay_service.store.index import Index, RequestStatus, Row, load_of
 from replay_service.store.ingest_stage import BatchIngest, IngestResult
 from replay_service.store.journal import open_journal
@@ -103,6 +105,7 @@ class RouteStore:
         self.registry = RunRegistry(self.index)
         self.compares = CompareStore(self.root / "compares", self.index, fsync=settings.fsync,
                                      bucket=self.segments if isinstance(self.segments, S3Segments) else None)
+        self.health = HealthTables(self.index)
         self.pipeline = pipeline(self)
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import json
+import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -62,8 +63,10 @@ RUN_DELETED = "run deleted while this batch was stored"
 # Before 5, requests had no owner (NULL: not owned; the next authenticated writer claims it, ownership.py).
 # A PostgreSQL index starts at 5. Before 6 (both backends), requests had no recomputed / first_recomputed (0 and
 # NULL: none known) and version_spans, run_versions are new (empty: every stored row's version unknown).
-# A newer version than this one is refused (IndexTooNew).
-SCHEMA_VERSION = 6
+# Before 7 (both backends), requests had no last_write (NULL: written before, never in a health window) nor
+# unclean (rows served with a flag; 0: unknown, a request's flags still count) and the run-health tables
+# (store/health.py) are new. A newer version than this one is refused (IndexTooNew).
+SCHEMA_VERSION = 7
 # Rows a request should have: T-1 once finished with T tokens, else up to the last position seen.
 EXPECTED_ROWS = "COALESCE(final_tokens - 1, pos_max + 1)"
 
@@ -118,8 +121,11 @@ CREATE TABLE IF NOT EXISTS requests (
     owner {text},
     recomputed {integer} NOT NULL DEFAULT 0,
     first_recomputed {integer},
+    last_write {d.real},
+    unclean {integer} NOT NULL DEFAULT 0,
     PRIMARY KEY (run_id, request_id)
 );
+CREATE INDEX IF NOT EXISTS requests_by_write ON requests (last_write);
 CREATE TABLE IF NOT EXISTS segments (
     segment_id {d.serial_key},
     run_id {text} NOT NULL{run_guard},
@@ -245,13 +251,15 @@ CREATE TABLE IF NOT EXISTS run_versions (
         self.ensure_request = "INSERT INTO requests (run_id, request_id) VALUES (?, ?) ON CONFLICT DO NOTHING"
         self.add_to_request = (
             "UPDATE requests SET rows = rows + :rows, referenced_rows = referenced_rows + :referenced,"
-            f" pos_max = {greatest}(pos_max, :pos_max), flag_bits = flag_bits | :flag_bits,"
+            f" pos_max = {greatest}(pos_max, :pos_max), flag_bits = flag_bits | :flag_bits, last_write = :now,"
+            " unclean = unclean + :unclean,"
             f" first_flagged = CASE WHEN CAST(:first_flagged AS {integer}) IS NULL THEN first_flagged"
             f" ELSE {least}(COALESCE(first_flagged, :first_flagged), :first_flagged) END, "
             + ", ".join(f"{c} = {c} + :{c}" for c in COUNT_COLUMNS)
             + " WHERE run_id = :run_id AND request_id = :request_id"
         )
-        self.set_final = "UPDATE requests SET final_tokens = ?, status = ? WHERE run_id = ? AND request_id = ?"
+        self.set_final = ("UPDATE requests SET final_tokens = ?, status = ?, last_write = ?"
+                          " WHERE run_id = ? AND request_id = ?")
         # Writer ownership (replay_service/ownership.py): the first authenticated writer of a request owns it.
         self.select_owners = (
             f"SELECT request_id, owner FROM requests WHERE run_id = ? AND owner IS NOT NULL"
@@ -298,6 +306,7 @@ CREATE TABLE IF NOT EXISTS run_versions (
         conflict = count_column(Flag.CONFLICT)
         self.count_conflict = (
             f"UPDATE requests SET {conflict} = {conflict} + 1, flag_bits = flag_bits | {int(Flag.CONFLICT)},"
+            " unclean = unclean + 1,"
             f" first_flagged = {least}(COALESCE(first_flagged, ?), ?) WHERE run_id = ? AND request_id = ?"
         )
 
@@ -319,6 +328,9 @@ CREATE TABLE IF NOT EXISTS run_versions (
         if_new = "" if sqlite else " IF NOT EXISTS"
         self.add_recomputed = (f"ALTER TABLE requests ADD COLUMN{if_new} recomputed {integer} NOT NULL DEFAULT 0",
                                f"ALTER TABLE requests ADD COLUMN{if_new} first_recomputed {integer}")
+        # ---- both backends, schema 7 (run health): when a request was last written (health windows)
+        self.add_request_last_write = (f"ALTER TABLE requests ADD COLUMN{if_new} last_write {d.real}",
+                                       f"ALTER TABLE requests ADD COLUMN{if_new} unclean {integer} NOT NULL DEFAULT 0")
 
 
 class Index:
@@ -351,6 +363,8 @@ class Index:
             if found:  # a database of schema 5: the weight-version columns (IF NOT EXISTS: a half-done start)
                 for statement in self.sql.add_recomputed:
                     tx.execute(statement)
+                for statement in self.sql.add_request_last_write:  # schema 6 and older
+                    tx.execute(statement)
             return
         if found == 0 and not self._columns(tx, "runs"):
             return  # a new index: the schema creates every table as it is now
@@ -370,6 +384,9 @@ class Index:
             tx.execute(sql.add_owner)
         if requests and "recomputed" not in requests:
             for statement in sql.add_recomputed:
+                tx.execute(statement)
+        if requests and "last_write" not in requests:
+            for statement in sql.add_request_last_write:
                 tx.execute(statement)
         if spans and "span_id" not in spans:
             for statement in sql.rebuild_spans:
@@ -540,7 +557,7 @@ class IndexTransaction:
     def set_final(self, run_id: str, request_id: str, num_tokens: int, status: RequestStatus) -> None:
         """Record a request's end (creating its row when no rows arrived yet)."""
         self.tx.execute(self.sql.ensure_request, (run_id, request_id))
-        self.tx.execute(self.sql.set_final, (num_tokens, str(status), run_id, request_id))
+        self.tx.execute(self.sql.set_final, (num_tokens, str(status), time.time(), run_id, request_id))
 
     def owners(self, run_id: str, request_ids: list[str]) -> dict[str, str]:
         """The owners of those of `request_ids` that have one (request id -> owner)."""
@@ -564,14 +581,17 @@ class IndexTransaction:
         self.tx.execute(self.sql.insert_span, (run_id, request_id, segment_id, row_start, row_count, pos_min, pos_max))
 
     def add_to_request(self, run_id: str, request_id: str, rows: int, pos_max: int, flag_bits: int,
-                       first_flagged: int | None, counts: dict[Flag, int], referenced: int = 0) -> None:
+                       first_flagged: int | None, counts: dict[Flag, int], referenced: int = 0,
+                       unclean: int = 0) -> None:
         """Add served rows (and flag counts) to a request's counters, creating its row.
 
-        `referenced`: how many of `rows` are served through a prefix-cache reference (stored by another request).
+        `referenced`: how many of `rows` are served through a prefix-cache reference (stored by another request);
+        `unclean`: how many of `rows` carry any flag.
         """
         self.tx.execute(self.sql.ensure_request, (run_id, request_id))
         params: dict[str, Any] = {"run_id": run_id, "request_id": request_id, "rows": rows, "pos_max": pos_max,
-                                  "flag_bits": flag_bits, "first_flagged": first_flagged, "referenced": referenced}
+                                  "flag_bits": flag_bits, "first_flagged": first_flagged, "referenced": referenced,
+                                  "now": time.time(), "unclean": unclean}
         params.update({count_column(f): int(counts.get(f, 0)) for f in COUNTED_FLAGS})
         self.tx.execute(self.sql.add_to_request, params)
 
@@ -588,7 +608,7 @@ class IndexTransaction:
         self.add_to_request(run_id, request_id, rows=len(positions), pos_max=pos_max,
                             flag_bits=int(np.bitwise_or.reduce(flags)) if flags.size else 0,
                             first_flagged=int(flagged[0]) if flagged.size else None, counts=counts,
-                            referenced=referenced)
+                            referenced=referenced, unclean=int(flagged.size))
 
     def add_versions(self, run_id: str, request_id: str, spans: Sequence[tuple[str, int, int]]) -> None:
         """Record the versions of rows newly served at positions `[start, end)` (`(version, start, end)` each), and

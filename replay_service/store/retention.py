@@ -87,6 +87,7 @@ def delete_run(store: RouteStore, run_id: str, reason: str = "requested") -> Rem
             with store.index.transaction() as tx:
                 tx.lock_runs([run_id])  # after any other replica's commit of this run (PostgreSQL)
                 rows = tx.delete_run(run_id) + store.compares.delete_rows(tx, run_id)
+                store.health.delete_rows(tx, run_id)  # not counted: a run of no rows has none either
                 if rows == 0:
                     raise NotFound(f"run {run_id!r} not found")
         except BaseException:

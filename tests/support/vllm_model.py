@@ -57,32 +57,49 @@ def build_model(path: str, gate_scale: float = 10.0, num_layers: int = NUM_LAYER
     return path
 
 
+class _RouterTaps:
+    """Forward hooks on every layer's router of a transformers Qwen3-MoE model: what each forward chose."""
+
+    def __init__(self, hf) -> None:
+        self.got: list = []
+        self.hooks = [layer.mlp.gate.register_forward_hook(
+            lambda m, i, o: self.got.append((o[0].detach(), o[2].detach()))) for layer in hf.model.layers]
+        self.margin = float("inf")
+
+    def take(self, rows: int):
+        """The top-k ids `[rows, L, K]` (int64) of the forward since the last take; the smallest top-k margin kept."""
+        import numpy as np
+
+        per_layer = []
+        for logits, idx in self.got:
+            top = logits.float().topk(TOP_K + 1, dim=-1).values
+            self.margin = min(self.margin, float((top[:, TOP_K - 1] - top[:, TOP_K]).min()))
+            per_layer.append(idx.reshape(rows, -1).numpy())
+        self.got.clear()
+        return np.stack(per_layer, axis=1).astype(np.int64)
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for h in self.hooks:
+            h.remove()
+
+
 def hf_reference(path: str, seqs: dict[str, list[int]]) -> tuple[dict, float]:
     """{request id: top-k ids [T-1, L, K] (int64)}, min top-k logit margin."""
-    import numpy as np
     import torch
     from transformers import Qwen3MoeForCausalLM
 
     hf = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    got: list = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: got.append((o[0].detach(), o[2].detach())))
-             for layer in hf.model.layers]
-    out, margin = {}, float("inf")
+    taps = _RouterTaps(hf)
+    out = {}
     try:
         for rid, seq in seqs.items():
-            got.clear()
             with torch.no_grad():
                 hf(input_ids=torch.tensor([seq[:-1]]))
-            per_layer = []
-            for logits, idx in got:
-                top = logits.float().topk(TOP_K + 1, dim=-1).values
-                margin = min(margin, float((top[:, TOP_K - 1] - top[:, TOP_K]).min()))
-                per_layer.append(idx.reshape(len(seq) - 1, -1).numpy())
-            out[rid] = np.stack(per_layer, axis=1).astype(np.int64)
+            out[rid] = taps.take(len(seq) - 1)
     finally:
-        for h in hooks:
-            h.remove()
-    return out, margin
+        taps.close()
+    return out, taps.margin
 
 
 def checkpoint_norms(path: str) -> list[list[float]]:
@@ -137,10 +154,8 @@ def hf_switched_reference(path: str, seqs: dict[str, list[int]], first: list[lis
             value = own[i] if norms is None else torch.tensor(norms[i], dtype=torch.float32)
             layer.post_attention_layernorm.weight.data.copy_(value)
 
-    got: list = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: got.append((o[0].detach(), o[2].detach())))
-             for layer in hf.model.layers]
-    out, margin = {}, float("inf")
+    taps = _RouterTaps(hf)
+    out = {}
     try:
         for rid, seq in seqs.items():
             at, parts, cache = switch[rid], [], None
@@ -148,21 +163,14 @@ def hf_switched_reference(path: str, seqs: dict[str, list[int]], first: list[lis
                 if hi <= lo:
                     continue
                 use(norms)
-                got.clear()
                 with torch.no_grad():
                     cache = hf(input_ids=torch.tensor([seq[lo:hi]]), past_key_values=cache, use_cache=True
                                ).past_key_values
-                per_layer = []
-                for logits, idx in got:
-                    top = logits.float().topk(TOP_K + 1, dim=-1).values
-                    margin = min(margin, float((top[:, TOP_K - 1] - top[:, TOP_K]).min()))
-                    per_layer.append(idx.reshape(hi - lo, -1).numpy())
-                parts.append(np.stack(per_layer, axis=1).astype(np.int64))
+                parts.append(taps.take(hi - lo))
             out[rid] = np.concatenate(parts)
     finally:
-        for h in hooks:
-            h.remove()
-    return out, margin
+        taps.close()
+    return out, taps.margin
 
 
 # The tiny tokenizer has no chat template; vLLM's chat endpoint is given this one (`--chat-template`):

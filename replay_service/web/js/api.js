@@ -1,5 +1,6 @@
 // The service's read endpoints. Ids always go through encodeURIComponent.
 import { readStream } from "./arrow.js";
+import { showTokenForm, renderSession } from "./signin.js";
 
 export const enc = encodeURIComponent;
 
@@ -23,40 +24,84 @@ async function check(response, url) {
 }
 
 // A service started with REPLAY_TOKENS_FILE answers 401 without a bearer token: the page asks for a read
-// token once and keeps it for this tab (sessionStorage: gone when the tab closes, never sent elsewhere).
+// token through a form in the page (signin.js) and keeps it for this tab (sessionStorage: gone when the
+// tab closes, never sent elsewhere). The header then offers "change token" and "sign out".
 export const TOKEN_KEY = "routing-replay-token";
-let asking = null; // one prompt for the 401s of calls made at the same time
+let asking = null; // one form for the 401s of calls made at the same time
+let rerender = () => {}; // app.js: draw the current page again (after a sign-out or a token change)
 
-function withToken(headers) {
-  const token = sessionStorage.getItem(TOKEN_KEY);
+export function heldToken() {
+  return sessionStorage.getItem(TOKEN_KEY);
+}
+
+function withToken(headers, token = heldToken()) {
   return token ? { ...headers, Authorization: `Bearer ${token}` } : headers;
 }
 
-function askToken(refused) {
+// Is the token known to the service? Any answer but 401 says yes (403: known, but not for that run).
+async function accepted(url, headers, token) {
+  const response = await fetch(url, { headers: withToken(headers, token) });
+  return response.status !== 401;
+}
+
+function askToken(url, headers, refused) {
   if (!asking) {
-    asking = Promise.resolve().then(() => {
-      const message = refused
-        ? "The service refused the token. Enter a read token for routing-replay:"
-        : "This routing-replay service needs a read token (ask its operator):";
-      const token = (window.prompt(message) || "").trim();
-      if (token) sessionStorage.setItem(TOKEN_KEY, token);
-      else sessionStorage.removeItem(TOKEN_KEY);
+    asking = showTokenForm({ refused, check: (token) => accepted(url, headers, token) }).then((token) => {
+      sessionStorage.setItem(TOKEN_KEY, token);
       asking = null;
-      return Boolean(token);
+      showSession();
+      return token;
     });
   }
   return asking;
 }
 
-// fetch with the tab's token; on a 401 ask for one (once) and try again with it.
+// fetch with the tab's token; on a 401 ask for one through the form (one form for concurrent calls) and
+// try again with it, as often as the service refuses it.
 async function authorizedFetch(url, headers, signal) {
-  const sent = sessionStorage.getItem(TOKEN_KEY);
-  const response = await fetch(url, { headers: withToken(headers), signal });
-  if (response.status !== 401) return response;
-  const current = sessionStorage.getItem(TOKEN_KEY);
-  if (current && current !== sent) return fetch(url, { headers: withToken(headers), signal }); // asked meanwhile
-  if (!(await askToken(Boolean(sent)))) return response;
-  return fetch(url, { headers: withToken(headers), signal });
+  for (;;) {
+    const sent = heldToken();
+    const response = await fetch(url, { headers: withToken(headers, sent), signal });
+    if (response.status !== 401) return response;
+    const current = heldToken();
+    if (current && current !== sent) continue; // another call got a token meanwhile
+    if (sent) {
+      sessionStorage.removeItem(TOKEN_KEY); // refused: drop it
+      showSession();
+    }
+    await askToken(url, headers, Boolean(sent));
+  }
+}
+
+function showSession() {
+  renderSession(Boolean(heldToken()), { onChange: changeToken, onSignOut: signOut });
+}
+
+// The header's "sign out": drop the token, draw the page again (its first read brings the form back).
+export function signOut() {
+  sessionStorage.removeItem(TOKEN_KEY);
+  showSession();
+  rerender();
+}
+
+// The header's "change token": the form (cancellable), checked against the runs list.
+export async function changeToken() {
+  if (asking) return;
+  const url = paths.runs();
+  const headers = { Accept: "application/json" };
+  asking = showTokenForm({ cancellable: true, check: (token) => accepted(url, headers, token) });
+  const token = await asking;
+  asking = null;
+  if (token === null) return;
+  sessionStorage.setItem(TOKEN_KEY, token);
+  showSession();
+  rerender();
+}
+
+// app.js: how to draw the current page again; shows the header's controls when a token is held.
+export function setRerender(fn) {
+  rerender = fn;
+  showSession();
 }
 
 export async function getJSON(url, options = {}) {
@@ -86,6 +131,9 @@ export const paths = {
     `/v1/runs/${enc(run)}/requests/${enc(req)}/routes?start=${start}&end=${end}${format ? "&format=" + format : ""}`,
   expertLoad: (run) => `/v1/runs/${enc(run)}/expert-load`,
   compares: (run) => `/v1/runs/${enc(run)}/compares`,
+  health: (run) => `/v1/runs/${enc(run)}/health`,
+  healthSeries: (run) => `/v1/runs/${enc(run)}/health/series`,
+  agreement: (run) => `/v1/runs/${enc(run)}/agreement`,
   compare: (run, id) => `/v1/runs/${enc(run)}/compares/${enc(id)}`,
   compareRequest: (run, id, req, start, end) =>
     `/v1/runs/${enc(run)}/compares/${enc(id)}/requests/${enc(req)}?start=${start}&end=${end}`,

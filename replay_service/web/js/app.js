@@ -1,6 +1,6 @@
 // routing-replay debugging view: hash router and page shell.
 import { h, clear } from "./dom.js";
-import { ApiError } from "./api.js";
+import { ApiError, setRerender } from "./api.js";
 import { renderRuns } from "./pages/runs.js";
 import { renderRun } from "./pages/run.js";
 import { renderRequest } from "./pages/request.js";
@@ -64,4 +64,5 @@ async function route() {
 }
 
 window.addEventListener("hashchange", route);
+setRerender(route);
 route();

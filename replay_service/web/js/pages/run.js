@@ -1,13 +1,15 @@
-// One run: summary, requests table (sortable, filter by flag, cursor pages), expert-load heatmap, comparisons.
+// One run: summary with the health verdict, health view (plots), requests table (sortable, filter by flag, cursor pages), expert-load heatmap, comparisons.
 import { h, clear, fmtInt, fmtBytes, fmtTime, fmtPct, fmtNum, flagChips, FLAGS, FLAG_SHORT, FLAG_COLORS, FLAG_HELP } from "../dom.js";
 import { getJSON, paths, hashes, listCompares } from "../api.js";
 import { breadcrumbs, kv, sortableTable, sortRows, spinner } from "./common.js";
 import { drawHeatmap } from "../heatmap.js";
+import { fetchHealth, verdictBadge, renderHealth } from "./health.js";
 
 
 export async function renderRun(ctx, runId) {
   ctx.title(runId);
   breadcrumbs(ctx, [[runId, null]]);
+  const health = fetchHealth(runId); // not awaited here: the head's badge fills in when it comes
   const [run, compares] = await Promise.all([getJSON(paths.run(runId)), listCompares(runId).catch(() => [])]);
   if (!ctx.alive()) return;
   const tab = ctx.query.tab || "requests";
@@ -16,6 +18,7 @@ export async function renderRun(ctx, runId) {
     location.hash = hashes.run(runId, q);
   };
 
+  const badge = h("span", { class: "muted", id: "health-badge", dataset: { verdict: "loading" } }, "…");
   ctx.main.append(h("div", { class: "head" },
     h("h1", null, runId),
     kv([
@@ -27,14 +30,17 @@ export async function renderRun(ctx, runId) {
       ["stored", fmtBytes(run.bytes)],
     ]),
     h("div", { class: "flagline" }, h("span", { class: "label" }, "flagged rows"),
-      flagChips(run.flagged, (name) => setQuery({ tab: "requests", flag: name })))));
+      flagChips(run.flagged, (name) => setQuery({ tab: "requests", flag: name }))),
+    h("div", { class: "flagline" }, h("span", { class: "label" }, "health"), badge)));
+  health.then((result) => { if (ctx.alive()) badge.replaceWith(verdictBadge(runId, result)); });
 
-  const tabs = [["requests", "Requests"], ["load", "Expert load"], ["compares", `Comparisons (${compares.length})`]];
+  const tabs = [["requests", "Requests"], ["health", "Health"], ["load", "Expert load"], ["compares", `Comparisons (${compares.length})`]];
   ctx.main.append(h("nav", { class: "tabs" }, tabs.map(([key, label]) =>
     h("a", { href: hashes.run(runId, { ...ctx.query, tab: key }), class: key === tab ? "active" : "", dataset: { tab: key } }, label))));
   const body = h("div", { class: "tabbody" });
   ctx.main.append(body);
-  if (tab === "load") await renderLoad(ctx, runId, body);
+  if (tab === "health") await renderHealth(ctx, runId, body, health);
+  else if (tab === "load") await renderLoad(ctx, runId, body);
   else if (tab === "compares") renderCompares(runId, compares, body);
   else await renderRequests(ctx, runId, body, setQuery);
 }
