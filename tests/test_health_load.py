@@ -139,3 +139,20 @@ def test_an_index_of_schema_6_is_migrated_and_its_requests_are_judged(tmp_path):
         assert [p["rows"] for p in httpx.get(f"{svc.url}/v1/runs/old/health/series").json()["ingest"]] == [12]
     with sqlite3.connect(data / "index.sqlite") as conn:
         assert conn.execute("PRAGMA user_version").fetchone()[0] == 7
+
+
+def test_a_deleted_run_takes_its_health_with_it(service):
+    """Deleting a run deletes its buckets, per-version loads and threshold overrides: a run started again under
+    the same id begins with none of them."""
+    client = ReplayClient(service.url)
+    rng = np.random.default_rng(8)
+    bad = skewed(rng, 10, 0)
+    bad[2] = 0
+    client.upload_route("again", "a", bad, num_experts=E, weight_version="1")
+    httpx.put(f"{service.url}/v1/runs/again/health/thresholds", json={"ZERO": {"fail": 0.9}}).raise_for_status()
+    httpx.delete(f"{service.url}/v1/runs/again").raise_for_status()
+    assert httpx.get(f"{service.url}/v1/runs/again/health").status_code == 404
+    client.upload_route("again", "b", skewed(rng, 10, 0), num_experts=E)
+    series = httpx.get(f"{service.url}/v1/runs/again/health/series").json()
+    assert [(p["rows"], p["flagged"]["ZERO"]) for p in series["ingest"]] == [(10, 0)] and series["versions"] == []
+    assert httpx.get(f"{service.url}/v1/runs/again/health/thresholds").json()["overridden"] == []
