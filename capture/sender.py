@@ -104,6 +104,9 @@ class RouteSender:
         self._spilled: deque[Path] = deque(sorted(self.spill_dir.glob("*" + SUFFIX), key=_spill_order))
         self._spill_bytes = sum(p.stat().st_size for p in self._spilled)
         self._lock = threading.Condition()
+        # One spill at a time: close() spills the in-flight item while the network thread may be spilling it too
+        # (its delivery failed); both would write the same .tmp file and the second rename would find it gone.
+        self._spilling = threading.Lock()
         self._closing = False
         self._current: _Item | None = None  # being delivered
         self._down = False  # the last delivery attempt failed: new batches go to disk
@@ -251,19 +254,24 @@ class RouteSender:
             )
             return
         name = item_name(item.created_ns, cfg.writer_id, item.seq)
-        if (self.spill_dir / name).exists():
-            return  # already spilled (a copy of the in-flight item at close)
-        data = encode_item(item.header, item.payload)
-        tmp = self.spill_dir / (name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.spill_dir / name)
+        with self._spilling:
+            if (self.spill_dir / name).exists():
+                return  # already spilled (a copy of the in-flight item at close)
+            data = encode_item(item.header, item.payload)
+            tmp = self.spill_dir / (name + ".tmp")
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.spill_dir / name)
+            self._count_spilled(self.spill_dir / name, item, len(data))
+
+    def _count_spilled(self, path: Path, item: _Item, size: int) -> None:
+        """A spilled item joins the drain queue and the spill budget."""
         with self._lock:
-            self._spilled.append(self.spill_dir / name)
+            self._spilled.append(path)
             self._spilled = deque(sorted(self._spilled, key=_spill_order))
-            self._spill_bytes += len(data)
+            self._spill_bytes += size
             self.stats.spilled_batches += item.kind == ItemKind.BATCH
             self._lock.notify_all()
 
