@@ -222,11 +222,14 @@ class TrainerBatch(TrainerSlice):
 
     def recorded_rows(self, recorded, request_ids: list) -> tuple[list[str], np.ndarray, np.ndarray]:
         """Turn `RouterReplay.get_recorded_data()` (RECORD mode, one `[tokens, K]` per layer, this batch's
-        token order) into (request ids, positions, experts (n, L, K)) for the real tokens, to post to compare."""
+        token order) into (request ids, positions, experts (n, L, K)) to post to compare: the tokens the rollout
+        has a row for (replayed, or left to the router: missing=router). Padding and each sequence's last token
+        (sampled, never run through the engine: no row) are left out, so the comparison's `missing_rows` counts
+        only rows that are missing."""
         import torch
 
         ids = torch.stack([t.detach().to("cpu", torch.int64) for t in recorded], dim=1).numpy()
-        real = self.sequence >= 0
+        real = (self.sequence >= 0) & ((self.valid != 0) | (self.fallback != 0))
         names = [r["request"] if isinstance(r, dict) else r if isinstance(r, str) else r[1] for r in request_ids]
         reqs = [names[i] for i in self.sequence[real].tolist()]
         return reqs, self.position[real], ids[real]
