@@ -259,17 +259,24 @@ class ReplayClient:
         weight_versions: Sequence[Any] | None = None,
         weight_version: str | None = None,
         prompt_tokens: int | None = None,
+        routed_experts_dtype: str | None = None,
     ) -> dict:
-        """SGLang's `meta_info["routed_experts"]` (base64 of int32 ids; `num_layers` as SGLang counts them).
+        """SGLang's `meta_info["routed_experts"]` (base64 ids; `num_layers` as SGLang counts them).
 
-        `start` is the request's `routed_experts_start_len` (sent under SGLang's name); `token_ids`
-        are the tokens from `start` (rows or rows + 1 of them) or the whole sequence. `weight_versions`
-        (`meta_info["weight_versions"]`, spans over output tokens) or `weight_version` (one label) as for
-        `upload_route`.
+        `routed_experts_dtype`: `meta_info["routed_experts_dtype"]` as returned (uint8, uint16 or int32: what SGLang
+        sent; None: int32, as SGLang's readers assume). An array is sent as int32. `start` is the request's
+        `routed_experts_start_len` (sent under SGLang's name); `token_ids` are the tokens from `start` (rows or
+        rows + 1 of them) or the whole sequence. `weight_versions` (`meta_info["weight_versions"]`, spans over
+        output tokens) or `weight_version` (one label) as for `upload_route`. A whole `/generate` answer:
+        `upload_sglang_response`.
         """
         if not isinstance(routed_experts, str):
             routed_experts = base64.b64encode(np.ascontiguousarray(routed_experts, np.int32).tobytes()).decode()
+            if routed_experts_dtype not in (None, "int32"):
+                raise ValueError(f"an array is sent as int32, not routed_experts_dtype={routed_experts_dtype!r}")
         doc: dict[str, Any] = {"routed_experts": routed_experts, "num_layers": num_layers, "top_k": top_k}
+        if routed_experts_dtype is not None:
+            doc["routed_experts_dtype"] = routed_experts_dtype
         if num_experts is not None:
             doc["num_experts"] = num_experts
         if token_ids is not None:
@@ -283,6 +290,47 @@ class ReplayClient:
         doc.update(_version_options(weight_versions, weight_version, prompt_tokens))
         return self._json("POST", f"/v1/runs/{run_id}/requests/{request_id}/routes", json=doc,
                           params={"finish": str(finish).lower()})
+
+    def upload_sglang_response(
+        self,
+        run_id: str,
+        response: dict | Sequence[dict],
+        request_ids: Sequence[str] | dict[str, str] | None = None,
+        start: int = 0,
+        num_experts: int | None = None,
+        num_layers: int | None = None,
+        top_k: int | None = None,
+        moe_layers: Sequence[int] | None = None,
+        num_hidden_layers: int | None = None,
+        finish: bool = True,
+    ) -> dict:
+        """A whole SGLang `/generate` answer as returned (its JSON: one item, or a batch's list), in one call.
+
+        Each item is stored under its `meta_info["id"]` (or `request_ids`: a list in item order, or a dict from
+        SGLang's id to yours) at `start` (the request's `routed_experts_start_len`, one for the whole call), with
+        `meta_info["routed_experts_dtype"]` (absent: int32) and `meta_info["weight_versions"]` (else
+        `weight_version`). SGLang does not send the array's shape: `top_k` (and `num_layers`, else the ids of a row
+        over top_k) for a new run. The service checks every item first: a `ReplayError` names the item's index and
+        request id, and nothing of the answer is stored. The answer's `items` say what became of each.
+        """
+        items = [response] if isinstance(response, dict) else list(response)
+        body: Any = response if isinstance(response, dict) else items
+        if request_ids is not None:
+            if isinstance(request_ids, dict):
+                ids = [item.get("meta_info", {}).get("id") for item in items]
+                missing = [i for i in ids if i not in request_ids]
+                if missing:
+                    raise ValueError(f"request_ids maps no stored id for SGLang's ids {missing[:5]}")
+                request_ids = [request_ids[i] for i in ids]
+            body = {"response": body, "request_ids": list(request_ids)}
+        params: dict[str, Any] = {"start": int(start), "finish": str(finish).lower()}
+        for name, value in (("num_experts", num_experts), ("num_layers", num_layers), ("top_k", top_k),
+                            ("num_hidden_layers", num_hidden_layers)):
+            if value is not None:
+                params[name] = int(value)
+        if moe_layers is not None:
+            params["moe_layers"] = ",".join(str(int(x)) for x in moe_layers)
+        return self._json("POST", f"/v1/runs/{run_id}/responses/sglang", json=body, params=params)
 
     # ---- readers ----------------------------------------------------------
 

@@ -25,14 +25,17 @@ from replay_service.api.deps import (
     get_body_budget,
 )
 from replay_service.api.models import BODY_LIMITS, CONFLICT, ERRORS, STORAGE_FULL, RequestSummary
-from replay_service.errors import ServiceError
+from replay_service.errors import ServiceError, UnsupportedMediaType
 from replay_service.ingest.decode import (
+    BodyKind,
     UploadOptions,
     decode_batch,
     decode_route,
+    media_type,
     parse_moe_layers,
     parse_weight_versions,
 )
+from replay_service.ingest.sglang_responses import ResponseOptions, decode_sglang_response
 from replay_service.metrics import ServiceMetrics
 from replay_service.store import RequestStatus
 from replay_service.store.ingest_stage import IngestOutcome, IngestResult
@@ -55,6 +58,20 @@ class IngestAnswer(BaseModel):
     bytes: int = Field(description="bytes of the segment written (0 for a duplicate)")
     recomputed: int = Field(0, description="positions this batch computed again under another weight version than "
                                            "the rows held there (kept, not CONFLICT), counted once per position")
+
+
+class ResponseItemAnswer(IngestAnswer):
+    """What became of one item of an engine's answer."""
+
+    index: int = Field(description="the item's place in the answer")
+    request_id: str = Field(description="the id its rows are stored under")
+    start: int = Field(description="the position of its first row")
+
+
+class ResponseAnswer(BaseModel):
+    """What became of each item of an engine's answer, in the answer's order."""
+
+    items: list[ResponseItemAnswer]
 
 
 # The finish body of replay_format/request_notes.md (`Finish.body` writes it, under these field names);
@@ -168,3 +185,67 @@ async def upload_route(
                 metrics.batches.labels(IngestOutcome.REJECTED.value).inc()
                 raise
     return _answer(metrics, result)
+
+
+@router.post(
+    "/runs/{run}/responses/sglang",
+    summary="Store a whole SGLang /generate answer as returned (one item or a batch's list), each item under its "
+            "meta_info.id, in one call",
+    response_model=ResponseAnswer,
+    responses={**CONFLICT, **BODY_LIMITS, **STORAGE_FULL},
+    openapi_extra={"requestBody": {"required": True, "content": {JSON_MEDIA_TYPE: {}}}},
+)
+async def upload_sglang_response(
+    run: RunId,
+    http: Request,
+    store: Store,
+    settings: Settings,
+    metrics: Metrics,
+    num_experts: int | None = Query(None, ge=1, le=65536, description="needed when the run is new"),
+    moe_layers: str | None = Query(None, description="comma-separated model-layer indices of the MoE layers; needed "
+                                                     "for a new run whose array has an all-zero layer"),
+    num_hidden_layers: int | None = Query(None, ge=1, le=65535, description="the model's layer count"),
+    num_layers: int | None = Query(None, ge=1, le=65535,
+                                   description="layers of each item's array (SGLang: num_hidden_layers); default: "
+                                               "the ids of a row over top_k"),
+    top_k: int | None = Query(None, ge=1, le=65535, description="experts per token; needed when the run is new"),
+    start: int = Query(0, ge=0, le=2**31 - 2,
+                       description="the request's routed_experts_start_len (one for the whole /generate call)"),
+    finish: bool = Query(True, description="also mark each request finished at prompt_tokens + completion_tokens"),
+) -> ResponseAnswer:
+    """SGLang's answer as returned: `{"text", "output_ids", "meta_info"}` or a list of them (or `{"response": ...,
+    "request_ids": [...]}` to store the items under ids of the caller's, in item order).
+
+    Each item's rows are `meta_info.routed_experts` (of `meta_info.routed_experts_dtype`: uint8, uint16 or int32;
+    absent: int32) at positions `start .. prompt_tokens + completion_tokens - 2`, with `meta_info.weight_versions`
+    (else `weight_version`) and, when returned, `prompt_token_ids` + `output_ids` as tokens. Every item is checked
+    before any is stored: a 4xx names the item's index and request id, and nothing of the answer is stored.
+    """
+    if BodyKind.of(http.headers.get("content-type", "")) != BodyKind.SGLANG_JSON:
+        raise UnsupportedMediaType(f"an SGLang answer is {JSON_MEDIA_TYPE}, got "
+                                   f"{media_type(http.headers.get('content-type', '')) or 'no content type'}")
+    options = ResponseOptions(num_experts, parse_moe_layers(moe_layers), num_hidden_layers, num_layers, top_k, start,
+                              settings.max_batch_requests)
+
+    def store_items() -> list[tuple[int, str, int, IngestResult]]:
+        run_shape = store.run_shape(run) if store.has_run(run) else None
+        items = decode_sglang_response(body, run, run_shape, options)
+        for item in items:  # every item refused before anything is stored
+            store.check_upload(run, item.request_id, item.upload.start, item.upload.num_tokens, finish)
+        done = []
+        for item in items:
+            result = store.ingest(item.upload.rows)
+            store.end_upload(run, item.request_id, item.upload.start, item.upload.num_tokens, finish)
+            done.append((item.index, item.request_id, item.upload.start, result))
+        return done
+
+    async with arriving_body(http, BodyLimits.of(settings), get_body_budget(http)) as body:
+        async with http.app.state.ingest_slots:
+            try:
+                done = await run_in_threadpool(store_items)
+            except (ServiceError, FormatError):
+                metrics.batches.labels(IngestOutcome.REJECTED.value).inc()
+                raise
+    return ResponseAnswer(items=[ResponseItemAnswer(index=index, request_id=request_id, start=first,
+                                                    **_answer(metrics, result).model_dump())
+                                 for index, request_id, first, result in done])

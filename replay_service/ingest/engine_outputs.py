@@ -1,8 +1,9 @@
 """Whole routes as engines hand them out, decoded into row batches (`Rows`).
 
 Two shapes arrive: vLLM's `routed_experts` as a `.npy` array `(rows, layers, top_k)` and SGLang's
-`meta_info["routed_experts"]` as base64 int32 inside JSON. Both hold every model layer (dense ones
-as zeros: vLLM sizes its buffer by `get_total_num_hidden_layers()`, SGLang by `num_hidden_layers`),
+`meta_info["routed_experts"]` as base64 inside JSON, of the dtype `meta_info["routed_experts_dtype"]` names (uint8,
+uint16 or int32; absent: int32, as SGLang's own readers assume; `sglang_ids_dtype`). Both hold every model layer
+(dense ones as zeros: vLLM sizes its buffer by `get_total_num_hidden_layers()`, SGLang by `num_hidden_layers`),
 or a caller may send only the MoE layers; only MoE layers are stored (`choose_layers` says which,
 never by guessing). Rows start at `start` (vLLM's `routed_experts_prompt_start`, SGLang's
 `routed_experts_start_len`: a later turn of a conversation). Everything here raises `FormatError`
@@ -32,7 +33,10 @@ from replay_format.rows import POSITION_MAX, Rows, RowsMeta, narrow_ids
 from replay_format.weight_versions import VersionSpan, WeightVersions, check_label, span_from_json, spans_to_rows
 from replay_service.errors import Conflict, InvalidInput
 
-ID_DTYPES = ("int32", "int64", "int16", "uint8", "uint16")  # what a JSON route's `dtype` may name
+ID_DTYPES = ("int32", "int64", "int16", "uint8", "uint16")  # what a JSON route's `dtype` (the older key) may name
+# What SGLang's `meta_info["routed_experts_dtype"]` may name: `_WIRE_DTYPES` of sglang
+# srt/state_capturer/routed_experts_wire.py (read stripped and lower-cased, as its `_wire_dtype` does).
+SGLANG_WIRE_DTYPES = ("int32", "uint16", "uint8")
 
 
 @dataclass
@@ -212,35 +216,71 @@ def decode_npy(body: bytes | memoryview) -> np.ndarray:
     return array.reshape(shape, order="F" if fortran_order else "C")
 
 
-def decode_sglang_json(body: bytes | memoryview) -> EngineRoute:
-    """SGLang-style `{"routed_experts": base64 int32, "num_layers", "top_k", ...}`.
-
-    Optional: `num_experts`, `token_ids`, `moe_layers`, `num_hidden_layers`, and `routed_experts_start_len`
-    (SGLang's request field: the response covers positions `[start, seqlen - 1)`).
-    """
+def load_json(body: bytes | memoryview) -> object:
+    """A JSON body; UndecodableError when it is not JSON at all."""
     try:
-        doc = json.loads(bytes(body))
+        return json.loads(bytes(body))
     except (ValueError, UnicodeDecodeError) as exc:
         raise UndecodableError(f"body is not JSON: {exc}") from None
     except RecursionError:  # json.loads recurses once per nesting level: a deep body would reach the stack's end
         raise UndecodableError("body is JSON nested too deeply to decode") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("routed_experts"), str):
-        raise InvalidInput("JSON route needs 'routed_experts': a base64 string of int32 ids")
+
+
+def sglang_ids_dtype(doc: dict, where: str = "") -> np.dtype:
+    """The dtype of `routed_experts`' bytes: `routed_experts_dtype` (SGLang's key: what was actually sent), or `dtype`
+    (this service's older key, an alias), int32 when neither is given (SGLang's readers assume int32 then).
+
+    InvalidInput naming the field for an unknown name, or two keys that disagree.
+    """
+    wire, alias = doc.get("routed_experts_dtype"), doc.get("dtype")
+    named = None
+    if wire is not None:
+        name = wire.strip().lower() if isinstance(wire, str) else None
+        if name not in SGLANG_WIRE_DTYPES:
+            raise InvalidInput(f"'{where}routed_experts_dtype' {wire!r:.100} is not one SGLang sends "
+                               f"({', '.join(SGLANG_WIRE_DTYPES)}; absent means int32)")
+        named = np.dtype(name)
+    if alias is not None:
+        if alias not in ID_DTYPES:
+            raise InvalidInput(f"'{where}dtype' {alias!r:.100} is not an integer id type ({', '.join(ID_DTYPES)}; "
+                               "SGLang's own key is 'routed_experts_dtype')")
+        if named is not None and np.dtype(alias) != named:
+            raise InvalidInput(f"'{where}routed_experts_dtype' {wire!r} and '{where}dtype' {alias!r} disagree")
+        named = np.dtype(alias)
+    return named if named is not None else np.dtype(np.int32)
+
+
+def sglang_ids(encoded: object, dtype: np.dtype, where: str = "") -> np.ndarray:
+    """The flat ids of SGLang's base64 `routed_experts` (`pybase64.b64encode(array.astype(dtype).tobytes())`)."""
+    if not isinstance(encoded, str):
+        raise InvalidInput(f"'{where}routed_experts' must be a base64 string of {dtype} ids, "
+                           f"got {type(encoded).__name__}")
     try:
-        raw = base64.b64decode(doc["routed_experts"], validate=True)
+        raw = base64.b64decode(encoded, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise InvalidInput(f"'routed_experts' is not valid base64: {exc}") from None
+        raise InvalidInput(f"'{where}routed_experts' is not valid base64: {exc}") from None
+    if len(raw) % dtype.itemsize:
+        raise InvalidInput(f"'{where}routed_experts' decodes to {len(raw)} bytes, not a whole number of {dtype} ids "
+                           f"({dtype.itemsize} bytes each; routed_experts_dtype says which)")
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def decode_sglang_json(body: bytes | memoryview) -> EngineRoute:
+    """SGLang-style `{"routed_experts": base64 ids, "num_layers", "top_k", ...}`.
+
+    `routed_experts_dtype` (SGLang's meta_info key: uint8, uint16 or int32; `dtype` is an older alias) names the ids'
+    type, int32 when absent. Optional: `num_experts`, `token_ids`, `moe_layers`, `num_hidden_layers`, and
+    `routed_experts_start_len` (SGLang's request field: the response covers positions `[start, seqlen - 1)`).
+    """
+    doc = load_json(body)
+    if not isinstance(doc, dict) or not isinstance(doc.get("routed_experts"), str):
+        raise InvalidInput("JSON route needs 'routed_experts': a base64 string of ids (int32 unless "
+                           "'routed_experts_dtype' says uint8 or uint16)")
+    ids = sglang_ids(doc["routed_experts"], sglang_ids_dtype(doc))
     # `num_layers` is SGLang's name: the layers of the flattened array (model layers or MoE layers).
     num_layers, top_k = _json_int(doc, "num_layers"), _json_int(doc, "top_k")
     if num_layers is None or top_k is None:
         raise InvalidInput("JSON route needs integer 'num_layers' and 'top_k' (the flattened array's shape)")
-    dtype_name = doc.get("dtype", "int32")
-    if dtype_name not in ID_DTYPES:
-        raise InvalidInput(f"'dtype' {dtype_name!r} is not an integer id type (int32 as SGLang sends)")
-    dtype = np.dtype(dtype_name)
-    if len(raw) % dtype.itemsize:
-        raise InvalidInput(f"'routed_experts' decodes to {len(raw)} bytes, not a whole number of {dtype_name} ids")
-    ids = np.frombuffer(raw, dtype=dtype)
     if num_layers < 1 or top_k < 1 or ids.size % (num_layers * top_k):
         raise InvalidInput(f"{ids.size} ids do not split into rows of num_layers*top_k = {num_layers}*{top_k}")
     token_ids, moe_layers = _json_int_list(doc, "token_ids"), _json_int_list(doc, "moe_layers")
