@@ -6,7 +6,8 @@ through the store, counts the outcome and shapes the answer.
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Literal, TypeVar
 
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field
@@ -35,10 +36,14 @@ from replay_service.ingest.decode import (
     parse_moe_layers,
     parse_weight_versions,
 )
-from replay_service.ingest.sglang_responses import ResponseOptions, decode_sglang_response
+from replay_service.ingest.sglang_responses import ResponseItem, ResponseOptions, decode_sglang_response
+from replay_service.ingest.uploads import store_items, store_upload
 from replay_service.metrics import ServiceMetrics
+from replay_service.settings import ServiceSettings
 from replay_service.store import RequestStatus
 from replay_service.store.ingest_stage import IngestOutcome, IngestResult
+
+T = TypeVar("T")
 
 router = APIRouter(prefix="/v1", tags=["ingest"], responses=ERRORS)
 WEIGHT_VERSIONS_HELP = (
@@ -168,23 +173,25 @@ async def upload_route(
     options = UploadOptions(num_experts, parse_moe_layers(moe_layers), num_hidden_layers, start,
                             parse_weight_versions(weight_versions), weight_version, prompt_tokens)
 
-    def store_route() -> IngestResult:
+    def store_route(body: bytes | memoryview) -> IngestResult:
         run_shape = store.run_shape(run) if store.has_run(run) else None
         upload = decode_route(content_type, body, run, request, run_shape, options)
-        store.check_upload(run, request, upload.start, upload.num_tokens, finish)  # refused before anything is stored
-        result = store.ingest(upload.rows)
-        store.end_upload(run, request, upload.start, upload.num_tokens, finish)
-        return result
+        return store_upload(store, run, request, upload, finish)  # refused before anything is stored
 
-    # as for a batch: the body holds its bytes of the budget from its first byte, a slot once it is whole
+    return _answer(metrics, await _store_body(http, settings, metrics, store_route))
+
+
+async def _store_body(http: Request, settings: ServiceSettings, metrics: ServiceMetrics,
+                      work: Callable[[bytes | memoryview], T]) -> T:
+    """`work(body)` in a worker thread once the body arrived. As for a batch: the body holds its bytes of the
+    budget from its first byte, an ingest slot once it is whole; a refusal counts as a rejected batch."""
     async with arriving_body(http, BodyLimits.of(settings), get_body_budget(http)) as body:
         async with http.app.state.ingest_slots:
             try:
-                result = await run_in_threadpool(store_route)
+                return await run_in_threadpool(work, body)
             except (ServiceError, FormatError):
                 metrics.batches.labels(IngestOutcome.REJECTED.value).inc()
                 raise
-    return _answer(metrics, result)
 
 
 @router.post(
@@ -227,25 +234,12 @@ async def upload_sglang_response(
     options = ResponseOptions(num_experts, parse_moe_layers(moe_layers), num_hidden_layers, num_layers, top_k, start,
                               settings.max_batch_requests)
 
-    def store_items() -> list[tuple[int, str, int, IngestResult]]:
+    def store_response(body: bytes | memoryview) -> list[tuple[ResponseItem, IngestResult]]:
         run_shape = store.run_shape(run) if store.has_run(run) else None
         items = decode_sglang_response(body, run, run_shape, options)
-        for item in items:  # every item refused before anything is stored
-            store.check_upload(run, item.request_id, item.upload.start, item.upload.num_tokens, finish)
-        done = []
-        for item in items:
-            result = store.ingest(item.upload.rows)
-            store.end_upload(run, item.request_id, item.upload.start, item.upload.num_tokens, finish)
-            done.append((item.index, item.request_id, item.upload.start, result))
-        return done
+        return list(zip(items, store_items(store, run, items, finish), strict=True))  # all checked before any stored
 
-    async with arriving_body(http, BodyLimits.of(settings), get_body_budget(http)) as body:
-        async with http.app.state.ingest_slots:
-            try:
-                done = await run_in_threadpool(store_items)
-            except (ServiceError, FormatError):
-                metrics.batches.labels(IngestOutcome.REJECTED.value).inc()
-                raise
-    return ResponseAnswer(items=[ResponseItemAnswer(index=index, request_id=request_id, start=first,
-                                                    **_answer(metrics, result).model_dump())
-                                 for index, request_id, first, result in done])
+    done = await _store_body(http, settings, metrics, store_response)
+    return ResponseAnswer(items=[ResponseItemAnswer(index=item.index, request_id=item.request_id,
+                                                    start=item.upload.start, **_answer(metrics, result).model_dump())
+                                 for item, result in done])
