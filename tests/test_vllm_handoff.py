@@ -277,8 +277,13 @@ def test_a_step_without_a_version_reads_unknown_and_a_bad_label_is_refused():
 
 def test_control_frames_round_trip_and_bad_frames_are_refused():
     reader = _reader()
-    ended = [Ended("a-0123abcd", 7, FinishStatus.ABORTED), Ended("b", None, None)]
+    ended = [Ended("a-0123abcd", 7, FinishStatus.ABORTED), Ended("b", None, None),
+             Ended("c", 82, FinishStatus.FINISHED, remote_decode=True)]  # 1.4: decoded on another engine
     assert _round_trip(FinishFrame(ended), reader) == FinishFrame(ended)
+    assert b'"remote_decode": true' in pack(FinishFrame(ended[2:])) and b"remote_decode" not in pack(
+        FinishFrame(ended[:2]))  # written only where set: a 1.3 frame is read as before
+    with pytest.raises(FormatError, match="finish frame: bad entry"):
+        reader.read(b"F" + json.dumps([{"request_id": "c", "remote_decode": 1}]).encode())
     assert _round_trip(CloseFrame(12.5), reader) == CloseFrame(12.5)
     hits = ReferencesFrame([Reference("b-0123abcd", 0, 64, "a-0123abcd"), Reference("1_c-0123abcd", 32, 48, "c")])
     assert _round_trip(hits, reader) == hits

@@ -169,9 +169,42 @@ def test_config_refusals_name_the_fix():
         check_config(graphs, CaptureMode.EAGER)
     cached = SimpleNamespace(**{**vars(eager), "cache_config": SimpleNamespace(enable_prefix_caching=True)})
     check_config(cached, auto)  # prefix caching (vLLM's default) is supported: hits are sent as references
-    connector = SimpleNamespace(**{**vars(cached), "kv_transfer_config": SimpleNamespace(kv_connector="X")})
-    with pytest.raises(StartupError, match="KV connector is configured.*another engine"):
-        check_config(connector, auto)
+    def with_connector(name: str, **extra):
+        kv = SimpleNamespace(kv_connector=name, kv_role="kv_both", kv_connector_extra_config=extra)
+        return SimpleNamespace(**{**vars(cached), "kv_transfer_config": kv})
+
+    for covered in ("ExampleConnector", "OffloadingConnector", "LMCacheConnectorV1", "NixlConnector"):
+        check_config(with_connector(covered), auto)  # offload tiers and P/D: references by block hash, splices
+    with pytest.raises(StartupError, match="KV connector X is not one the capture knows.*supported: ExampleConnector"):
+        check_config(with_connector("X"), auto)
+    with pytest.raises(StartupError, match="KV connector DecodeBenchConnector: it fills the KV cache with synthetic"):
+        check_config(with_connector("DecodeBenchConnector"), auto)
+    multi = with_connector("MultiConnector", connectors=[{"kv_connector": "NixlConnector"},
+                                                         {"kv_connector": "DecodeBenchConnector"}])
+    with pytest.raises(StartupError, match="DecodeBenchConnector"):  # a MultiConnector is judged by each of its own
+        check_config(multi, auto)
+    check_config(with_connector("MultiConnector", connectors=[{"kv_connector": "NixlConnector"},
+                                                              {"kv_connector": "OffloadingConnector"}]), auto)
+
+
+def test_a_request_ends_prefill_only_by_vllms_pd_protocol_the_kv_role_or_the_setting():
+    from types import SimpleNamespace
+
+    from capture.vllm.config import PdRole, PluginConfig, PluginConfigError
+    from capture.vllm.kv_connectors import is_prefill_only
+
+    both, producer = SimpleNamespace(kv_role="kv_both"), SimpleNamespace(kv_role="kv_producer")
+    plain = SimpleNamespace(kv_transfer_params=None)
+    remote = SimpleNamespace(kv_transfer_params={"do_remote_decode": True})
+    assert not is_prefill_only(plain, both, PdRole.AUTO) and not is_prefill_only(plain, None, PdRole.AUTO)
+    assert is_prefill_only(remote, both, PdRole.AUTO)  # NixlConnector's proxy protocol
+    assert is_prefill_only(plain, producer, PdRole.AUTO)
+    assert is_prefill_only(plain, both, PdRole.PREFILL)  # ExampleConnector shared by two engines
+    env = {"ROUTING_REPLAY_URL": "http://x", "ROUTING_REPLAY_RUN_ID": "r"}
+    assert PluginConfig.from_env(env).pd_role is PdRole.AUTO
+    assert PluginConfig.from_env({**env, "ROUTING_REPLAY_PD_ROLE": "Prefill"}).pd_role is PdRole.PREFILL
+    with pytest.raises(PluginConfigError, match="ROUTING_REPLAY_PD_ROLE='decode'; one of auto, prefill"):
+        PluginConfig.from_env({**env, "ROUTING_REPLAY_PD_ROLE": "decode"})
 
 
 def test_block_ledger_names_the_computation_a_hit_reuses():
@@ -191,6 +224,57 @@ def test_block_ledger_names_the_computation_a_hit_reuses():
     assert ledger.hit_ranges("A", [blocks[10]], 32) == []  # resumed after preemption: its own rows are stored
     assert ledger.hit_ranges("E", [blocks[12]], 32) == []  # an index that cannot match: no reference (GAP)
     assert ledger.hit_ranges("F", [KVCacheBlock(99)], 32) == []  # never seen computed
+
+
+def _hashed(block_id: int, key: bytes):
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
+
+    block = KVCacheBlock(block_id)
+    block.set_block_hash(make_block_hash_with_group_id(key, 0))
+    return block
+
+
+def test_a_block_a_connector_loads_back_names_the_computation_its_hash_names():
+    """Engine core: a block that left device memory and came back from an offload tier (a new physical block) is
+    owned by the request that computed its hash; a loaded block whose hash this engine never computed owns nothing."""
+    from capture.vllm.engine_core.prefix_hits import BlockLedger
+
+    ledger = BlockLedger()
+    ledger.computed("A", [_hashed(1, b"h0"), _hashed(2, b"h1")], 0, 2, 32)
+    # B hits block 1 on the device and loads h1 (evicted meanwhile) into block 7, then computes block 8 itself.
+    ledger.loading("B", 32, 64)
+    b_blocks = [_hashed(1, b"h0"), _hashed(7, b"h1"), _hashed(8, b"h2")]
+    ledger.computed("B", b_blocks, 1, 3, 32)
+    assert ledger.hit_ranges("B", b_blocks, 64, first=32) == [(32, 64, "A")]
+    assert ledger.hit_ranges("C", b_blocks, 96) == [(0, 64, "A"), (64, 96, "B")]  # a later hit: A's, then B's own
+    # D loads a block of a hash no request here computed (another engine's prefill): no owner, the positions are GAP.
+    ledger.loading("D", 0, 32)
+    d_blocks = [_hashed(9, b"elsewhere")]
+    ledger.computed("D", d_blocks, 0, 1, 32)
+    assert ledger.hit_ranges("D", d_blocks, 32) == [] and ledger.hit_ranges("E", d_blocks, 32) == []
+    small = BlockLedger(hashes_kept=2)  # bounded: the oldest hash is forgotten (its loads read GAP)
+    small.computed("A", [_hashed(1, b"x"), _hashed(2, b"y"), _hashed(3, b"z")], 0, 3, 32)
+    assert list(small.by_hash) == [_hashed(0, b"y").block_hash, _hashed(0, b"z").block_hash]
+
+
+def test_a_prefill_only_end_reaches_the_sink_which_sends_its_rows_and_no_finish():
+    from capture.vllm.sink.process import Sink
+    from replay_format.request_notes import FinishStatus
+    from replay_format.step_frame import Ended
+
+    class Sender:
+        def __init__(self) -> None:
+            self.finished: list = []
+
+        def finish(self, request_id, num_tokens, status):
+            self.finished.append((request_id, num_tokens, status))
+
+    sender = Sender()
+    sink = Sink(sender)  # type: ignore[arg-type]
+    for rid in ("a-0000abcd", "b-0000abcd"):
+        sink.book._state(rid).max_position = 7
+    sink.finish([Ended("a-0000abcd", 82, FinishStatus.FINISHED, remote_decode=True), Ended("b-0000abcd", 9)])
+    assert sender.finished == [("b", 9, FinishStatus.FINISHED)] and not sink.book.requests
 
 
 def test_the_engine_cores_weight_version_goes_to_the_workers_on_the_first_step_and_each_change(caplog):

@@ -8,6 +8,10 @@
 | `ROUTING_REPLAY_SPILL_DIR` | where unsent batches are spilled (default `./replay-spill/<run_id>`) |
 | `ROUTING_REPLAY_VERBOSE` | `1`: log one line per captured step |
 | `ROUTING_REPLAY_CAPTURE_MODE` | `auto` (default: `graph_safe` on CUDA, `eager` elsewhere), `eager`, `graph_safe` |
+| `ROUTING_REPLAY_PD_ROLE` | `auto` (default: a request is prefill-only when vLLM's P/D protocol says so), `prefill` |
+
+`prefill`: every request that ends on this engine is decoded on another (P/D disaggregation with a KV connector
+that has no per-request protocol, e.g. ExampleConnector shared by two engines; `capture.vllm.kv_connectors`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ ENV_TOKEN = "ROUTING_REPLAY_TOKEN"
 ENV_SPILL = "ROUTING_REPLAY_SPILL_DIR"
 ENV_VERBOSE = "ROUTING_REPLAY_VERBOSE"
 ENV_CAPTURE_MODE = "ROUTING_REPLAY_CAPTURE_MODE"
+ENV_PD_ROLE = "ROUTING_REPLAY_PD_ROLE"
 # Set by the worker for its sink process only: the token stays off the command line, where `ps` shows it.
 ENV_SINK_TOKEN = "ROUTING_REPLAY_SINK_TOKEN"
 
@@ -49,6 +54,20 @@ class CaptureMode(enum.StrEnum):
         return self
 
 
+class PdRole(enum.StrEnum):
+    """This engine's part in prefill/decode disaggregation (`capture.vllm.kv_connectors.is_prefill_only`)."""
+
+    AUTO = "auto"  # per request: vLLM's kv_transfer_params["do_remote_decode"], or kv_role="kv_producer"
+    PREFILL = "prefill"  # every request that ends here is decoded on another engine (no finish is sent from here)
+
+
+def _choice(env, name: str, kind: type[enum.StrEnum], default: enum.StrEnum):
+    value = (env.get(name) or default.value).strip().lower()
+    if value not in {m.value for m in kind}:
+        raise PluginConfigError(f"routing-replay: {name}={value!r}; one of {', '.join(m.value for m in kind)}")
+    return kind(value)
+
+
 def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -63,6 +82,7 @@ class PluginConfig:
     spill_dir: Path
     verbose: bool = False
     capture_mode: CaptureMode = CaptureMode.AUTO
+    pd_role: PdRole = PdRole.AUTO
 
     @classmethod
     def from_env(cls, env=None) -> PluginConfig | None:
@@ -80,17 +100,14 @@ class PluginConfig:
         if not valid_id(run_id):
             raise PluginConfigError(f"routing-replay: {ENV_RUN}={run_id!r} is not a valid id ({ID_RULE})")
         spill = env.get(ENV_SPILL) or os.path.join("replay-spill", run_id)
-        mode = (env.get(ENV_CAPTURE_MODE) or CaptureMode.AUTO.value).strip().lower()
-        if mode not in set(CaptureMode):
-            raise PluginConfigError(
-                f"routing-replay: {ENV_CAPTURE_MODE}={mode!r}; one of {', '.join(m.value for m in CaptureMode)}")
         return cls(
             url=url.rstrip("/"),
             run_id=run_id,
             token=(env.get(ENV_TOKEN) or None),
             spill_dir=Path(spill),
             verbose=_truthy(env.get(ENV_VERBOSE)),
-            capture_mode=CaptureMode(mode),
+            capture_mode=_choice(env, ENV_CAPTURE_MODE, CaptureMode, CaptureMode.AUTO),
+            pd_role=_choice(env, ENV_PD_ROLE, PdRole, PdRole.AUTO),
         )
 
 

@@ -18,10 +18,20 @@ after preemption) to the `SchedulerOutput` as the `prefix_hits` of its notes
 (`capture.vllm.scheduler_notes`): one `Reference` per range, capped at the tokens the request really
 starts from.
 Only KV cache group 0 is followed (full attention: the groups of one model hit the same prefix).
+
+KV connectors (`capture/vllm/kv_connectors.py`): a block a connector loads back (an offload tier) was not
+computed by the request that loads it. `KVCacheManager.allocate_slots(..., num_external_computed_tokens)`
+(kv_cache_manager.py:371) says which of a request's positions are loaded; the ledger also keeps "block hash ->
+the request that computed it" (bounded: the `HASHES_KEPT` most recently computed), so a loaded block, whose
+physical block is new, is owned by the computation its hash names, and the loading request gets a reference to
+it like a prefix-cache hit. A loaded block whose hash the ledger does not hold (another engine computed it: the
+prefill engine of P/D disaggregation, or this one before the plugin started or too long ago) owns nothing: its
+positions read GAP here, and the prefill engine's writer sends them under the same id.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, NamedTuple
 
 from capture.vllm.patching import is_patched, patch
@@ -39,28 +49,64 @@ class HitRange(NamedTuple):
     source: str
 
 
-class BlockLedger:
-    """Physical block id -> (request that computed it, its block index in that request, block size)."""
+class Owner(NamedTuple):
+    """The computation of one KV block: the request, the block's index in it, the block size."""
 
-    def __init__(self) -> None:
-        self.owner: dict[int, tuple[str, int, int]] = {}
+    request_id: str
+    block_number: int  # the block's index in the request: positions block_number * block_size onwards
+    block_size: int
+
+
+HASHES_KEPT = 1 << 18  # block hashes the ledger remembers (LRU): 8M tokens of blocks of 32, tens of MB
+
+
+class BlockLedger:
+    """Which request computed each KV block: by physical block id, and by block hash (module docstring)."""
+
+    def __init__(self, hashes_kept: int = HASHES_KEPT) -> None:
+        self.owner: dict[int, Owner] = {}  # physical block id -> its computation
+        self.by_hash: OrderedDict[Any, Owner] = OrderedDict()  # block hash -> its latest computation here
+        self.loaded: dict[str, tuple[int, int]] = {}  # request -> positions [start, end) a connector loads for it
+        self.hashes_kept = hashes_kept
+
+    def loading(self, request_id: str, start: int, end: int) -> None:
+        """A connector loads the KV of `request_id`'s positions `[start, end)` (they are not computed by it)."""
+        self.loaded[request_id] = (start, end)
 
     def computed(self, request_id: str, blocks: Any, first: int, last: int, block_size: int) -> None:
-        """`blocks[first:last]` were just cached for `request_id` (indices are its block numbers)."""
+        """`blocks[first:last]` were just cached for `request_id` (indices are its block numbers): computed by it, or,
+        where a connector loaded them, by the computation their hash names (none when the ledger does not know it)."""
+        start, end = self.loaded.get(request_id, (0, 0))
         for index in range(first, last):
             block = blocks[index]
-            if not getattr(block, "is_null", False):
-                self.owner[block.block_id] = (request_id, index, block_size)
+            if getattr(block, "is_null", False):
+                continue
+            key = getattr(block, "block_hash", None)
+            if start <= index * block_size and (index + 1) * block_size <= end:
+                source = self.by_hash.get(key) if key is not None else None
+                if source is not None and source.block_number == index:
+                    self.owner[block.block_id] = source
+                else:
+                    self.owner.pop(block.block_id, None)
+                continue
+            mine = Owner(request_id, index, block_size)
+            self.owner[block.block_id] = mine
+            if key is not None:
+                self.by_hash[key] = mine
+                self.by_hash.move_to_end(key)
+                if len(self.by_hash) > self.hashes_kept:
+                    self.by_hash.popitem(last=False)
 
-    def hit_ranges(self, request_id: str, hit_blocks: Any, num_hit_tokens: int) -> list[HitRange]:
-        """The request's hit blocks as position ranges per source request (self-hits and unknown blocks left out)."""
+    def hit_ranges(self, request_id: str, hit_blocks: Any, num_hit_tokens: int, first: int = 0) -> list[HitRange]:
+        """The request's blocks from position `first` to `num_hit_tokens` as position ranges per source request
+        (self-hits and unknown blocks left out)."""
         ranges: list[HitRange] = []
         for index, block in enumerate(hit_blocks):
             owner = self.owner.get(getattr(block, "block_id", -1))
             if owner is None:
                 continue
             source, source_index, size = owner
-            start, end = index * size, min((index + 1) * size, num_hit_tokens)
+            start, end = max(index * size, first), min((index + 1) * size, num_hit_tokens)
             if source == request_id or source_index != index or start >= end:
                 continue
             if ranges and ranges[-1].source == source and ranges[-1].end == start:
@@ -78,23 +124,26 @@ def _ledger(pool: Any) -> BlockLedger:
 
 
 def patch_kv_cache() -> None:
-    """Wrap `BlockPool.cache_full_blocks` and `KVCacheManager.get_computed_blocks` (idempotent)."""
+    """Wrap `BlockPool.cache_full_blocks`, `KVCacheManager.get_computed_blocks` and `KVCacheManager.allocate_slots`
+    (idempotent)."""
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     if is_patched(BlockPool.cache_full_blocks):
         return
     orig_cache, orig_computed = BlockPool.cache_full_blocks, KVCacheManager.get_computed_blocks
+    orig_allocate = KVCacheManager.allocate_slots
 
     def cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
                           kv_cache_group_id, *a, **kw):
-        if kv_cache_group_id == 0:
+        out = orig_cache(self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
+                         kv_cache_group_id, *a, **kw)
+        if kv_cache_group_id == 0:  # after vLLM's own: the blocks carry their hashes now
             try:
                 _ledger(self).computed(request.request_id, blocks, num_cached_blocks, num_full_blocks, block_size)
             except Exception:  # any error: never break the scheduler (the request's hits then read GAP)
                 pass
-        return orig_cache(self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
-                          kv_cache_group_id, *a, **kw)
+        return out
 
     def get_computed_blocks(self, request, *a, **kw):
         result = orig_computed(self, request, *a, **kw)
@@ -110,30 +159,52 @@ def patch_kv_cache() -> None:
             pass
         return result
 
+    def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0, *a, **kw):
+        try:
+            external = int(kw.get("num_external_computed_tokens", a[2] if len(a) > 2 else 0) or 0)
+            if external > 0:  # a connector loads these positions (before vLLM caches their blocks, below)
+                start = int(request.num_computed_tokens) + int(num_new_computed_tokens)
+                _ledger(self.block_pool).loading(request.request_id, start, start + external)
+        except Exception:  # any error: as above
+            pass
+        return orig_allocate(self, request, num_new_tokens, num_new_computed_tokens, *a, **kw)
+
     patch(BlockPool, "cache_full_blocks", cache_full_blocks)
     patch(KVCacheManager, "get_computed_blocks", get_computed_blocks)
+    patch(KVCacheManager, "allocate_slots", allocate_slots)
 
 
 def take_scheduled(scheduler: Any, output: Any) -> list[Reference]:
-    """The hits of requests `output` schedules as references, capped at each one's starting point; forgets them."""
-    hits = scheduler.kv_cache_manager.__dict__.get(_HITS)
-    if not hits:
+    """The hits and connector loads of requests `output` schedules as references, capped at each one's starting
+    point; forgets them."""
+    manager = scheduler.kv_cache_manager
+    hits = manager.__dict__.get(_HITS)
+    ledger = manager.block_pool.__dict__.get(_LEDGER)
+    loaded = ledger.loaded if ledger is not None else None
+    if not hits and not loaded:
         return []
     found: list[Reference] = []
     for request_id, scheduled in output.num_scheduled_tokens.items():
-        ranges = hits.pop(request_id, None)
+        ranges = hits.pop(request_id, None) if hits else None
+        span = loaded.pop(request_id, None) if loaded else None
         request = scheduler.requests.get(request_id)
-        if not ranges or request is None:
+        if (not ranges and span is None) or request is None:
             continue
         # After schedule() the request counts this step's tokens as computed; it started from the rest.
         started_at = int(request.num_computed_tokens) - int(scheduled)
+        if span is not None and ledger is not None:  # its loaded blocks are owned by the computations they name
+            blocks = manager.get_blocks(request_id).blocks[0]
+            ranges = (ranges or []) + ledger.hit_ranges(request_id, blocks, min(span[1], started_at), first=span[0])
         found += [Reference(request_id, start, min(end, started_at), source)
-                  for start, end, source in ranges if start < started_at]
+                  for start, end, source in ranges or [] if start < started_at]
     return found
 
 
 def forget(scheduler: Any, request_id: str) -> None:
-    """Drop a freed request's hits that were never scheduled."""
+    """Drop a freed request's hits and loads that were never scheduled."""
     hits = scheduler.kv_cache_manager.__dict__.get(_HITS)
     if hits:
         hits.pop(request_id, None)
+    ledger = scheduler.kv_cache_manager.block_pool.__dict__.get(_LEDGER)
+    if ledger is not None:
+        ledger.loaded.pop(request_id, None)

@@ -8,6 +8,10 @@ step's prefix-cache hits (`prefix_hits.py`), to the next `SchedulerOutput` as it
 "finished" and its own length count. The same record carries the engine core's weight version on
 the first step and whenever it changed (`weight_version.py`: `set_weight_version` wrapped).
 
+A request that ended here only to be decoded on another engine (prefill/decode disaggregation,
+`capture.vllm.kv_connectors.is_prefill_only`) is noted `remote_decode`: its rows are sent, its finish is the
+decode engine's.
+
 A note reaches a worker only if vLLM runs one more step after freeing the request, which a stop
 can prevent (`capture/vllm/finish_notes.py` says how). So the notes not yet delivered are also kept
 in this engine core's journal file (`FinishJournal`, under the spill root): `_free_request` adds a
@@ -18,9 +22,10 @@ worker ended first reads the notes there.
 
 from __future__ import annotations
 
-from capture.vllm.config import PluginConfig
+from capture.vllm.config import PdRole, PluginConfig
 from capture.vllm.engine_core import prefix_hits, weight_version
 from capture.vllm.finish_notes import FinishJournal
+from capture.vllm.kv_connectors import is_prefill_only
 from capture.vllm.patching import is_patched, patch
 from capture.vllm.scheduler_notes import SchedulerNotes, attach, notes_of
 from replay_format.request_notes import FinishStatus
@@ -56,14 +61,17 @@ def patch_scheduler() -> None:
     orig_update, orig_shutdown = Scheduler.update_from_output, Scheduler.shutdown
     config = PluginConfig.from_env()
     spill_root = config.spill_dir if config is not None else None
+    pd_role = config.pd_role if config is not None else PdRole.AUTO
 
     def _free_request(self, request, *a, **kw):
         freed = self.__dict__.setdefault(_FREED, {})
         try:
             status, num_tokens = finish_status(request.status), int(request.num_tokens)
-            freed[request.request_id] = Ended(request.request_id, num_tokens, status)
+            kv_config = getattr(getattr(self, "vllm_config", None), "kv_transfer_config", None)
+            remote = status is FinishStatus.FINISHED and is_prefill_only(request, kv_config, pd_role)
+            freed[request.request_id] = Ended(request.request_id, num_tokens, status, remote_decode=remote)
             journal = _journal(self, spill_root)
-            if journal is not None:
+            if journal is not None and not remote:  # a prefill-only request gets no finish from this engine
                 journal.add(request.request_id, status.value, num_tokens)
             prefix_hits.forget(self, request.request_id)
         except Exception:  # any error: never break the scheduler

@@ -17,6 +17,8 @@ Pure Python/numpy (no vLLM import), so it is tested directly.
 - Prefix caching: positions a request took from the prefix cache never ran in it; the engine
   core says which request computed them (a `Reference`), sent on in stored ids for the service
   to resolve (`reference`).
+- Prefill/decode disaggregation: a request a prefill engine passes on to a decode engine (`Ended.remote_decode`)
+  gets no finish here: the decode engine's writer sends the rest of its rows, under the same id, and its finish.
 - Finish: the total token count is what the scheduler reports when available, else the
   highest position seen + 2 (the last sampled token never ran through the model). An abort that
   lands mid-step leaves a row past the scheduler's count (the step's sample is dropped): an aborted
@@ -142,6 +144,10 @@ class StepBook:
         if not st.storable or src == st.external or not valid_id(src):
             return None
         return Reference(st.external, int(hit.start), int(hit.end), src)
+
+    def forget(self, internal: str) -> None:
+        """A request that ended here without a finish of its own (decoded on another engine): its rows were sent."""
+        self.requests.pop(internal, None)
 
     def finish(self, internal: str, num_tokens: int | None = None, status: FinishStatus | None = None) -> Finish | None:
         """The end of a finished/aborted request in its stored id, or None if it never ran."""

@@ -118,6 +118,9 @@ class Sink:
         """Requests that ended: their finish calls go after their rows."""
         self.flush()
         for end in ended:
+            if end.remote_decode:  # its rows are sent; the decode engine's writer finishes it
+                self.book.forget(end.request_id)
+                continue
             self._finish(self.book.finish(end.request_id, end.num_tokens, end.status))
 
     def finish_from_journals(self, spill_root: Path, wait_s: float = JOURNAL_WAIT_S) -> int:

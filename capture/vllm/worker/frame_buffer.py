@@ -30,7 +30,7 @@ from replay_format.core import FormatVersion
 from replay_format.step_frame import VERSION, FrameKind, version_trailer
 from replay_format.weight_versions import LABEL_MAX
 
-FORMAT_VERSION = FormatVersion(1, 3)  # the step frame layout written here (step_frame.md)
+FORMAT_VERSION = FormatVersion(1, 4)  # the step frame layout written here (step_frame.md; 1.4 changed only F frames)
 if VERSION != FORMAT_VERSION:  # a new layout must be written here too (and tested against pack)
     raise ImportError(f"capture.vllm.worker.frame_buffer writes step frames {FORMAT_VERSION}, the format is {VERSION}")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from capture.vllm.config import CaptureMode
+from capture.vllm.kv_connectors import connector_problems
 
 
 class StartupError(RuntimeError):
@@ -26,13 +27,7 @@ def check_config(vcfg: Any, mode: CaptureMode) -> None:
     """StartupError naming the fix for each setting a capture in `mode` (as asked for) cannot work with."""
     if vcfg is None:
         return
-    problems = []
-    if getattr(vcfg, "kv_transfer_config", None) is not None:
-        problems.append(
-            "a KV connector is configured (kv_transfer_config): KV it loads was computed by another engine, whose "
-            "routing this worker never sees, so those positions would read GAP; capture on the engine that "
-            "computes the KV, or start this one without the connector"
-        )
+    problems = connector_problems(getattr(vcfg, "kv_transfer_config", None))
     graphs = cuda_graphs(vcfg)
     if graphs is not None and mode == CaptureMode.EAGER:
         problems.append(
