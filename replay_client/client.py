@@ -27,7 +27,8 @@ from replay_format import ARROW_STREAM_MEDIA_TYPE, NPY_MEDIA_TYPE, Flag, LayerAx
 from replay_format.core import Backing
 from replay_format.route import read_routes
 from replay_format.trajectory import TrajectoryInfo, read_trajectory_info
-from replay_format.weight_versions import RecomputeRule, WeightVersions
+from replay_format.vllm_response import request_output_json
+from replay_format.weight_versions import RecomputeRule, WeightVersions, span_json
 
 TOKEN_ENV = "ROUTING_REPLAY_TOKEN"  # the bearer token, when none is given (the vLLM sink reads the same variable)
 
@@ -117,22 +118,12 @@ def routes_from_stream(backing: Backing) -> list[Route]:
                   meta.recompute) for r in routes]
 
 
-def _span_json(span: Any) -> dict[str, Any]:
-    """One span as the service reads it, from a vLLM `WeightVersionSpan`, a `VersionSpan`, a dict or a triple."""
-    if isinstance(span, dict):
-        return {"version": span["version"], "start": int(span["start"]), "end": int(span["end"])}
-    if isinstance(span, list | tuple):
-        version, start, end = span
-        return {"version": version, "start": int(start), "end": int(end)}
-    return {"version": span.version, "start": int(span.start), "end": int(span.end)}
-
-
 def _version_options(weight_versions: Sequence[Any] | None, weight_version: str | None,
                      prompt_tokens: int | None) -> dict[str, Any]:
     """The weight-version fields of an engine-output upload (the service checks them: 422 naming a bad span)."""
     out: dict[str, Any] = {}
     if weight_versions is not None:
-        out["weight_versions"] = [_span_json(s) for s in weight_versions]
+        out["weight_versions"] = [span_json(s) for s in weight_versions]
     if weight_version is not None:
         out["weight_version"] = weight_version
     if prompt_tokens is not None:
@@ -331,6 +322,42 @@ class ReplayClient:
         if moe_layers is not None:
             params["moe_layers"] = ",".join(str(int(x)) for x in moe_layers)
         return self._json("POST", f"/v1/runs/{run_id}/responses/sglang", json=body, params=params)
+
+    def upload_vllm_response(
+        self,
+        run_id: str,
+        response: Any,
+        n: int | None = None,
+        start: int = 0,
+        num_experts: int | None = None,
+        moe_layers: Sequence[int] | None = None,
+        num_hidden_layers: int | None = None,
+        finish: bool = True,
+    ) -> dict:
+        """A whole vLLM answer as returned, every choice in one call (replay_format/vllm_response.md).
+
+        `response`: the `openai` client's `Completion` or `ChatCompletion`, their JSON (a dict), or an offline
+        `RequestOutput` (its outputs' `routed_experts` and `weight_versions` as vLLM hands them out). Each choice is
+        stored under the id the plugin would store it under (`replay_format.vllm_ids`), at `start` (the request's
+        `routed_experts_prompt_start`). `n`: the request's n, needed for a completions answer with several choices.
+        The service checks every choice first: a `ReplayError` names the choice's index and request id, and nothing
+        of the answer is stored. The answer's `items` say what became of each.
+        """
+        if isinstance(response, dict):
+            body = response
+        elif hasattr(response, "model_dump"):  # the openai client's objects keep vLLM's extra fields
+            body = response.model_dump(mode="json")
+        elif hasattr(response, "request_id") and hasattr(response, "outputs"):
+            body = request_output_json(response)
+        else:
+            raise TypeError(f"not a vLLM completions/chat answer or RequestOutput: {type(response).__name__}")
+        params: dict[str, Any] = {"start": int(start), "finish": str(finish).lower()}
+        for name, value in (("n", n), ("num_experts", num_experts), ("num_hidden_layers", num_hidden_layers)):
+            if value is not None:
+                params[name] = int(value)
+        if moe_layers is not None:
+            params["moe_layers"] = ",".join(str(int(x)) for x in moe_layers)
+        return self._json("POST", f"/v1/runs/{run_id}/responses/vllm", json=body, params=params)
 
     # ---- readers ----------------------------------------------------------
 

@@ -20,6 +20,7 @@ import enum
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -196,6 +197,17 @@ def spans_to_rows(spans: Sequence[VersionSpan], positions: np.ndarray, what: str
         raise FormatError(f"{what}: position {first} is in no span (spans cover "
                           f"{[(s.start, s.end) for s in ordered]})")
     return WeightVersions(tuple(labels), codes[which] if len(pos) else np.empty(0, np.int16))
+
+
+def span_json(span: Any) -> dict[str, Any]:
+    """One span as JSON `{"version", "start", "end"}`, from a vLLM `WeightVersionSpan`, a `VersionSpan`, a dict or a
+    `[version, start, end]` triple (unchecked: `span_from_json` reads it back, checking)."""
+    if isinstance(span, dict):
+        return {"version": span["version"], "start": int(span["start"]), "end": int(span["end"])}
+    if isinstance(span, list | tuple):
+        version, start, end = span
+        return {"version": version, "start": int(start), "end": int(end)}
+    return {"version": span.version, "start": int(span.start), "end": int(span.end)}
 
 
 def span_from_json(value: object, what: str = "weight_versions") -> VersionSpan:

@@ -95,3 +95,47 @@ def test_the_plugin_takes_the_model_layer_count_from_vllm(tmp_path):
     assert model_num_hidden_layers(hf_only, (1, 5)) == 6
     assert model_num_hidden_layers(hf_only, (1, 6)) == 0  # e.g. an MTP layer numbered past the decoder layers
     assert model_num_hidden_layers(None, (0, 1)) == 0
+
+
+def test_vllm_answers_built_by_vllms_own_classes_are_what_the_fast_tests_build(svc):
+    """tests/test_vllm_responses.py restates vLLM's serving code; here vLLM's own protocol classes and
+    `numpy2base64` build the same answers, which are equal to the restated ones and stored the same way."""
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionResponse,
+        ChatCompletionResponseChoice,
+        ChatMessage,
+    )
+    from vllm.entrypoints.openai.completion.protocol import CompletionResponse, CompletionResponseChoice
+    from vllm.entrypoints.serve.engine.protocol import UsageInfo
+    from vllm.utils.serial_utils import numpy2base64
+
+    from tests.test_vllm_responses import SHAPE, capture, chat_response, completion_response
+
+    rng = np.random.default_rng(9)
+    prompt, outs = rng.integers(3, 500, 12).tolist(), [rng.integers(3, 500, 6).tolist() for _ in range(2)]
+    arrays = [capture(SHAPE, rng, prompt, o) for o in outs]
+    usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=12, total_tokens=len(prompt) + 12)
+    theirs = CompletionResponse(id="cmpl-own", created=0, model="m", usage=usage, choices=[
+        CompletionResponseChoice(index=i, text="...", finish_reason="length", prompt_token_ids=prompt, token_ids=o,
+                                 routed_experts=numpy2base64(a)) for i, (o, a) in enumerate(zip(outs, arrays))])
+    ours = completion_response("own", [prompt], [outs], [arrays], True)
+    fields = ("index", "prompt_token_ids", "token_ids", "routed_experts")
+    dumped = theirs.model_dump(mode="json")
+    assert [{k: c[k] for k in fields} for c in dumped["choices"]] == [{k: c[k] for k in fields}
+                                                                       for c in ours["choices"]]
+    assert {k: dumped["usage"][k] for k in ours["usage"]} == ours["usage"]
+    chat = ChatCompletionResponse(id="chatcmpl-own", created=0, model="m", usage=usage, prompt_token_ids=prompt,
+                                  choices=[ChatCompletionResponseChoice(
+                                      index=i, message=ChatMessage(role="assistant", content="..."),
+                                      finish_reason="length", token_ids=o, routed_experts=numpy2base64(a))
+                                      for i, (o, a) in enumerate(zip(outs, arrays))])
+    mine = chat_response("own", prompt, outs, arrays, True)
+    assert [c["routed_experts"] for c in chat.model_dump(mode="json")["choices"]] == [
+        c["routed_experts"] for c in mine["choices"]]
+    with ReplayClient(svc.url) as c:
+        c.upload_vllm_response("vllm-own", dumped, n=2, num_experts=SHAPE.num_experts, moe_layers=SHAPE.moe_layers)
+        c.upload_vllm_response("vllm-own", chat.model_dump(mode="json"))
+        for i, arr in enumerate(arrays):
+            for rid in (f"{i}_cmpl-own-0", f"{i}_chatcmpl-own"):
+                route = c.get_route("vllm-own", rid, strict=True, layer_axis="model")
+                assert np.array_equal(route.experts, arr) and route.token_ids.tolist() == (prompt + outs[i])[:-1]

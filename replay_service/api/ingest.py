@@ -13,7 +13,7 @@ from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
-from replay_format import ARROW_STREAM_MEDIA_TYPE, JSON_MEDIA_TYPE, NPY_MEDIA_TYPE, FormatError
+from replay_format import ARROW_STREAM_MEDIA_TYPE, JSON_MEDIA_TYPE, NPY_MEDIA_TYPE, FormatError, RunShape
 from replay_format.rows import POSITION_MAX
 from replay_service.api.deps import (
     BodyLimits,
@@ -36,11 +36,13 @@ from replay_service.ingest.decode import (
     parse_moe_layers,
     parse_weight_versions,
 )
-from replay_service.ingest.sglang_responses import ResponseItem, ResponseOptions, decode_sglang_response
+from replay_service.ingest.responses import ResponseItem
+from replay_service.ingest.sglang_responses import ResponseOptions, decode_sglang_response
 from replay_service.ingest.uploads import store_items, store_upload
+from replay_service.ingest.vllm_responses import VllmResponseOptions, decode_vllm_response
 from replay_service.metrics import ServiceMetrics
 from replay_service.settings import ServiceSettings
-from replay_service.store import RequestStatus
+from replay_service.store import RequestStatus, RouteStore
 from replay_service.store.ingest_stage import IngestOutcome, IngestResult
 
 T = TypeVar("T")
@@ -228,18 +230,65 @@ async def upload_sglang_response(
     (else `weight_version`) and, when returned, `prompt_token_ids` + `output_ids` as tokens. Every item is checked
     before any is stored: a 4xx names the item's index and request id, and nothing of the answer is stored.
     """
-    if BodyKind.of(http.headers.get("content-type", "")) != BodyKind.SGLANG_JSON:
-        raise UnsupportedMediaType(f"an SGLang answer is {JSON_MEDIA_TYPE}, got "
-                                   f"{media_type(http.headers.get('content-type', '')) or 'no content type'}")
     options = ResponseOptions(num_experts, parse_moe_layers(moe_layers), num_hidden_layers, num_layers, top_k, start,
                               settings.max_batch_requests)
+    return await _store_answer(http, store, settings, metrics, run, finish, "an SGLang answer",
+                               lambda body, shape: decode_sglang_response(body, run, shape, options))
 
-    def store_response(body: bytes | memoryview) -> list[tuple[ResponseItem, IngestResult]]:
-        run_shape = store.run_shape(run) if store.has_run(run) else None
-        items = decode_sglang_response(body, run, run_shape, options)
+
+async def _store_answer(http: Request, store: RouteStore, settings: ServiceSettings, metrics: ServiceMetrics, run: str,
+                        finish: bool, what: str,
+                        decode: Callable[[bytes | memoryview, RunShape | None], list[ResponseItem]]) -> ResponseAnswer:
+    """An engine's whole answer (JSON), decoded by `decode` into items, every item checked before any is stored."""
+    if BodyKind.of(http.headers.get("content-type", "")) != BodyKind.SGLANG_JSON:
+        raise UnsupportedMediaType(f"{what} is {JSON_MEDIA_TYPE}, got "
+                                   f"{media_type(http.headers.get('content-type', '')) or 'no content type'}")
+
+    def store_answer(body: bytes | memoryview) -> list[tuple[ResponseItem, IngestResult]]:
+        items = decode(body, store.run_shape(run) if store.has_run(run) else None)
         return list(zip(items, store_items(store, run, items, finish), strict=True))  # all checked before any stored
 
-    done = await _store_body(http, settings, metrics, store_response)
+    done = await _store_body(http, settings, metrics, store_answer)
     return ResponseAnswer(items=[ResponseItemAnswer(index=item.index, request_id=item.request_id,
                                                     start=item.upload.start, **_answer(metrics, result).model_dump())
                                  for item, result in done])
+
+
+@router.post(
+    "/runs/{run}/responses/vllm",
+    summary="Store a whole vLLM answer as returned (a completions or chat response, or an offline RequestOutput), "
+            "each choice under the id the plugin would store it under, in one call",
+    response_model=ResponseAnswer,
+    responses={**CONFLICT, **BODY_LIMITS, **STORAGE_FULL},
+    openapi_extra={"requestBody": {"required": True, "content": {JSON_MEDIA_TYPE: {}}}},
+)
+async def upload_vllm_response(
+    run: RunId,
+    http: Request,
+    store: Store,
+    settings: Settings,
+    metrics: Metrics,
+    num_experts: int | None = Query(None, ge=1, le=65536, description="needed when the run is new"),
+    moe_layers: str | None = Query(None, description="comma-separated model-layer indices of the MoE layers; needed "
+                                                     "for a new run whose array has an all-zero layer"),
+    num_hidden_layers: int | None = Query(None, ge=1, le=65535, description="the model's layer count"),
+    start: int = Query(0, ge=0, le=2**31 - 2, description="the request's routed_experts_prompt_start"),
+    n: int | None = Query(None, ge=1, le=4096, description="the request's n: needed for a completions answer with "
+                                                           "several choices (several prompts and n > 1 both give "
+                                                           "several)"),
+    finish: bool = Query(True, description="also mark each request finished at start + rows + 1 tokens"),
+) -> ResponseAnswer:
+    """vLLM's answer as returned (replay_format/vllm_response.md): `/v1/completions`' (`"object": "text_completion"`)
+    or `/v1/chat/completions`' (`"chat.completion"`) JSON, or an offline `RequestOutput` as the client writes it
+    (`"vllm.request_output"`).
+
+    Each choice's `routed_experts` (vLLM's base64 `.npy`, any integer dtype) is stored under the id the plugin would
+    store it under (`cmpl-<id>-<prompt>`, `chatcmpl-<id>`, the offline request id; `<i>_` before it when n > 1) at
+    positions `start ..`, with its tokens when the answer carries them and the offline output's weight-version spans.
+    Every choice is checked before any is stored: a 4xx names the choice's index and request id (no routes, a start
+    beyond its prompt, an array its tokens or the answer's usage disagree with), and nothing of the answer is stored.
+    """
+    options = VllmResponseOptions(num_experts, parse_moe_layers(moe_layers), num_hidden_layers, start, n,
+                                  settings.max_batch_requests)
+    return await _store_answer(http, store, settings, metrics, run, finish, "a vLLM answer",
+                               lambda body, shape: decode_vllm_response(body, run, shape, options))

@@ -21,11 +21,11 @@ import pyarrow as pa
 from replay_format import ARROW_STREAM_MEDIA_TYPE, JSON_MEDIA_TYPE, NPY_MEDIA_TYPE, RunShape, Source
 from replay_format import rows as rows_format
 from replay_format.rows import Rows, RowsMeta, shape_metadata
+from replay_format.vllm_response import read_npy
 from replay_format.weight_versions import VersionSpan
 from replay_service.errors import InvalidInput, UnsupportedMediaType
 from replay_service.ingest.engine_outputs import (
     EngineRoute,
-    decode_npy,
     decode_sglang_json,
     engine_route_rows,
     parse_spans,
@@ -118,7 +118,7 @@ def decode_route(content_type: str, body: bytes | memoryview, run_id: str, reque
     """
     kind = BodyKind.of(content_type)
     if kind == BodyKind.NPY:
-        route = EngineRoute(decode_npy(body), None, None, None, Source.VLLM_OUTPUT)
+        route = EngineRoute(read_npy(body), None, None, None, Source.VLLM_OUTPUT)
     elif kind == BodyKind.SGLANG_JSON:
         route = decode_sglang_json(body)
     elif kind == BodyKind.ARROW:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 import json
 from dataclasses import dataclass
 
@@ -186,34 +185,6 @@ def moe_rows(route: np.ndarray, choice: LayerChoice) -> np.ndarray:
         raise InvalidInput(f"layers {nonzero.tolist()} are not in moe_layers {layers} but hold non-zero ids: "
                            "the layer list does not describe this array")
     return np.ascontiguousarray(route[:, layers, :])
-
-
-def decode_npy(body: bytes | memoryview) -> np.ndarray:
-    """A `.npy` body as an integer array viewing the body (no copy, no pickles).
-
-    The header is checked against the body's length before anything is allocated, and
-    a damaged header is an UndecodableError (numpy raises several kinds of error while parsing one).
-    """
-    fp = io.BytesIO(body)
-    try:
-        version = np.lib.format.read_magic(fp)
-        if version == (1, 0):
-            shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(fp)
-        elif version == (2, 0):
-            shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(fp)
-        else:
-            raise ValueError(f"unsupported .npy format version {version}")
-    except Exception as exc:  # noqa: BLE001 - ValueError, SyntaxError, TokenError, ... all mean "bad header"
-        raise UndecodableError(f"body is not a .npy array: {exc}") from None
-    if dtype.hasobject or not np.issubdtype(dtype, np.integer):
-        raise InvalidInput(f".npy route must hold integer ids, got {dtype}")
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    data_bytes = len(body) - fp.tell()
-    if count * dtype.itemsize != data_bytes:
-        raise UndecodableError(
-            f".npy header says {shape} of {dtype} ({count * dtype.itemsize} bytes) but the body holds {data_bytes}")
-    array = np.frombuffer(body, dtype=dtype, count=count, offset=fp.tell())
-    return array.reshape(shape, order="F" if fortran_order else "C")
 
 
 def load_json(body: bytes | memoryview) -> object:

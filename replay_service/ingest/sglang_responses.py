@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from replay_format import ID_RULE, FormatError, RunShape, Source, valid_id
-from replay_service.errors import InvalidInput, ServiceError
+from replay_format import ID_RULE, RunShape, Source, valid_id
+from replay_service.errors import InvalidInput
 from replay_service.ingest.decode import Upload
 from replay_service.ingest.engine_outputs import (
     EngineRoute,
@@ -33,6 +33,7 @@ from replay_service.ingest.engine_outputs import (
     sglang_ids,
     sglang_ids_dtype,
 )
+from replay_service.ingest.responses import ResponseItem, item_errors, same_shape
 
 
 @dataclass(frozen=True)
@@ -46,15 +47,6 @@ class ResponseOptions:
     top_k: int | None = None  # default: the run's
     start: int = 0  # the request's routed_experts_start_len (one for the whole /generate call)
     max_items: int = 4096
-
-
-@dataclass
-class ResponseItem:
-    """One item of the answer, decoded: where it is stored and its rows."""
-
-    index: int
-    request_id: str
-    upload: Upload
 
 
 def decode_sglang_response(body: bytes | memoryview, run_id: str, run_shape: RunShape | None,
@@ -84,8 +76,7 @@ def decode_sglang_response(body: bytes | memoryview, run_id: str, run_shape: Run
     for index, item in enumerate(answer):
         meta = item.get("meta_info") if isinstance(item, dict) else None
         request_id = request_ids[index] if request_ids is not None else (meta or {}).get("id")
-        where = f"item {index} (request {request_id!r}): "
-        try:
+        with item_errors("item", index, request_id):
             if not isinstance(request_id, str) or not valid_id(request_id):
                 raise InvalidInput(f"the request id is not a valid id ({ID_RULE}); pass request_ids to store the "
                                    "items under ids of your own")
@@ -93,13 +84,7 @@ def decode_sglang_response(body: bytes | memoryview, run_id: str, run_shape: Run
                 raise InvalidInput(f"the same request id as item {seen[request_id]}")
             seen[request_id] = index
             upload = _item_upload(item, meta, run_id, request_id, run_shape, options)
-            if items and upload.rows.meta.shape != items[0].upload.rows.meta.shape:
-                raise InvalidInput(f"its shape {upload.rows.meta.shape} is not item 0's "
-                                   f"{items[0].upload.rows.meta.shape}: one answer is one model")
-        except ServiceError as exc:
-            raise type(exc)(where + exc.message) from None
-        except FormatError as exc:
-            raise FormatError(where + str(exc)) from None
+            same_shape(items, upload)
         items.append(ResponseItem(index, request_id, upload))
     return items
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from replay_service.ingest.decode import Upload
-from replay_service.ingest.sglang_responses import ResponseItem
+from replay_service.ingest.responses import ResponseItem
 from replay_service.store import RouteStore
 from replay_service.store.ingest_stage import IngestResult
 
