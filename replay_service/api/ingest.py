@@ -54,6 +54,13 @@ WEIGHT_VERSIONS_HELP = (
     "take output token 0's version; every row covered, no overlap")
 
 
+# Query parameters every engine answer's upload takes (an answer says its ids, not its model's shape)
+NUM_EXPERTS = Query(None, ge=1, le=65536, description="needed when the run is new")
+MOE_LAYERS = Query(None, description="comma-separated model-layer indices of the MoE layers; needed for a new run "
+                                    "whose array has an all-zero layer")
+NUM_HIDDEN_LAYERS = Query(None, ge=1, le=65535, description="the model's layer count")
+
+
 class IngestAnswer(BaseModel):
     """What became of one batch (or one whole route)."""
 
@@ -210,10 +217,9 @@ async def upload_sglang_response(
     store: Store,
     settings: Settings,
     metrics: Metrics,
-    num_experts: int | None = Query(None, ge=1, le=65536, description="needed when the run is new"),
-    moe_layers: str | None = Query(None, description="comma-separated model-layer indices of the MoE layers; needed "
-                                                     "for a new run whose array has an all-zero layer"),
-    num_hidden_layers: int | None = Query(None, ge=1, le=65535, description="the model's layer count"),
+    num_experts: int | None = NUM_EXPERTS,
+    moe_layers: str | None = MOE_LAYERS,
+    num_hidden_layers: int | None = NUM_HIDDEN_LAYERS,
     num_layers: int | None = Query(None, ge=1, le=65535,
                                    description="layers of each item's array (SGLang: num_hidden_layers); default: "
                                                "the ids of a row over top_k"),
@@ -268,10 +274,9 @@ async def upload_vllm_response(
     store: Store,
     settings: Settings,
     metrics: Metrics,
-    num_experts: int | None = Query(None, ge=1, le=65536, description="needed when the run is new"),
-    moe_layers: str | None = Query(None, description="comma-separated model-layer indices of the MoE layers; needed "
-                                                     "for a new run whose array has an all-zero layer"),
-    num_hidden_layers: int | None = Query(None, ge=1, le=65535, description="the model's layer count"),
+    num_experts: int | None = NUM_EXPERTS,
+    moe_layers: str | None = MOE_LAYERS,
+    num_hidden_layers: int | None = NUM_HIDDEN_LAYERS,
     start: int = Query(0, ge=0, le=2**31 - 2, description="the request's routed_experts_prompt_start"),
     n: int | None = Query(None, ge=1, le=4096, description="the request's n: needed for a completions answer with "
                                                            "several choices (several prompts and n > 1 both give "
