@@ -179,3 +179,39 @@ def test_reads_past_the_row_limit_are_paged(server):
     assert whole.status_code == 422 and "REPLAY_MAX_READ_ROWS=8" in whole.json()["detail"]
     assert httpx.get(url, params={"start": 0, "end": 8}).status_code == 200
     assert httpx.get(url, params={"start": 8, "end": 10}).status_code == 200
+
+
+# Positions are int32 (0 .. 2^31 - 2; an exclusive end up to 2^31 - 1): a read range past that answered 500 from
+# the catch-all guard (an int32 overflow assembling the route, SQLite's integer overflow reading spans).
+OUT_OF_RANGE_POSITIONS = [(2**31, 2**31 + 2), (2**31 - 1, 2**31 + 9), (2**63 - 1, 2**63 + 9), (2**63, 2**63 + 1),
+                          (2**64, 2**64 + 1), (0, 2**63), (-1, 3)]
+
+
+def test_an_empty_range_reads_as_no_rows_in_every_format(server):
+    """start == end (also at the last position there is): no rows, not a 500 (the .npy answer cast a zero-length view)."""
+    url = f"{server.url}/v1/runs/good/requests/r/routes"
+    for start in (5, 2**31 - 1):
+        for fmt in ("arrow", "npy", "json"):
+            answer = httpx.get(url, params={"start": start, "end": start, "format": fmt})
+            assert answer.status_code == 200, (fmt, answer.text[:200])
+        assert np.load(io.BytesIO(httpx.get(url, params={"start": start, "end": start, "format": "npy"}).content)
+                       ).shape[0] == 0
+
+
+@pytest.mark.parametrize(("start", "end"), OUT_OF_RANGE_POSITIONS)
+def test_read_positions_past_int32_are_a_422_naming_the_parameter(server, start, end):
+    """Every read that takes a range: the route (each format), the batch read, a comparison's request, the trainer."""
+    run = f"{server.url}/v1/runs/good"
+    with httpx.Client(timeout=30) as http:
+        answers = [http.get(f"{run}/requests/r/routes", params={"start": start, "end": end, "format": fmt})
+                   for fmt in ("arrow", "npy", "json")]
+        answers.append(http.post(f"{run}/routes/batch", json={"requests": ["r"], "start": start, "end": end}))
+        answers.append(http.post(f"{run}/routes/batch", json={"requests": ["r"], "start": start}))
+        answers.append(http.get(f"{run}/compares/c-unknown/requests/r", params={"start": start, "end": end}))
+        if not 0 <= start < 2**31:  # a trainer sequence has a start only
+            answers.append(http.post(f"{server.url}/v1/trainer/megatron",
+                                     json={"sequences": [{"run": "good", "request": "r", "start": start}]}))
+    for answer in answers:
+        assert answer.status_code == 422, (answer.request.url, answer.status_code, answer.text[:300])
+        detail = json.dumps(answer.json()["detail"])
+        assert "start" in detail or "end" in detail, detail

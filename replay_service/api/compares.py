@@ -8,7 +8,15 @@ from starlette.concurrency import run_in_threadpool
 from replay_format import ARROW_STREAM_MEDIA_TYPE
 from replay_format.weight_versions import check_label
 from replay_service.api.deps import RequestId, RunId, Settings, Store, read_body
-from replay_service.api.models import BODY_LIMITS, CONFLICT, ERRORS, CompareList, CompareRequestDetail, CompareResult
+from replay_service.api.models import (
+    BODY_LIMITS,
+    CONFLICT,
+    ERRORS,
+    POSITION_END_MAX,
+    CompareList,
+    CompareRequestDetail,
+    CompareResult,
+)
 from replay_service.compare.comparison import Posted, compare_request_detail, record_compare
 from replay_service.errors import InvalidInput, UnsupportedMediaType
 
@@ -70,7 +78,8 @@ def compare_request(
     request: RequestId,
     store: Store,
     settings: Settings,
-    start: int = Query(0, ge=0),
-    end: int | None = Query(None, ge=0, description="exclusive; default: after the last position compared"),
+    start: int = Query(0, ge=0, le=POSITION_END_MAX),
+    end: int | None = Query(None, ge=0, le=POSITION_END_MAX,
+                            description="exclusive; default: after the last position compared"),
 ) -> dict:
     return compare_request_detail(store, run, compare_id, request, start, end, settings.max_json_rows)

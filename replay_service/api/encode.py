@@ -218,6 +218,8 @@ def npy_parts(array: np.ndarray) -> list[bytes | memoryview]:
     """`.npy` (format 1.0) of `array`: its header, then the array's own bytes (no copy when contiguous)."""
     header = io.BytesIO()
     np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(array))
+    if array.size == 0:  # an empty range: a memoryview of a zero-length shape cannot be cast
+        return [header.getvalue()]
     return [header.getvalue(), np.ascontiguousarray(array).data.cast("B")]
 
 

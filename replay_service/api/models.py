@@ -201,11 +201,15 @@ RECOMPUTE_HELP = ("which computation of a position recomputed under other weight
 WEIGHT_VERSION_HELP = "serve only rows of this weight version; other positions read as GAP"
 
 
+POSITION_END_MAX = 2**31 - 1  # positions are int32 (0 .. 2^31 - 2, rows.md): an exclusive end is at most this
+
+
 class RouteParams(BaseModel):
     """The query of `GET .../routes` (one model: validated in one call, not one per parameter)."""
 
-    start: int = Field(0, ge=0)
-    end: int | None = Field(None, ge=0, description="exclusive; default: T-1 when finished, else last position + 1")
+    start: int = Field(0, ge=0, le=POSITION_END_MAX)
+    end: int | None = Field(None, ge=0, le=POSITION_END_MAX,
+                            description="exclusive; default: T-1 when finished, else last position + 1")
     strict: bool = Field(False, description="409 instead of data when any row in range is flagged or missing")
     format: str | None = Field(None, description="arrow | npy | json (overrides Accept)")
     layer_axis: LayerAxis = Field(LayerAxis.MOE, description=LAYER_AXIS_HELP)
@@ -217,8 +221,9 @@ class RouteQuery(BaseModel):
     """Many routes of one run at once (`POST /v1/runs/{run}/routes/batch`)."""
 
     requests: list[str] = Field(min_length=1, description="request ids, answered in this order")
-    start: int = Field(0, ge=0)
-    end: int | None = Field(None, ge=0, description="exclusive; default: each request to its own end")
+    start: int = Field(0, ge=0, le=POSITION_END_MAX)
+    end: int | None = Field(None, ge=0, le=POSITION_END_MAX,
+                            description="exclusive; default: each request to its own end")
     strict: bool = False
     layer_axis: LayerAxis = Field(LayerAxis.MOE, description=LAYER_AXIS_HELP)
     recompute: RecomputeRule = Field(RecomputeRule.FIRST, description=RECOMPUTE_HELP)
@@ -260,7 +265,6 @@ class RouteJson(BaseModel):
 # ---- prefix-cache references -------------------------------------------------------------------
 
 MAX_REFERENCES = 10_000  # per body: a step's references are a few per scheduled request
-POSITION_END_MAX = 2**31 - 1  # positions are int32
 
 
 # The references body of replay_format/request_notes.md (`references_body` writes it, under these field names);
