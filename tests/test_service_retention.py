@@ -24,6 +24,7 @@ import pytest
 
 from replay_client.client import ReplayClient
 from replay_format import RunShape
+from replay_service.ingest.decode import decode_batch
 from tests.support.data import batch_bytes, routes
 from tests.support.service import ServiceProcess
 
@@ -149,6 +150,36 @@ def test_delete_while_reading_and_writing(shared_service):
         for table in ("requests", "segments", "spans"):
             orphans = db.execute(f"SELECT COUNT(*) FROM {table} WHERE run_id NOT IN (SELECT run_id FROM runs)")
             assert orphans.fetchone()[0] == 0, table
+
+
+def test_a_read_that_named_a_deleted_segment_is_a_404_even_after_its_run_is_created_again(tmp_path):
+    """The race `test_delete_while_reading_and_writing` once met: a read took a segment's path from the index, the run
+    was deleted, a writer's next batch created the run again (the cache's `revive_run`), then the read opened the
+    path: the file is gone, which is no damage (it answered 503 "restore it from a backup"); the index no longer names
+    it, so RunDeleted (404). A segment the index still names and whose file is gone stays damage."""
+    from replay_service.app import open_store
+    from replay_service.errors import DamagedSegment, RunDeleted
+    from replay_service.settings import ServiceSettings
+
+    store = open_store(ServiceSettings(data_dir=tmp_path / "data"))
+    try:
+        def ingest(seq: int) -> None:
+            body = batch_bytes("again", "w", seq, ["x"] * 4, np.arange(4, dtype=np.int32),
+                               routes(np.random.default_rng(seq), 4, SHAPE).reshape(4, -1), shape=SHAPE)
+            store.ingest(decode_batch("", body))
+
+        ingest(0)
+        (old,) = store.index.indexed_paths()
+        store.delete_run("again")
+        ingest(1)  # the run again, a new segment
+        with pytest.raises(RunDeleted):
+            store.cache.get(old)
+        (new,) = store.index.indexed_paths()
+        (store.segments.root / new).unlink()
+        with pytest.raises(DamagedSegment):
+            store.cache.get(new)
+    finally:
+        store.close()
 
 
 def test_retention_cap_and_gc(tmp_path):

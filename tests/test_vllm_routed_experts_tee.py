@@ -306,7 +306,7 @@ def test_a_preemption_is_no_finish():
     assert sink.ended == []
     request.status = RequestStatus.FINISHED_STOPPED
     connector.request_finished(request)
-    assert [tuple(e) for e in sink.ended] == [("p-0000aaaa", 3, "finished")]
+    assert [tuple(e) for e in sink.ended] == [("p-0000aaaa", 3, "finished", False)]  # False: not prefill-only
 
 
 def test_teed_frames_carry_the_engine_cores_weight_version_at_commit():

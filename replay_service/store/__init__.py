@@ -100,7 +100,8 @@ class RouteStore:
         empty_trash(self.root)  # what a delete interrupted by a crash left (retention.py)
         # what reindex replays, beside the segments: a local file, or objects in their bucket (journal.py)
         self.journal = open_journal(self.segments, self.segments_root, fsync=settings.fsync)
-        self.cache = SegmentCache(self.segments, settings.open_segment_cache, settings.open_segment_cache_bytes)
+        self.cache = SegmentCache(self.segments, settings.open_segment_cache, settings.open_segment_cache_bytes,
+                                  indexed=self.index.names_segment)
         self.reader = RowReader(self.index, self.cache)
         self.registry = RunRegistry(self.index)
         self.compares = CompareStore(self.root / "compares", self.index, fsync=settings.fsync,

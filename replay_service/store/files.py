@@ -27,6 +27,7 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,8 +151,12 @@ class SegmentCache:
     whatever the codec and the store.
     """
 
-    def __init__(self, store: SegmentStore | Path, capacity: int, max_heap_bytes: int = 1 << 30) -> None:
+    def __init__(self, store: SegmentStore | Path, capacity: int, max_heap_bytes: int = 1 << 30,
+                 indexed: Callable[[str, str], bool] | None = None) -> None:
         self.store = LocalSegments(store) if isinstance(store, Path) else store
+        # (run, path) -> whether the index still names the segment: a missing file it no longer names was deleted
+        # with its run (a run of the same id may have been created since), not damaged
+        self.indexed = indexed
         self.capacity = max(1, capacity)
         self.max_heap_bytes = max_heap_bytes
         self._heap: dict[str, int] = {}  # path -> heap_bytes of the open segments that hold any
@@ -182,6 +187,10 @@ class SegmentCache:
     def _stat(self, rel_path: str) -> tuple[int, int] | None:
         return self.store.stat(rel_path)
 
+    def _unnamed(self, rel_path: str) -> bool:
+        """The index no longer names this segment: its run was deleted, then perhaps created again (`revive_run`)."""
+        return self.indexed is not None and not self.indexed(_run_of(rel_path), rel_path)
+
     def get(self, rel_path: str) -> pa.RecordBatch:
         """The segment at `rel_path` (its one record batch), mapped and checked on first use.
 
@@ -194,7 +203,7 @@ class SegmentCache:
                 return batch
             known = self._damaged.get(rel_path)
             deleted = _run_of(rel_path) in self._deleted
-        if deleted and self._stat(rel_path) is None:
+        if self._stat(rel_path) is None and (deleted or self._unnamed(rel_path)):
             raise RunDeleted(f"run {_run_of(rel_path)!r} was deleted while this read was under way")
         if known is not None and known[0] == self._stat(rel_path):
             raise DamagedSegment(known[1], rel_path)
@@ -203,7 +212,8 @@ class SegmentCache:
             batch = open_segment(self.store, rel_path)
         except DamagedSegment as exc:
             with self._lock:
-                if _run_of(rel_path) in self._deleted and self._stat(rel_path) is None:
+                gone = self._stat(rel_path) is None
+                if gone and (_run_of(rel_path) in self._deleted or self._unnamed(rel_path)):
                     # unlinked between the check above and the open: not damage
                     raise RunDeleted(f"run {_run_of(rel_path)!r} was deleted while this read was under way") from None
                 exc.newly_found = rel_path not in self._damaged

@@ -216,6 +216,7 @@ CREATE TABLE IF NOT EXISTS run_versions (
         self.insert_segment = ("INSERT INTO segments (run_id, writer_id, seq, path, rows, bytes, digest)"
                                " VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING segment_id")
         self.select_paths = "SELECT path FROM segments"
+        self.segment_named = "SELECT 1 FROM segments WHERE run_id = ? AND path = ? LIMIT 1"
         self.insert_span = f"INSERT INTO spans ({SPAN_FIELDS}) VALUES (?, ?, ?, ?, ?, ?, ?)"
         # In the order the request came to hold them (span_id): among rows at one position, the first held wins.
         self.spans_overlapping = (
@@ -449,6 +450,10 @@ class Index:
     def indexed_paths(self) -> set[str]:
         """Every segment path the index names (relative to the segment root)."""
         return {row["path"] for row in self.query(self.sql.select_paths)}
+
+    def names_segment(self, run_id: str, path: str) -> bool:
+        """Whether the index still names the segment at `path` (relative to the segment root) of `run_id`."""
+        return bool(self.query(self.sql.segment_named, (run_id, path)))
 
     def spans(self, run_id: str, request_id: str, pos_lo: int, pos_hi: int) -> list[Row]:
         """A request's spans touching positions `[pos_lo, pos_hi]`, in the order it came to hold them.
