@@ -188,7 +188,7 @@ OUT_OF_RANGE_POSITIONS = [(2**31, 2**31 + 2), (2**31 - 1, 2**31 + 9), (2**63 - 1
 
 
 def test_an_empty_range_reads_as_no_rows_in_every_format(server):
-    """start == end (also at the last position there is): no rows, not a 500 (the .npy answer cast a zero-length view)."""
+    """start == end (also at the last position there is): no rows, not a 500 (.npy cast a zero-length view)."""
     url = f"{server.url}/v1/runs/good/requests/r/routes"
     for start in (5, 2**31 - 1):
         for fmt in ("arrow", "npy", "json"):
