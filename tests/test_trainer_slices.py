@@ -17,8 +17,6 @@ from replay_format.trainer_slice import read_slice
 from tests.support.data import QWEN3_SHAPE, store_requests
 
 torch = pytest.importorskip("torch")
-mutils = pytest.importorskip("megatron.core.utils")
-mappings = pytest.importorskip("megatron.core.tensor_parallel.mappings")
 
 L, K = QWEN3_SHAPE.num_moe_layers, QWEN3_SHAPE.top_k
 LENGTHS = {"s-a": 301, "s-b": 180, "s-c": 257, "s-d": 96}
@@ -95,6 +93,8 @@ def test_thd_slices_reassemble_the_whole_batch(stored, cp, tp):
 
 @pytest.mark.parametrize("cp,tp", [(2, 1), (1, 4), (2, 2)])
 def test_bshd_slices_match_megatron_cp_and_sp_splits(stored, cp, tp, monkeypatch):
+    mutils = pytest.importorskip("megatron.core.utils")  # here, not at the top: ~7 s of imports the fast loop skips
+    mappings = pytest.importorskip("megatron.core.tensor_parallel.mappings")
     client, full = stored
     whole, whole_bytes = _fetch(client, packing="bshd", seq_length=304)
     s = whole.layout.seq_length
@@ -132,6 +132,7 @@ def test_slice_of_a_realistic_batch_is_a_fraction_of_the_bytes(shared_service):
 @pytest.mark.parametrize("cp,tp", [(2, 1), (2, 2), (4, 1)])
 def test_bshd_contiguous_cp_keeps_one_run_of_positions_per_rank(stored, cp, tp):
     """`cp_split="contiguous"` (miles `--allgather-cp` for BSHD): CP rank r holds positions [r*s/cp, (r+1)*s/cp)."""
+    mappings = pytest.importorskip("megatron.core.tensor_parallel.mappings")
     client, full = stored
     whole, _ = _fetch(client, packing="bshd", seq_length=304)
     s, b = whole.layout.seq_length, len(ORDER)

@@ -78,6 +78,7 @@ ROUTE_NEEDS: dict[tuple[str, str], Need] = {
     ("POST", "/v1/runs/{run}/requests/{request}/finish"): Need(Role.WRITE),
     ("POST", "/v1/runs/{run}/requests/{request}/routes"): Need(Role.WRITE),
     ("POST", "/v1/runs/{run}/responses/sglang"): Need(Role.WRITE),  # stores each item of an engine's answer
+    ("POST", "/v1/runs/{run}/responses/vllm"): Need(Role.WRITE),  # stores each choice of a vLLM answer
     ("POST", "/v1/runs/{run}/references"): Need(Role.WRITE),
     ("POST", "/v1/runs/{run}/routes/batch"): Need(Role.READ),  # a read with a body (many request ids)
     ("POST", "/v1/runs/{run}/routes/trajectory"): Need(Role.READ),  # a read with a body (its turns)
