@@ -51,7 +51,8 @@ class Run:
     def refs(self, *references: tuple[str, int, int, str]) -> httpx.Response:
         body = {"references": [{"request_id": r, "start": a, "end": b, "source_request_id": s}
                                for r, a, b, s in references]}
-        return httpx.post(f"{self.url}/v1/runs/{self.run}/references", json=body, timeout=30)
+        # 120 s: 10,000 references on PostgreSQL took more than 30 s once on a loaded machine
+        return httpx.post(f"{self.url}/v1/runs/{self.run}/references", json=body, timeout=120)
 
     def resolved(self, *references: tuple[str, int, int, str]) -> dict:
         answer = self.refs(*references)

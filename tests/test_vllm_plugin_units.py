@@ -247,11 +247,13 @@ def test_a_block_a_connector_loads_back_names_the_computation_its_hash_names():
     ledger.computed("B", b_blocks, 1, 3, 32)
     assert ledger.hit_ranges("B", b_blocks, 64, first=32) == [(32, 64, "A")]
     assert ledger.hit_ranges("C", b_blocks, 96) == [(0, 64, "A"), (64, 96, "B")]  # a later hit: A's, then B's own
-    # D loads a block of a hash no request here computed (another engine's prefill): no owner, the positions are GAP.
+    # D loads a block of a hash no request here computed (another engine's prefill): no reference for D.
     ledger.loading("D", 0, 32)
     d_blocks = [_hashed(9, b"elsewhere")]
     ledger.computed("D", d_blocks, 0, 1, 32)
-    assert ledger.hit_ranges("D", d_blocks, 32) == [] and ledger.hit_ranges("E", d_blocks, 32) == []
+    assert ledger.hit_ranges("D", d_blocks, 32) == []  # D's own rows there come from the prefill engine, or GAP
+    assert ledger.hit_ranges("E", d_blocks, 32) == [(0, 32, "D")]  # a later hit: whatever D holds there
+    assert b"elsewhere" not in {bytes(k)[:9] for k in ledger.by_hash}  # D computed nothing: not noted as computed
     small = BlockLedger(hashes_kept=2)  # bounded: the oldest hash is forgotten (its loads read GAP)
     small.computed("A", [_hashed(1, b"x"), _hashed(2, b"y"), _hashed(3, b"z")], 0, 3, 32)
     assert list(small.by_hash) == [_hashed(0, b"y").block_hash, _hashed(0, b"z").block_hash]

@@ -25,8 +25,10 @@ computed by the request that loads it. `KVCacheManager.allocate_slots(..., num_e
 the request that computed it" (bounded: the `HASHES_KEPT` most recently computed), so a loaded block, whose
 physical block is new, is owned by the computation its hash names, and the loading request gets a reference to
 it like a prefix-cache hit. A loaded block whose hash the ledger does not hold (another engine computed it: the
-prefill engine of P/D disaggregation, or this one before the plugin started or too long ago) owns nothing: its
-positions read GAP here, and the prefill engine's writer sends them under the same id.
+prefill engine of P/D disaggregation, or this one before the plugin started or too long ago) gets no reference:
+under P/D the prefill engine's writer sends those rows under the same id; otherwise they read GAP. A later hit on
+such a block names the request that loaded it (its rows there are whatever arrived for it: the prefill engine's,
+or none, GAP), never one that did not compute or load it; the block's hash is not noted as computed here.
 """
 
 from __future__ import annotations
@@ -86,8 +88,8 @@ class BlockLedger:
                 source = self.by_hash.get(key) if key is not None else None
                 if source is not None and source.block_number == index:
                     self.owner[block.block_id] = source
-                else:
-                    self.owner.pop(block.block_id, None)
+                else:  # no computation here: a later hit names the loader, whose rows come from where its KV did
+                    self.owner[block.block_id] = Owner(request_id, index, block_size)
                 continue
             mine = Owner(request_id, index, block_size)
             self.owner[block.block_id] = mine
