@@ -203,7 +203,7 @@ class SegmentCache:
                 return batch
             known = self._damaged.get(rel_path)
             deleted = _run_of(rel_path) in self._deleted
-        if self._stat(rel_path) is None and (deleted or self._unnamed(rel_path)):
+        if deleted and self._stat(rel_path) is None:
             raise RunDeleted(f"run {_run_of(rel_path)!r} was deleted while this read was under way")
         if known is not None and known[0] == self._stat(rel_path):
             raise DamagedSegment(known[1], rel_path)
@@ -211,11 +211,14 @@ class SegmentCache:
         try:
             batch = open_segment(self.store, rel_path)
         except DamagedSegment as exc:
-            with self._lock:
-                gone = self._stat(rel_path) is None
-                if gone and (_run_of(rel_path) in self._deleted or self._unnamed(rel_path)):
-                    # unlinked between the check above and the open: not damage
+            if self._stat(rel_path) is None:
+                with self._lock:
+                    deleted = _run_of(rel_path) in self._deleted
+                # unlinked between the check above and the open, or its run deleted and created again since the
+                # read took the path (`revive_run`): not damage. The index is asked outside the lock, on this rare path.
+                if deleted or self._unnamed(rel_path):
                     raise RunDeleted(f"run {_run_of(rel_path)!r} was deleted while this read was under way") from None
+            with self._lock:
                 exc.newly_found = rel_path not in self._damaged
                 self._damaged[rel_path] = (stat, exc.message)
             if exc.newly_found:
