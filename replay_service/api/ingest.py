@@ -246,7 +246,7 @@ async def _store_answer(http: Request, store: RouteStore, settings: ServiceSetti
                         finish: bool, what: str,
                         decode: Callable[[bytes | memoryview, RunShape | None], list[ResponseItem]]) -> ResponseAnswer:
     """An engine's whole answer (JSON), decoded by `decode` into items, every item checked before any is stored."""
-    if BodyKind.of(http.headers.get("content-type", "")) != BodyKind.SGLANG_JSON:
+    if BodyKind.of(http.headers.get("content-type", "")) != BodyKind.JSON:
         raise UnsupportedMediaType(f"{what} is {JSON_MEDIA_TYPE}, got "
                                    f"{media_type(http.headers.get('content-type', '')) or 'no content type'}")
 

@@ -42,7 +42,7 @@ class BodyKind(enum.Enum):
 
     ARROW = (ARROW_STREAM_MEDIA_TYPE, "application/octet-stream")
     NPY = (NPY_MEDIA_TYPE,)
-    SGLANG_JSON = (JSON_MEDIA_TYPE,)
+    JSON = (JSON_MEDIA_TYPE,)
 
     @classmethod
     def of(cls, content_type: str) -> BodyKind | None:
@@ -119,7 +119,7 @@ def decode_route(content_type: str, body: bytes | memoryview, run_id: str, reque
     kind = BodyKind.of(content_type)
     if kind == BodyKind.NPY:
         route = EngineRoute(read_npy(body), None, None, None, Source.VLLM_OUTPUT)
-    elif kind == BodyKind.SGLANG_JSON:
+    elif kind == BodyKind.JSON:
         route = decode_sglang_json(body)
     elif kind == BodyKind.ARROW:
         if options.weight_versions is not None or options.weight_version is not None or options.prompt_tokens:

@@ -69,15 +69,13 @@ def decode_vllm_response(body: bytes | memoryview, run_id: str, run_shape: RunSh
     one_prompt = kind is ResponseObject.CHAT or len(choices) == (options.n or 1)
     shared_prompt = usage.get("prompt_tokens") if isinstance(usage, dict) and one_prompt else None
     items: list[ResponseItem] = []
-    rows_total = 0
     for choice in choices:
         with item_errors("choice", choice.index, choice.request_id):
             upload = _choice_upload(choice, run_id, run_shape, options,
                                     shared_prompt if type(shared_prompt) is int else None)
             same_shape(items, upload)
-        rows_total += upload.num_tokens
         items.append(ResponseItem(choice.index, choice.request_id, upload))
-    _check_usage(usage, kind, items, rows_total, options)
+    _check_usage(usage, kind, items, options)
     return items
 
 
@@ -160,8 +158,7 @@ def _token_list(value: object, what: str) -> list[int] | None:
     return value
 
 
-def _check_usage(usage: object, kind: ResponseObject, items: list[ResponseItem], tokens_total: int,
-                 options: VllmResponseOptions) -> None:
+def _check_usage(usage: object, kind: ResponseObject, items: list[ResponseItem], options: VllmResponseOptions) -> None:
     """Every choice's tokens add up to what `usage` says the request computed (when it says it): an array cut
     short or another request's is refused even without token ids. Chat and offline have one prompt for every
     choice; completions' `usage.prompt_tokens` sums each prompt once."""
@@ -171,6 +168,7 @@ def _check_usage(usage: object, kind: ResponseObject, items: list[ResponseItem],
     if type(prompt) is not int or type(completion) is not int:
         return
     samples = len(items) if kind is ResponseObject.CHAT else (options.n or 1)
+    tokens_total = sum(item.upload.num_tokens for item in items)  # each choice's start + rows + 1
     want = prompt * samples + completion
     if tokens_total != want:
         raise FormatError(f"the choices' routed_experts from start {options.start} cover {tokens_total} tokens in "
