@@ -159,7 +159,7 @@ async def upload_route(
     num_hidden_layers: int | None = Query(None, ge=1, le=65535,
                                           description="the model's layer count (an array of that many layers holds "
                                                       "every model layer, dense ones zero)"),
-    start: int | None = Query(None, ge=0, le=2**31 - 2,
+    start: int | None = Query(None, ge=0, le=POSITION_MAX,
                               description="position of the first row: vLLM's routed_experts_prompt_start, SGLang's "
                                           "routed_experts_start_len (default 0; an Arrow body's positions say it)"),
     finish: bool = Query(True, description="also mark the request finished with T = start + rows + 1 tokens (a later "
@@ -224,7 +224,7 @@ async def upload_sglang_response(
                                    description="layers of each item's array (SGLang: num_hidden_layers); default: "
                                                "the ids of a row over top_k"),
     top_k: int | None = Query(None, ge=1, le=65535, description="experts per token; needed when the run is new"),
-    start: int = Query(0, ge=0, le=2**31 - 2,
+    start: int = Query(0, ge=0, le=POSITION_MAX,
                        description="the request's routed_experts_start_len (one for the whole /generate call)"),
     finish: bool = Query(True, description="also mark each request finished at prompt_tokens + completion_tokens"),
 ) -> ResponseAnswer:
@@ -277,7 +277,7 @@ async def upload_vllm_response(
     num_experts: int | None = NUM_EXPERTS,
     moe_layers: str | None = MOE_LAYERS,
     num_hidden_layers: int | None = NUM_HIDDEN_LAYERS,
-    start: int = Query(0, ge=0, le=2**31 - 2, description="the request's routed_experts_prompt_start"),
+    start: int = Query(0, ge=0, le=POSITION_MAX, description="the request's routed_experts_prompt_start"),
     n: int | None = Query(None, ge=1, le=4096, description="the request's n: needed for a completions answer with "
                                                            "several choices (several prompts and n > 1 both give "
                                                            "several)"),
