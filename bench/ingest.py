@@ -19,6 +19,7 @@ SGLang's `meta_info["routed_experts"]`, posted per request to the service's own 
 in the same durable store); its bodies are also encoded before timing.
 
     python bench/ingest.py [--rounds 3] [--small-tokens 262144] [--large-tokens 1048576] [--json-tokens 131072]
+                           [--workers 0]   (the service's worker processes; 0, the default: one per core)
 
 Each transport first sends a few untimed batches to another run (the server's buffers, connections and page
 cache warm up, as in a long-running service). Asserts nothing (shared, noisy machines); the last line is JSON.
@@ -165,7 +166,9 @@ def main() -> None:
     parser.add_argument("--request-tokens", type=int, default=1024)
     parser.add_argument("--json-tokens", type=int, default=1 << 17, help="the base64-JSON baseline is slow: fewer")
     parser.add_argument("--warmup-batches", type=int, default=8, help="untimed batches (and requests) sent first")
+    parser.add_argument("--workers", type=int, default=0, help="the service's worker processes (0: one per core)")
     args = parser.parse_args()
+    workers = args.workers or len(os.sched_getaffinity(0))
 
     configs = [Config("8192-row batches, 1 writer", 8192, 1, args.small_tokens),
                Config("8192-row batches, 4 writers", 8192, 4, args.small_tokens),
@@ -173,7 +176,7 @@ def main() -> None:
     ids = bulk_routes(max(c.tokens for c in configs), 0)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp, \
-            ServiceProcess(Path(tmp) / "data") as proc:
+            ServiceProcess(Path(tmp) / "data", workers=workers) as proc:
         url = proc.url
         raw_dir = Path(tmp) / "raw"  # beside the data directory: the same filesystem
         for config in configs:
@@ -209,7 +212,8 @@ def main() -> None:
         large_tps = statistics.median(results[configs[2].name]["ours"])
 
     print(f"ingest, {SHAPE.num_moe_layers} x top-{SHAPE.top_k} uint8 rows ({SHAPE.row_width} B/token), durable "
-          f"(fsync) store; medians of {args.rounds} rounds (min-max); bodies encoded before timing")
+          f"(fsync) store, {workers} service worker{'s' if workers > 1 else ''}; medians of {args.rounds} rounds "
+          "(min-max); bodies encoded before timing")
     print(f"  {'path':<30} {'ours':<30} {'raw Arrow IPC + fsync':<30} ratio")
     for config in configs:
         res = results[config.name]
@@ -220,7 +224,7 @@ def main() -> None:
     figures = {name: {"ours_tokens_per_s": round(statistics.median(r["ours"])),
                       "raw_tokens_per_s": round(statistics.median(r["raw"])),
                       "ratio": round(statistics.median(r["ratios"]), 2)} for name, r in results.items()}
-    print(json.dumps({**figures, "json_tokens_per_s": round(json_tps),
+    print(json.dumps({"workers": workers, **figures, "json_tokens_per_s": round(json_tps),
                       "arrow_vs_json": round(large_tps / json_tps, 1)}))
 
 

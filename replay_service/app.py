@@ -21,7 +21,7 @@ from replay_service.health.exporter import RunHealthCollector
 from replay_service.ingest.pipeline import IngestPipeline
 from replay_service.metrics import ServiceMetrics
 from replay_service.settings import ServiceSettings
-from replay_service.store import RouteStore
+from replay_service.store import Processes, RouteStore
 
 # The web view ships inside the package (package data in pyproject.toml), so an installed wheel serves it too.
 WEB_DIR = Path(__file__).resolve().parent / "web"
@@ -60,9 +60,10 @@ class LatencyMiddleware:
             )
 
 
-def open_store(settings: ServiceSettings) -> RouteStore:
-    """The store `settings` name, with its ingest pipeline: what the app and every command-line tool open."""
-    return RouteStore(settings, IngestPipeline.for_store)
+def open_store(settings: ServiceSettings, processes: Processes = Processes.ONE) -> RouteStore:
+    """The store `settings` name, with its ingest pipeline: what the app and every command-line tool open
+    (`processes`: this one alone, or one of `serve`'s workers; store/processes.py)."""
+    return RouteStore(settings, IngestPipeline.for_store, processes)
 
 
 async def retention_loop(store: RouteStore, settings: ServiceSettings) -> None:
@@ -82,13 +83,15 @@ async def retention_loop(store: RouteStore, settings: ServiceSettings) -> None:
         await asyncio.sleep(settings.retention_interval_s)
 
 
-def create_app(settings: ServiceSettings | None = None, store: RouteStore | None = None) -> FastAPI:
-    """The service: `settings` (default: from REPLAY_* variables), a store opened at start-up unless given."""
+def create_app(settings: ServiceSettings | None = None, store: RouteStore | None = None,
+               processes: Processes = Processes.ONE) -> FastAPI:
+    """The service: `settings` (default: from REPLAY_* variables), a store opened at start-up unless given
+    (`processes`: as one of `serve`'s workers, ops/workers.py)."""
     settings = settings or ServiceSettings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.store = store or open_store(settings)
+        app.state.store = store or open_store(settings, processes)
         app.state.ingest_slots = asyncio.Semaphore(settings.max_concurrent_ingests)
         app.state.body_buffers = BufferPool(keep=settings.max_concurrent_ingests)
         retention = asyncio.create_task(retention_loop(app.state.store, settings))
@@ -108,7 +111,7 @@ def create_app(settings: ServiceSettings | None = None, store: RouteStore | None
     app.state.settings = settings
     app.state.metrics = ServiceMetrics()
     # per-run health, read from the index at scrape time: every replica answers for the whole service
-    app.state.metrics.registry.register(RunHealthCollector(lambda: app.state.store, settings))
+    app.state.metrics.add_scraped(RunHealthCollector(lambda: app.state.store, settings))
     install_error_handlers(app)
     app.state.auth = Authenticator.from_file(settings.tokens_file)
     for module in (ingest, references, runs, requests, trajectories, compares, health, trainer, ops):

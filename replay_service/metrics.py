@@ -1,10 +1,22 @@
-"""Prometheus metrics, one registry per app (several apps can live in one process)."""
+"""Prometheus metrics, one registry per app (several apps can live in one process).
+
+Under `serve`'s workers (ops/workers.py) every worker counts in its own files under `PROMETHEUS_MULTIPROC_DIR`
+(prometheus-client's multiprocess mode, chosen when the variable is set before the library is imported, as the
+workers' parent does), and a scrape of any worker answers for the whole service: the counters and histograms summed
+over every worker that ever ran since the service started (a worker killed and replaced keeps its counts), and the
+collectors read at scrape time (run health, from the shared index) once.
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
+
+MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's own variable
 
 
 @dataclass
@@ -12,6 +24,7 @@ class ServiceMetrics:
     """The service's counters and histograms (names below; `_total` is added to counters on export)."""
 
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    scraped: list[Collector] = field(default_factory=list)  # read at scrape time, from what every worker shares
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -39,3 +52,19 @@ class ServiceMetrics:
         self.damaged_reads.inc()
         if newly_found:
             self.segments_damaged.inc()
+
+    def add_scraped(self, collector: Collector) -> None:
+        """Register a collector that reads shared state at scrape time (once per scrape, whichever worker answers)."""
+        self.registry.register(collector)
+        self.scraped.append(collector)
+
+    def exposition(self) -> bytes:
+        """The text exposition format: this process's metrics, or under workers every worker's (module docstring)."""
+        path = os.environ.get(MULTIPROCESS_DIR)
+        if not path:
+            return generate_latest(self.registry)
+        everyone = CollectorRegistry()
+        MultiProcessCollector(everyone, path)
+        for collector in self.scraped:
+            everyone.register(collector)
+        return generate_latest(everyone)

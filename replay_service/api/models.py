@@ -381,3 +381,4 @@ class Health(BaseModel):
     runs: int
     data_dir: str
     version: str = Field(description="the routing-replay release serving (its distribution version)")
+    pid: int = Field(description="the process that answered: under several workers (REPLAY_WORKERS), which one")

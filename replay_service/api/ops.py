@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
 from fastapi import APIRouter, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from replay_service import __version__
 from replay_service.api.deps import Metrics, Settings, Store
@@ -19,7 +21,8 @@ def healthz(store: Store, settings: Settings) -> dict:
     load balancer's health check takes it out (docs/scale_out.md)."""
     runs = store.run_count()
     store.segments.ping()
-    return {"status": "ok", "runs": runs, "data_dir": str(settings.data_dir), "version": __version__}
+    return {"status": "ok", "runs": runs, "data_dir": str(settings.data_dir), "version": __version__,
+            "pid": os.getpid()}
 
 
 @router.get(
@@ -29,4 +32,5 @@ def healthz(store: Store, settings: Settings) -> dict:
     responses={200: {"description": "Prometheus text format", "content": {CONTENT_TYPE_LATEST: {}}}},
 )
 def metrics(m: Metrics) -> Response:
-    return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+    """Every metric of the service: under several workers, summed over them (metrics.py)."""
+    return Response(m.exposition(), media_type=CONTENT_TYPE_LATEST)

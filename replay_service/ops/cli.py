@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import typer
 import uvicorn
@@ -46,14 +47,17 @@ def serve(
     insecure: bool = typer.Option(
         False, "--insecure", help="without a tokens file, listen on a non-loopback address anyway: anyone who "
         "reaches the port can read, write and delete everything"),
+    workers: int | None = typer.Option(
+        None, "--workers", min=0, help="worker processes sharing the port, index and segments; 0: one per core "
+        "(REPLAY_WORKERS, default 0)"),
 ) -> None:
-    """Serve the store in DATA over HTTP."""
+    """Serve the store in DATA over HTTP, with one worker process per core unless told otherwise."""
     from replay_service.api.auth import Authenticator, listen_refusal
     from replay_service.app import create_app, open_store
     from replay_service.errors import IndexNeedsRebuild, IndexTooNew, IndexUnreachable, SegmentStoreUnreachable
 
     overrides: dict = {"keep_alive_timeout_s": keep_alive_timeout, "max_connections": max_connections,
-                       "tokens_file": tokens_file}
+                       "tokens_file": tokens_file, "workers": workers}
     settings = ServiceSettings(data_dir=data, **{k: v for k, v in overrides.items() if v is not None})
     refusal = listen_refusal(host, settings.tokens_file, insecure)
     if refusal is not None:
@@ -78,15 +82,23 @@ def serve(
 
         summary = load_demo(store)
         typer.echo(f"demo run {summary['run_id']!r}: {summary['requests']} requests, {summary['rows']} rows")
-    typer.echo(f"routing-replay on http://{host}:{port}  (data: {data.resolve()}, API docs: /docs)")
+    from replay_service.ops.workers import run_workers, worker_count
+
+    count = worker_count(settings)
+    typer.echo(f"routing-replay on http://{host}:{port}  (data: {data.resolve()}, {count} worker"
+               f"{'s' if count > 1 else ''}, API docs: /docs)")
     if settings.tokens_file is None and insecure:
         logging.getLogger("replay_service").warning("--insecure: no tokens file, every caller may do anything")
     from replay_service.ops.connections import PROTOCOL
 
     # httptools + uvloop (uvicorn[standard]): no copy of a body part on its way to the socket (connections.py)
-    uvicorn.run(create_app(settings, store), host=host, port=port, log_level=log_level, http=PROTOCOL,
-                loop="uvloop", timeout_keep_alive=settings.keep_alive_timeout_s,
-                limit_concurrency=settings.max_connections)
+    options: dict[str, Any] = dict(host=host, port=port, log_level=log_level, http=PROTOCOL, loop="uvloop",
+                   timeout_keep_alive=settings.keep_alive_timeout_s, limit_concurrency=settings.max_connections)
+    if count == 1:
+        uvicorn.run(create_app(settings, store), **options)
+        return
+    store.close()  # checked and swept alone; each worker opens its own (ops/workers.py)
+    run_workers(settings, count, uvicorn.run, **options)
 
 
 def _refusals() -> tuple[type[ServiceError], ...]:

@@ -45,6 +45,7 @@ from replay_service.store.health import HealthTables
 from replay_service.store.index import Index, RequestStatus, Row, load_of
 from replay_service.store.ingest_stage import BatchIngest, IngestResult
 from replay_service.store.journal import open_journal
+from replay_service.store.processes import Processes
 from replay_service.store.reads import RouteRows, RowReader
 from replay_service.store.references import Resolution, Resolver
 from replay_service.store.retention import Removed, delete_run, empty_trash, retention_fields
@@ -52,7 +53,7 @@ from replay_service.store.runs import RunRegistry
 from replay_service.store.segment_store import LocalSegments, S3Segments, open_segment_store
 from replay_service.store.summaries import RequestPage, RequestRecord, run_summary
 
-__all__ = ["RequestStatus", "RouteRows", "RouteStore", "index_target"]
+__all__ = ["Processes", "RequestStatus", "RouteRows", "RouteStore", "index_target"]
 
 
 def index_target(settings: ServiceSettings) -> str | Path:
@@ -63,11 +64,13 @@ def index_target(settings: ServiceSettings) -> str | Path:
 class RouteStore:
     """Runs, requests and their rows in one data directory: ingest, finish, reads and summaries."""
 
-    def __init__(self, settings: ServiceSettings, pipeline: Callable[[RouteStore], BatchIngest]) -> None:
+    def __init__(self, settings: ServiceSettings, pipeline: Callable[[RouteStore], BatchIngest],
+                 processes: Processes = Processes.ONE) -> None:
         """Open the data directory `settings` name; `pipeline` builds the ingest pipeline on the opened store.
 
         The pipeline stands above the store (it builds on its index, reads and files), so it is given, not made
-        here: `replay_service.app.open_store` gives `IngestPipeline.for_store`.
+        here: `replay_service.app.open_store` gives `IngestPipeline.for_store`. `processes`: this process alone, or
+        one of `serve`'s workers (processes.py: no run row kept, the start-up checks and sweep left to the parent).
         """
         self.settings = settings
         self.root = Path(settings.data_dir)
@@ -75,30 +78,14 @@ class RouteStore:
         self.segments_root.mkdir(parents=True, exist_ok=True)  # local segments and journals (unused with a bucket)
         self.segments = open_segment_store(self.root, settings.segments_url)
         self.segments.check()  # SegmentStoreUnreachable: an unusable bucket refuses the start, naming it
-        index_path = self.root / "index.sqlite"
-        # Other replicas may be writing beside this one (a PostgreSQL index: replicas share it): a segment younger
-        # than REPLAY_ORPHAN_GRACE_S may be one of their ingests about to commit, so the start-up checks leave it
-        # alone. A SQLite index has one process: every unindexed segment is this one's past (grace 0).
-        grace = settings.orphan_grace_s if settings.index_url is not None else 0.0
-        if settings.index_url is None and not index_path.exists():
-            require_index(self.segments, set(), self.root, grace)  # refused before an empty index file is made
         # A SQLite file beside the segments, or a PostgreSQL database several replicas share (index_backends/);
         # IndexUnreachable / IndexTooNew refuse the start, naming REPLAY_INDEX_URL.
-        self.index = Index(index_target(settings), fsync=settings.fsync)
-        indexed = self.index.indexed_paths()
-        try:
-            # an index naming no segment beside segments
-            require_index(self.segments, indexed, self.root, grace, shared_index=settings.index_url is not None)
-        except Exception:
-            self.index.close()
-            raise
-        # Local files only: in a shared bucket an unindexed object may be another replica's ingest about to
-        # commit; those are deleted after REPLAY_ORPHAN_GRACE_S instead (retention.collect_orphans). Local files
-        # shared by several processes (PostgreSQL index) are swept once older than that grace only.
-        self.swept = (sweep_unindexed(self.segments.root, indexed, self.root / QUARANTINE_DIR, grace)
-                      if isinstance(self.segments, LocalSegments) else Sweep())
-        empty_trash(self.root)  # what a delete interrupted by a crash left (retention.py)
-        # what reindex replays, beside the segments: a local file, or objects in their bucket (journal.py)
+        if processes is Processes.WORKER:
+            self.index = Index(index_target(settings), fsync=settings.fsync, shared=True)
+            self.swept = Sweep()
+        else:
+            self.index = self._open_and_sweep(settings)
+            empty_trash(self.root)  # what a delete interrupted by a crash left (retention.py)
         self.journal = open_journal(self.segments, self.segments_root, fsync=settings.fsync)
         self.cache = SegmentCache(self.segments, settings.open_segment_cache, settings.open_segment_cache_bytes,
                                   indexed=self.index.names_segment)
@@ -112,6 +99,31 @@ class RouteStore:
     def close(self) -> None:
         """Close the index."""
         self.index.close()
+
+    def _open_and_sweep(self, settings: ServiceSettings) -> Index:
+        """The index, after the start-up checks of index against segments; unindexed local segments swept."""
+        index_path = self.root / "index.sqlite"
+        # Other replicas may be writing beside this one (a PostgreSQL index: replicas share it): a segment younger
+        # than REPLAY_ORPHAN_GRACE_S may be one of their ingests about to commit, so the start-up checks leave it
+        # alone. A SQLite index has this process alone (or `serve`'s parent, before its workers start): every
+        # unindexed segment is its past (grace 0).
+        grace = settings.orphan_grace_s if settings.index_url is not None else 0.0
+        if settings.index_url is None and not index_path.exists():
+            require_index(self.segments, set(), self.root, grace)  # refused before an empty index file is made
+        index = Index(index_target(settings), fsync=settings.fsync)
+        indexed = index.indexed_paths()
+        try:
+            # an index naming no segment beside segments
+            require_index(self.segments, indexed, self.root, grace, shared_index=settings.index_url is not None)
+        except Exception:
+            index.close()
+            raise
+        # Local files only: in a shared bucket an unindexed object may be another replica's ingest about to
+        # commit; those are deleted after REPLAY_ORPHAN_GRACE_S instead (retention.collect_orphans). Local files
+        # shared by several processes (PostgreSQL index) are swept once older than that grace only.
+        self.swept = (sweep_unindexed(self.segments.root, indexed, self.root / QUARANTINE_DIR, grace)
+                      if isinstance(self.segments, LocalSegments) else Sweep())
+        return index
 
     # ---- writes
 

@@ -340,8 +340,11 @@ class Index:
     `target`: the path of a SQLite file, or a `postgresql://` URL (index_backends/).
     """
 
-    def __init__(self, target: str | Path, fsync: bool = True) -> None:
+    def __init__(self, target: str | Path, fsync: bool = True, shared: bool = False) -> None:
+        """Open (creating or migrating) the index `target` names; `shared`: other processes of this service write
+        the same SQLite file (`serve`'s workers), so no run row may be kept in memory (a PostgreSQL index always is)."""
         self.backend: Backend = open_backend(target, fsync=fsync)
+        self._shared = shared
         self.sql = Sql(self.backend.dialect)
         try:
             self.backend.ensure_schema(SCHEMA_VERSION, self.sql.schema, self._migrate)
@@ -410,8 +413,9 @@ class Index:
 
     @property
     def shared(self) -> bool:
-        """Whether other processes write this index too (PostgreSQL: replicas), so no run row may be cached."""
-        return self.backend.dialect.name != "sqlite"
+        """Whether other processes write this index too (PostgreSQL: replicas; SQLite: `serve`'s other workers), so
+        no run row may be cached."""
+        return self._shared or self.backend.dialect.name != "sqlite"
 
     def transaction(self) -> _Transaction:
         """`with index.transaction() as tx:` one write transaction, committed on a clean exit."""

@@ -23,7 +23,7 @@ class ServiceProcess:
     def __init__(self, data_dir: Path, port: int | None = None, env: dict[str, str] | None = None,
                  log_path: Path | None = None, demo: bool = False, cpus: set[int] | None = None, nice: int = 0,
                  args: list[str] | None = None, host: str = "127.0.0.1", netns: str | None = None,
-                 program: list[str] | None = None, cwd: Path | None = None) -> None:
+                 program: list[str] | None = None, cwd: Path | None = None, workers: int = 1) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.env = {**os.environ, **(env or {})}
@@ -37,6 +37,8 @@ class ServiceProcess:
         # what runs `serve`: this interpreter's CLI module, or e.g. an installed console script (tests/test_wheel.py)
         self.program = list(program or [sys.executable, "-m", "replay_service.ops.cli"])
         self.cwd = cwd
+        # worker processes: 1 unless a test is about several (the service's default, 0, is one per core)
+        self.workers = workers
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -45,7 +47,8 @@ class ServiceProcess:
 
     def start(self, timeout: float = 60.0) -> ServiceProcess:
         cmd = [*self.program, "serve", "--data", str(self.data_dir),
-               "--host", self.host, "--port", str(self.port), "--log-level", "warning"]
+               "--host", self.host, "--port", str(self.port), "--log-level", "warning",
+               "--workers", str(self.workers)]
         if self.demo:
             cmd.append("--demo")
         cmd += self.args

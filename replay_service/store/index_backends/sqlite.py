@@ -1,8 +1,9 @@
 """The SQLite index backend (the default): one file beside the segments, one connection behind one lock.
 
-WAL with synchronous=FULL (or OFF when fsync is off). One process writes it: `BEGIN IMMEDIATE` under the
-lock serialises every transaction, so a run's commits need no lock of their own here. The schema version
-is `PRAGMA user_version`.
+WAL with synchronous=FULL (or OFF when fsync is off). `BEGIN IMMEDIATE` takes the file's one write lock,
+under this process's lock: every transaction of every process on the file (`serve`'s workers, ops/workers.py)
+is serialised, so a run's commits need no lock of their own here. A transaction waits up to `BUSY_TIMEOUT_S`
+for another process's to end. The schema version is `PRAGMA user_version`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ DIALECT = Dialect(
     json_texts="SELECT value FROM json_each(?)",
     json_pieces="(SELECT key AS piece, value ->> 0 AS src, value ->> 1 AS lo, value ->> 2 AS hi FROM json_each(?))",
 )
+BUSY_TIMEOUT_S = 60.0  # how long a transaction waits for another process's (a worker's group commit: milliseconds)
 RUN_DELETED_MARK = "run deleted while this batch was stored"  # the trigger's message (index.RUN_DELETED)
 
 
@@ -86,7 +88,7 @@ class SqliteBackend:
     dialect = DIALECT
 
     def __init__(self, path: Path, fsync: bool = True) -> None:
-        self.conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self.conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_S)
         self.conn.row_factory = sqlite3.Row
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute(f"PRAGMA synchronous={'FULL' if fsync else 'OFF'}")

@@ -1,0 +1,88 @@
+"""`serve` on every core: worker processes over one index and one segment store, sharing one listening socket.
+
+    serve (the parent)                                    each worker (uvicorn's supervisor spawns N)
+      open the store alone: migrate the index, check   ->   worker_app(): the parent's settings, its share of
+      it against the segments, sweep, the demo; close        the body budget; dies with the parent
+      a fresh PROMETHEUS_MULTIPROC_DIR                       create_app(..., Processes.WORKER)
+      uvicorn.run(workers=N): bind the socket, start
+      the workers, replace one that dies
+
+The kernel hands each new connection to one worker, and every request on it stays there (HTTP keep-alive). What
+each worker keeps for itself, and how it stays right across them:
+
+- idempotency keys, the CONFLICT rule, ownership, request counters, the expert load, run health: the index,
+  shared (SQLite: one write lock over every worker's transactions; PostgreSQL as between replicas).
+- group commit: per worker; each groups its own writers' batches into one index transaction.
+- run registry: re-read from the index on every lookup (`Index.shared`), so a run deleted or widened by
+  another worker is seen at once.
+- STALE content table: per worker, lossy as it always was. A writer's rows are checked against what the worker
+  holding its connection stored, so a writer should keep one connection (the capture sender does).
+- retention passes: every worker runs them; a run deleted by one is gone for all (the index decides).
+- connection bounds: `max_connections` per worker (each has its own sockets and descriptors);
+  `max_body_bytes_in_flight` is the service's, split between the workers.
+- `/metrics`: every worker's counters summed (metrics.py), run health read from the index once.
+
+`kill -9` of one worker loses only what it had not acknowledged (acknowledged means committed), and uvicorn starts
+another in its place; the new worker does not sweep (another's ingest may be about to commit): what the killed one
+had written but not committed stays unindexed until the next start of the service sweeps it. `kill -9` of the parent
+takes every worker with it (`PR_SET_PDEATHSIG`), so a restart never meets an old worker on the port.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import Callable
+
+from fastapi import FastAPI
+
+from replay_service.app import create_app
+from replay_service.metrics import MULTIPROCESS_DIR
+from replay_service.settings import ServiceSettings
+from replay_service.store import Processes
+
+SETTINGS_VARIABLE = "REPLAY_WORKER_SETTINGS"  # the parent's settings, as JSON, for its workers
+PARENT_VARIABLE = "REPLAY_WORKER_PARENT"  # the parent's pid: a worker started after its parent died exits
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def worker_count(settings: ServiceSettings) -> int:
+    """How many workers `settings` ask for: `workers`, or one per core this process may run on when 0."""
+    return settings.workers or len(os.sched_getaffinity(0))
+
+
+def worker_settings(settings: ServiceSettings, workers: int) -> ServiceSettings:
+    """One worker's settings: the service's, with its share of the bytes of bodies in flight (at least one body)."""
+    share = max(settings.max_body_bytes, settings.max_body_bytes_in_flight // workers)
+    return settings.model_copy(update={"max_body_bytes_in_flight": share})
+
+
+def run_workers(settings: ServiceSettings, workers: int, serve: Callable[..., None], **options) -> None:
+    """Serve with `workers` processes: `serve` is `uvicorn.run`, given the worker app's import string and
+    `options`; the metrics folder is made before and removed after."""
+    metrics_dir = tempfile.mkdtemp(prefix="replay-metrics-")
+    os.environ[MULTIPROCESS_DIR] = metrics_dir
+    os.environ[SETTINGS_VARIABLE] = worker_settings(settings, workers).model_dump_json()
+    os.environ[PARENT_VARIABLE] = str(os.getpid())
+    try:
+        serve(f"{__name__}:worker_app", factory=True, workers=workers, **options)
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def die_with_parent(parent: int) -> None:
+    """Have the kernel kill this process when its parent ends; exit now if it already has (Linux)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the line above
+        os._exit(1)
+
+
+def worker_app() -> FastAPI:
+    """The app of one worker (uvicorn's factory, called in the worker): the parent's settings, a shared store."""
+    die_with_parent(int(os.environ[PARENT_VARIABLE]))
+    settings = ServiceSettings.model_validate_json(os.environ[SETTINGS_VARIABLE])
+    return create_app(settings, processes=Processes.WORKER)

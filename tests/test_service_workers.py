@@ -1,0 +1,269 @@
+"""`replay-service serve` with several worker processes over one index and one segment store (issue 27, "Every
+core"): real servers, each connection pinned to a known worker by asking it `/healthz` (its `pid`).
+
+- every round trip byte-equal whichever worker stored and whichever reads;
+- a retry that lands on another worker is stored once (and a reused seq is refused there too);
+- the STALE content check as ops/workers.py documents it: against what the worker holding the connection stored;
+- `/metrics` answers for the whole service, the same totals from every worker;
+- kill -9 of one worker under 8 writers: every acknowledged batch reads back, the worker is replaced;
+- kill -9 of the whole service, and a shutdown, under writers: nothing acknowledged is lost, no worker outlives it;
+- the same on a PostgreSQL index and a bucket.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from replay_client.client import ReplayClient
+from replay_format import ARROW_STREAM_MEDIA_TYPE, Flag
+from tests.support.data import batch_bytes, many_routes, routes
+from tests.support.service import ServiceProcess
+
+ARROW = {"content-type": ARROW_STREAM_MEDIA_TYPE}
+ROWS = 64
+KEEP = ["--keep-alive-timeout", "120"]  # a pinned connection must outlive the test's pauses
+
+
+def pinned(url: str, workers: int) -> dict[int, httpx.Client]:
+    """One keep-alive client per worker: new connections (one each) until every worker answered one."""
+    found: dict[int, httpx.Client] = {}
+    for _ in range(200):
+        http = httpx.Client(base_url=url, timeout=60, limits=httpx.Limits(max_connections=1))
+        pid = http.get("/healthz").json()["pid"]
+        if pid in found:
+            http.close()
+        else:
+            found[pid] = http
+        if len(found) == workers:
+            return found
+    raise AssertionError(f"only {len(found)} of {workers} workers answered 200 new connections")
+
+
+def worker_pids(service: ServiceProcess) -> set[int]:
+    """The service's worker processes (its children running the app; not multiprocessing's resource tracker)."""
+    out = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == service.proc.pid and b"spawn_main" in cmdline:
+            out.add(int(pid))
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Whether a process runs (a zombie, dead but not yet reaped by whoever adopted it, does not)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def body(run: str, writer: str, seq: int, rng: np.random.Generator) -> tuple[bytes, np.ndarray]:
+    experts = many_routes(rng, ROWS)
+    return batch_bytes(run, writer, seq, [f"{writer}-{seq}"] * ROWS, np.arange(ROWS), experts,
+                       token_ids=rng.integers(0, 150_000, ROWS)), experts
+
+
+def test_round_trips_retries_and_metrics_across_workers(tmp_path):
+    with ServiceProcess(tmp_path / "data", workers=2, args=KEEP) as service:
+        (a, http_a), (b, http_b) = pinned(service.url, 2).items()
+        rng = np.random.default_rng(1)
+        sent = {}
+        for seq in range(12):
+            data, experts = body("w2", "wr", seq, rng)
+            first = http_a.post("/v1/ingest", content=data, headers=ARROW)
+            assert first.status_code == 200 and not first.json()["duplicate"], first.text
+            retry = http_b.post("/v1/ingest", content=data, headers=ARROW)  # the same batch, on the other worker
+            assert retry.status_code == 200 and retry.json()["duplicate"], retry.text
+            sent[f"wr-{seq}"] = experts
+        reused, _ = body("w2", "wr", 3, rng)  # seq 3 again with other rows, on the worker that did not store it
+        refused = http_b.post("/v1/ingest", content=reused, headers=ARROW)
+        assert refused.status_code == 409 and "seq 3" in refused.json()["detail"]
+        for http in (http_a, http_b):  # each worker reads what the other stored, byte-equal
+            client = ReplayClient(service.url, http=http)
+            for request, experts in sent.items():
+                assert np.array_equal(client.get_route("w2", request, strict=True).experts, experts)
+        run = ReplayClient(service.url, http=http_a).runs()[0]
+        assert run["rows"] == 12 * ROWS  # stored once each
+
+        def scrape(http: httpx.Client) -> dict[str, float]:
+            families = {}
+            for line in http.get("/metrics").text.splitlines():
+                if line.startswith(("replay_rows_ingested_total", 'replay_ingest_batches_total{outcome="')):
+                    name, value = line.rsplit(" ", 1)
+                    families[name] = float(value)
+            return families
+
+        seen_a, seen_b = scrape(http_a), scrape(http_b)
+        assert seen_a == seen_b  # one scrape answers for the whole service, whichever worker answers it
+        assert seen_a["replay_rows_ingested_total"] == 12 * ROWS
+        assert seen_a['replay_ingest_batches_total{outcome="stored"}'] == 12
+        assert seen_a['replay_ingest_batches_total{outcome="duplicate"}'] == 12
+        assert {a, b} == worker_pids(service)
+
+        # a run deleted through one worker is gone for the other, which knew it: the next batch starts a fresh run
+        assert http_a.delete("/v1/runs/w2").status_code == 200
+        data, experts = body("w2", "again", 0, rng)
+        again = http_b.post("/v1/ingest", content=data, headers=ARROW)
+        assert again.status_code == 200 and not again.json()["duplicate"], again.text
+        assert ReplayClient(service.url, http=http_a).run("w2")["rows"] == ROWS
+
+
+def test_stale_copies_are_found_by_the_worker_that_stored_the_original(tmp_path):
+    """A row copied from another token is STALE when the copy reaches the worker that stored the original (a
+    writer that keeps its connection); the other worker's table never saw it (ops/workers.py says so)."""
+    with ServiceProcess(tmp_path / "data", workers=2, args=KEEP) as service:
+        (_, http_a), (_, http_b) = pinned(service.url, 2).items()
+        rng = np.random.default_rng(2)
+        original = routes(rng, 100)
+        tokens = rng.integers(0, 150_000, 100)
+        assert http_a.post("/v1/ingest", headers=ARROW, content=batch_bytes(
+            "stale", "w", 0, ["original"] * 100, np.arange(100), original, token_ids=tokens)).status_code == 200
+        for seq, (http, request) in enumerate([(http_a, "copy-same-worker"), (http_b, "copy-other-worker")], 1):
+            copy = routes(rng, 100)
+            copy[40] = original[7]  # another token's row, as a buffer replayed from an earlier batch leaves it
+            assert http.post("/v1/ingest", headers=ARROW, content=batch_bytes(
+                "stale", "w", seq, [request] * 100, np.arange(100), copy,
+                token_ids=rng.integers(0, 150_000, 100))).status_code == 200
+        client = ReplayClient(service.url, http=http_a)
+        flags = {r: client.get_route("stale", r).flags for r in ("copy-same-worker", "copy-other-worker")}
+        assert flags["copy-same-worker"][40] == Flag.STALE and np.count_nonzero(flags["copy-same-worker"]) == 1
+        assert np.count_nonzero(flags["copy-other-worker"]) == 0
+
+
+class Writers:
+    """8 writer threads posting batches of one run until stopped; a batch meeting a dead connection or a 503 is
+    posted again, the same bytes (on a new connection when the old one died: any worker). `acked` holds what was
+    acknowledged."""
+
+    def __init__(self, url: str, run: str, count: int = 8) -> None:
+        self.url, self.run = url, run
+        self.acked: dict[str, np.ndarray] = {}
+        self.errors: list[str] = []
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._write, args=(w,), daemon=True) for w in range(count)]
+
+    def __enter__(self) -> Writers:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(120)
+
+    def wait_for(self, acked: int, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.acked) < acked:
+            assert time.monotonic() < deadline, f"{len(self.acked)} of {acked} acknowledged: {self.errors[-3:]}"
+            time.sleep(0.05)
+
+    def _write(self, w: int) -> None:
+        rng = np.random.default_rng(100 + w)
+        http = httpx.Client(base_url=self.url, timeout=30)
+        seq = 0
+        while not self.stop.is_set():
+            data, experts = body(self.run, f"w{w}", seq, rng)
+            for _ in range(600):  # a dead service is restarted by the test: keep trying the same batch
+                try:
+                    answer = http.post("/v1/ingest", content=data, headers=ARROW)
+                except httpx.TransportError:
+                    answer = None
+                if answer is not None and answer.status_code == 200:
+                    with self.lock:
+                        self.acked[f"w{w}-{seq}"] = experts
+                    break
+                if answer is not None and answer.status_code != 503:
+                    with self.lock:
+                        self.errors.append(f"w{w} seq {seq}: {answer.status_code} {answer.text}")
+                    return
+                time.sleep(0.2)  # a dead connection is replaced by the next post (any worker)
+                if self.stop.is_set():
+                    return
+            seq += 1
+        http.close()
+
+
+def read_back(url: str, run: str, acked: dict[str, np.ndarray]) -> None:
+    """Every acknowledged batch reads back byte-equal, stored once: the run holds those rows and the in-flight
+    batches' at most."""
+    client = ReplayClient(url)
+    for request, experts in acked.items():
+        assert np.array_equal(client.get_route(run, request, strict=True).experts, experts), request
+    assert client.run(run)["rows"] >= len(acked) * ROWS
+
+
+def test_kill_9_of_a_worker_under_8_writers_loses_no_acknowledged_batch(tmp_path):
+    with ServiceProcess(tmp_path / "data", workers=2) as service:
+        before = worker_pids(service)
+        assert len(before) == 2
+        with Writers(service.url, "kill-worker") as writers:
+            writers.wait_for(40)
+            victim = min(before)
+            os.kill(victim, signal.SIGKILL)
+            writers.wait_for(len(writers.acked) + 80)  # the survivor, then its new sibling, take every writer
+        assert not writers.errors, writers.errors
+        after = worker_pids(service)
+        assert len(after) == 2 and victim not in after  # uvicorn's supervisor replaced it
+        read_back(service.url, "kill-worker", writers.acked)
+
+
+def test_kill_9_of_the_service_and_a_shutdown_under_writers_lose_nothing(tmp_path):
+    service = ServiceProcess(tmp_path / "data", workers=2).start()
+    with Writers(service.url, "kill-service") as writers:
+        writers.wait_for(30)
+        workers = worker_pids(service)
+        service.kill9()
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in workers):  # none outlives the parent
+            assert time.monotonic() < deadline, [pid for pid in workers if alive(pid)]
+            time.sleep(0.05)
+        service = ServiceProcess(tmp_path / "data", port=service.port, workers=2).start()  # the writers resume
+        writers.wait_for(len(writers.acked) + 30)
+        service.stop()
+        service = ServiceProcess(tmp_path / "data", port=service.port, workers=2).start()
+        writers.wait_for(len(writers.acked) + 10)
+    try:
+        assert not writers.errors, writers.errors
+        read_back(service.url, "kill-service", writers.acked)
+    finally:
+        service.stop()
+
+
+def test_workers_on_postgresql_and_a_bucket(tmp_path, postgres, moto_s3):
+    env = {"REPLAY_INDEX_URL": postgres.new_database(), **moto_s3.env(moto_s3.bucket())}
+    with ServiceProcess(tmp_path / "data", workers=2, env=env, args=KEEP) as service:
+        (_, http_a), (_, http_b) = pinned(service.url, 2).items()
+        rng = np.random.default_rng(3)
+        data, experts = body("pg", "one", 0, rng)
+        assert not http_a.post("/v1/ingest", content=data, headers=ARROW).json()["duplicate"]
+        assert http_b.post("/v1/ingest", content=data, headers=ARROW).json()["duplicate"]
+        assert np.array_equal(ReplayClient(service.url, http=http_b).get_route("pg", "one-0").experts, experts)
+        with Writers(service.url, "pg-kill") as writers:
+            writers.wait_for(20)
+            os.kill(min(worker_pids(service)), signal.SIGKILL)
+            writers.wait_for(len(writers.acked) + 40)
+        assert not writers.errors, writers.errors
+        read_back(service.url, "pg-kill", writers.acked)
+
+
+@pytest.mark.parametrize("workers", [0, 3])
+def test_the_worker_count_is_a_setting(tmp_path, workers):
+    """`--workers 0` (the default) is one per core this process may use; a number is that many."""
+    with ServiceProcess(tmp_path / "data", workers=workers) as service:
+        count = workers or len(os.sched_getaffinity(0))
+        assert len(worker_pids(service)) == (count if count > 1 else 0)  # one worker is the process itself
