@@ -13,7 +13,9 @@ under plain zstd: sorted ids, sorted deltas, a per-layer expert bitmap XORed wit
 lose the order of ids within a layer (vLLM's top-k is ordered by router weight, not by id: byte-equal
 replay needs it), so `bitmap-xor+perm` adds each layer's order (the rank of each slot's id in the sorted set)
 to make it lossless. And the ids laid out layer-major across rows (`(L, K, n)`, lossless: a layout change, not a
-codec Arrow applies per buffer). Every lossless coding is decoded and checked equal.
+codec Arrow applies per buffer). Every lossless coding is decoded and checked equal. The segments "by layer" are
+segment 3.0's layout (`REPLAY_SEGMENT_ID_LAYOUT=layers`, a column per MoE layer): their read includes joining the
+layers back into one `experts` column, as the service's reader does.
 
 Data (48 layers x top-8 of 128 experts unless said):
   - skewed: per layer a Zipf-like expert popularity (exponent `--zipf`, a random expert order per layer), as
@@ -54,7 +56,7 @@ import pyarrow as pa
 
 from replay_format.core import RunShape
 from replay_format.rows import RowsMeta, build_rows
-from replay_format.segment import SegmentCompression, SegmentMeta
+from replay_format.segment import CHECKSUM_KEY, ID_LAYOUT_KEY, IdLayout, SegmentCompression, SegmentMeta, as_stored
 from replay_service.buffers import BufferPool
 from replay_service.ingest.segment import write_segment
 from replay_service.ops.demo import bulk_routes
@@ -69,11 +71,13 @@ class _ZstdLevel3:
         return pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", compression_level=3))
 
 
-IPC_CODECS: dict[str, Any] = {  # name -> what `write_segment` is given as its compression
-    "none": SegmentCompression.NONE,
-    "lz4": SegmentCompression.LZ4,
-    "zstd1": SegmentCompression.ZSTD,
-    "zstd3": _ZstdLevel3(),
+IPC_CODECS: dict[str, tuple[Any, IdLayout]] = {  # name -> what `write_segment` is given as its compression, layout
+    "none": (SegmentCompression.NONE, IdLayout.ROWS),
+    "lz4": (SegmentCompression.LZ4, IdLayout.ROWS),
+    "zstd1": (SegmentCompression.ZSTD, IdLayout.ROWS),
+    "zstd3": (_ZstdLevel3(), IdLayout.ROWS),
+    "lz4 by layer": (SegmentCompression.LZ4, IdLayout.LAYERS),
+    "zstd1 by layer": (SegmentCompression.ZSTD, IdLayout.LAYERS),  # the service's zstd segments (3.0)
 }
 SET_LEVEL = 3
 
@@ -210,16 +214,23 @@ def timed_rounds(fn: Callable[[], object], rounds: int) -> list[float]:
     return out
 
 
+def _with_layout(batch: pa.RecordBatch, layout: IdLayout) -> pa.RecordBatch:
+    """`batch` resealed with its metadata naming `layout` (the writer's part: the checksum covers the key)."""
+    md = {k: v for k, v in batch.schema.metadata.items() if k != CHECKSUM_KEY.encode()}
+    return seal(batch.replace_schema_metadata({**md, ID_LAYOUT_KEY.encode(): str(layout).encode()}))
+
+
 def measure_ipc(batch: pa.RecordBatch, shape: RunShape, workdir: Path, rounds: int) -> dict[str, dict]:
     """Per IPC codec: file bytes per id, write and first-read seconds per round (checked lossless)."""
     ids_total = batch.num_rows * shape.row_width
     staging = BufferPool(keep=1)
     out = {}
-    for name, codec in IPC_CODECS.items():
-        path = workdir / f"{name}.arrow"
+    for name, (codec, layout) in IPC_CODECS.items():
+        path = workdir / f"{name.replace(' ', '-')}.arrow"
+        laid_out = batch if layout is IdLayout.ROWS else _with_layout(batch, layout)
 
-        def write(path=path, codec=codec) -> int:
-            return write_segment(path, batch, staging, fsync=False, compression=codec)
+        def write(path=path, codec=codec, laid_out=laid_out) -> int:
+            return write_segment(path, as_stored(laid_out), staging, fsync=False, compression=codec)
         write_s = timed_rounds(write, rounds)
         size = path.stat().st_size
 

@@ -85,6 +85,8 @@ SLOW = {
     "test_service_schemathesis.py": "schemathesis: 8 examples of every API operation (~20 s)",
     "test_service_read_paths.py::test_an_idle_new_connection_is_closed": "waits out a 1 s keep-alive, per protocol",
     "test_service_compression.py::test_a_run_of_mixed_codecs": "four service starts, verify, export and reindex",
+    "test_segment_layers.py::test_a_run_written_in_both_layouts": "three service starts, verify and reindex",
+    "test_segment_layers.py::test_a_bucket_segment": "a moto S3 server",
     # an S3 server and two services (~9 s); the rest: reindex, refused starts, a server stopped under a service
     "test_service_s3.py": "a moto S3 server and services on it",
     # PostgreSQL: replicas on the session cluster, or a cluster of their own stopped under a replica
@@ -220,6 +222,9 @@ def pytest_unconfigure(config):
     import sys
 
     if "zmq" in sys.modules and _EXIT_STATUS:
+        gloo = sys.modules.get("tests.support.gloo")
+        if gloo is not None:  # os._exit skips atexit: the pools' worker processes would outlive the run
+            gloo.close_pools()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_EXIT_STATUS[-1])

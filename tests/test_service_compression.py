@@ -19,21 +19,15 @@ import pyarrow.parquet as pq
 from replay_client.client import ReplayClient
 from replay_format import RunShape
 from replay_format.segment import SegmentCompression
-from tests.support.data import batch_bytes
+from tests.support.data import batch_bytes, skewed_routes
 from tests.support.service import ServiceProcess
 
 SHAPE = RunShape(num_moe_layers=16, top_k=8, num_experts=128)
 ROWS = 600  # per request
 
 
-def skewed_routes(rng: np.random.Generator, n: int) -> np.ndarray:
-    """`(n, L, K)` distinct ids per layer, drawn from a Zipf-like popularity (a few hot experts, as routers show)."""
-    popularity = np.log(1.0 / np.arange(1, SHAPE.num_experts + 1))[rng.permutation(SHAPE.num_experts)]
-    keys = popularity + rng.gumbel(size=(n, SHAPE.num_moe_layers, SHAPE.num_experts))
-    return np.argpartition(-keys, SHAPE.top_k, axis=-1)[..., : SHAPE.top_k].astype(SHAPE.dtype)
-
-
-def _store(client: ReplayClient, run: str, writer: str, requests: dict[str, np.ndarray]) -> None:
+def store_sent(client: ReplayClient, run: str, writer: str, requests: dict[str, np.ndarray]) -> None:
+    """One batch of every request's rows (token ids: position + 7), then each request finished."""
     names = [r for r, ids in requests.items() for _ in range(len(ids))]
     positions = np.concatenate([np.arange(len(ids), dtype=np.int32) for ids in requests.values()])
     experts = np.concatenate(list(requests.values()))
@@ -43,7 +37,7 @@ def _store(client: ReplayClient, run: str, writer: str, requests: dict[str, np.n
         client.finish(run, name, len(ids) + 1)
 
 
-def _check_reads(client: ReplayClient, run: str, sent: dict[str, np.ndarray]) -> None:
+def check_reads(client: ReplayClient, run: str, sent: dict[str, np.ndarray]) -> None:
     """Every read path answers the ids sent, byte for byte."""
     names = list(sent)
     for name in names:
@@ -56,9 +50,18 @@ def _check_reads(client: ReplayClient, run: str, sent: dict[str, np.ndarray]) ->
     assert batch.experts[valid].tobytes() == np.concatenate([sent[n] for n in names]).tobytes()
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """`replay-service ARGS` in a subprocess, its output captured."""
     return subprocess.run([sys.executable, "-m", "replay_service.ops.cli", *args], capture_output=True, text=True,
                           timeout=120)
+
+
+def reindex_from_segments(data: Path) -> None:
+    """Delete the SQLite index and rebuild it from the segments (`replay-service reindex`), which must succeed."""
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{data / 'index.sqlite'}{suffix}").unlink(missing_ok=True)
+    done = run_cli("reindex", "--data", str(data))
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_a_run_of_mixed_codecs_reads_back_equal_verifies_and_reindexes(tmp_path):
@@ -69,11 +72,11 @@ def test_a_run_of_mixed_codecs_reads_back_equal_verifies_and_reindexes(tmp_path)
     for codec in (SegmentCompression.ZSTD, SegmentCompression.LZ4, SegmentCompression.NONE):
         env = {"REPLAY_SEGMENT_COMPRESSION": codec.value, "REPLAY_FSYNC": "false"}
         with ServiceProcess(data, env=env) as service, ReplayClient(service.url) as client:
-            mine = {f"{codec}-{i}": skewed_routes(rng, ROWS) for i in range(2)}
-            _store(client, "mixed", f"writer-{codec}", mine)
-            _store(client, f"only-{codec}", "w", mine)
+            mine = {f"{codec}-{i}": skewed_routes(rng, ROWS, SHAPE) for i in range(2)}
+            store_sent(client, "mixed", f"writer-{codec}", mine)
+            store_sent(client, f"only-{codec}", "w", mine)
             sent.update(mine)
-            _check_reads(client, "mixed", sent)  # this start's segments beside the earlier codecs'
+            check_reads(client, "mixed", sent)  # this start's segments beside the earlier codecs'
             summaries[codec] = client.run(f"only-{codec}")
     for summary in summaries.values():
         ids = summary["rows"] * SHAPE.row_width
@@ -81,9 +84,9 @@ def test_a_run_of_mixed_codecs_reads_back_equal_verifies_and_reindexes(tmp_path)
     assert summaries[SegmentCompression.ZSTD]["bytes_per_id"] < 1 < summaries[SegmentCompression.NONE]["bytes_per_id"]
     assert summaries[SegmentCompression.LZ4]["bytes"] < summaries[SegmentCompression.NONE]["bytes"]
 
-    done = _cli("verify", "--data", str(data))
+    done = run_cli("verify", "--data", str(data))
     assert done.returncode == 0, done.stdout + done.stderr
-    done = _cli("export", "mixed", "--to", str(tmp_path / "mixed.parquet"), "--data", str(data))
+    done = run_cli("export", "mixed", "--to", str(tmp_path / "mixed.parquet"), "--data", str(data))
     assert done.returncode == 0, done.stdout + done.stderr
     table = pq.read_table(tmp_path / "mixed.parquet")
     exported = {}
@@ -91,20 +94,17 @@ def test_a_run_of_mixed_codecs_reads_back_equal_verifies_and_reindexes(tmp_path)
         exported.setdefault(name, []).append(experts)
     assert {k: np.asarray(v, SHAPE.dtype).tobytes() for k, v in exported.items()} == \
         {k: v.tobytes() for k, v in sent.items()}
-    for suffix in ("", "-wal", "-shm"):
-        Path(f"{data / 'index.sqlite'}{suffix}").unlink(missing_ok=True)
-    done = _cli("reindex", "--data", str(data))
-    assert done.returncode == 0, done.stdout + done.stderr
+    reindex_from_segments(data)
     with ServiceProcess(data) as service, ReplayClient(service.url) as client:
-        _check_reads(client, "mixed", sent)
+        check_reads(client, "mixed", sent)
         assert client.run("only-zstd")["bytes_per_id"] == summaries[SegmentCompression.ZSTD]["bytes_per_id"]
 
 
 def test_the_run_summary_reports_bytes_per_id(shared_service):
     rng = np.random.default_rng(22)
     with ReplayClient(shared_service.url) as client:
-        sent = {"a": skewed_routes(rng, 40), "b": skewed_routes(rng, 9)}
-        _store(client, "bytes-per-id", "w", sent)
+        sent = {"a": skewed_routes(rng, 40, SHAPE), "b": skewed_routes(rng, 9, SHAPE)}
+        store_sent(client, "bytes-per-id", "w", sent)
         summary = client.run("bytes-per-id")
     files = sorted((Path(shared_service.data_dir) / "runs" / "bytes-per-id").glob("*.arrow"))
     on_disk = sum(f.stat().st_size for f in files)

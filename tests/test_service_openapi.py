@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from replay_service.api.models import RouteParams
 from replay_service.app import create_app
 from replay_service.settings import ServiceSettings
 
@@ -54,3 +55,19 @@ def test_the_route_answer_documents_all_three_formats(openapi):
     answer = openapi["paths"]["/v1/runs/{run}/requests/{request}/routes"]["get"]["responses"]["200"]["content"]
     assert set(answer) == {"application/vnd.apache.arrow.stream", "application/x-npy", "application/json"}
     assert answer["application/json"]["schema"]["$ref"].endswith("/RouteJson")
+
+
+def test_the_route_read_documents_the_parameters_it_parses_itself(openapi):
+    """GET .../routes parses its own parameters (api/lean.py, no dependency solving): the document still lists
+    each one, from the same query model, with its bounds and its enums inline."""
+    op = openapi["paths"]["/v1/runs/{run}/requests/{request}/routes"]["get"]
+    params = {(p["in"], p["name"]): p for p in op["parameters"]}
+    assert set(params) == ({("path", "run"), ("path", "request"), ("header", "accept")}
+                           | {("query", name) for name in RouteParams.model_fields})
+    assert all(params[("path", name)]["required"] for name in ("run", "request"))
+    assert not any(p["required"] for (where, _), p in params.items() if where != "path")
+    start = params[("query", "start")]["schema"]
+    assert (start["minimum"], start["maximum"], start["default"]) == (0, 2**31 - 1, 0)
+    assert params[("query", "layer_axis")]["schema"]["enum"] == ["moe", "model"]
+    assert params[("query", "recompute")]["schema"]["enum"] == ["first", "latest"]
+    assert "$ref" not in str(op["parameters"])

@@ -37,7 +37,8 @@ async def get_metrics(request: Request) -> ServiceMetrics:
     return request.app.state.metrics
 
 
-def _checked(kind: str, value: str) -> str:
+def checked_id(kind: str, value: str) -> str:
+    """`value` when it passes the id rule; InvalidInput (422) naming `kind` otherwise."""
     if not valid_id(value):
         raise InvalidInput(f"{kind} {value!r} is not a valid id: {ID_RULE}")
     return value
@@ -45,12 +46,12 @@ def _checked(kind: str, value: str) -> str:
 
 async def run_id_param(run: Annotated[str, Path(description=f"run id: {ID_RULE}")]) -> str:
     """The run id of the path, checked against ID_RULE."""
-    return _checked("run id", run)
+    return checked_id("run id", run)
 
 
 async def request_id_param(request: Annotated[str, Path(description=f"request id: {ID_RULE}")]) -> str:
     """The request id of the path, checked against ID_RULE."""
-    return _checked("request id", request)
+    return checked_id("request id", request)
 
 
 Settings = Annotated[ServiceSettings, Depends(get_settings)]

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
-from typing import Annotated
 
-from fastapi import APIRouter, Header, Query
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 
 from replay_format import ARROW_STREAM_MEDIA_TYPE, ID_RULE, parse_flag, valid_id
-from replay_service.api import encode
+from replay_service.api import encode, lean
 from replay_service.api.deps import RequestId, RunId, Settings, Store
 from replay_service.api.models import (
     ARROW_ANSWER,
@@ -26,6 +25,8 @@ from replay_service.api.models import (
 )
 from replay_service.api.parts_response import PartsResponse
 from replay_service.errors import InvalidInput
+from replay_service.settings import ServiceSettings
+from replay_service.store import RouteStore
 
 router = APIRouter(prefix="/v1", tags=["requests"], responses=ERRORS)
 
@@ -59,28 +60,27 @@ def request_summary(run: RunId, request: RequestId, store: Store) -> dict:
     responses={200: {**binary_answer(*ROUTE_MEDIA_TYPES, description="Arrow: route.md (a weight_version column); "
                                      ".npy: (n, layers, K) ids, the versions in the X-Replay-Weight-Versions header "
                                      "(spans JSON); JSON: RouteJson"), "model": RouteJson}, **CONFLICT},
+    openapi_extra=lean.openapi_parameters(
+        RouteParams, {"run": f"run id: {ID_RULE}", "request": f"request id: {ID_RULE}"}, headers=("accept",)),
 )
-async def get_route(
-    run: RunId,
-    request: RequestId,
-    store: Store,
-    settings: Settings,
-    query: Annotated[RouteParams, Query()],
-    accept: str | None = Header(None),
-) -> PartsResponse:
-    kind = encode.pick_format(query.format, accept)
-    start, end, axis = query.start, query.end, query.layer_axis
-
+async def get_route(request: Request) -> PartsResponse:
+    """The hot read (the web view's and every script's first): parameters parsed by api/lean.py, one thread
+    hand-off for the read and its encoding, the parts sent as views of the route's arrays."""
+    run = lean.path_id(request, "run", "run id")
+    request_id = lean.path_id(request, "request", "request id")
+    query = lean.query(request, RouteParams)
+    store: RouteStore = request.app.state.store
+    settings: ServiceSettings = request.app.state.settings
+    kind = encode.pick_format(query.format, request.headers.get("accept"))
     selection = encode.Selection(query.recompute, query.weight_version)
 
     def work() -> encode.Answer:
-        route = store.read_route(run, request, start, end, selection.rule, selection.weight_version)
+        route = store.read_route(run, request_id, query.start, query.end, selection.rule, selection.weight_version)
         if query.strict:
-            encode.refuse_if_flagged(route, settings.strict_report_rows, f"request {request!r}")
-        return encode.route_answer(run, route, start, kind, settings.max_json_rows, axis, selection)
+            encode.refuse_if_flagged(route, settings.strict_report_rows, f"request {request_id!r}")
+        return encode.route_answer(run, route, query.start, kind, settings.max_json_rows, query.layer_axis, selection)
 
     answer = await run_in_threadpool(work)
-    # the parts view the route's arrays: no copy of the ids between the store and the socket
     return PartsResponse(answer.parts, answer.media_type, answer.headers)
 
 

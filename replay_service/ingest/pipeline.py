@@ -44,7 +44,7 @@ class IngestPipeline:
         settings = store.settings
         staging = BufferPool(keep=settings.max_concurrent_ingests)  # segment images before they are written
         segments = SegmentWriter(store.segments, staging, fsync=settings.fsync, direct=settings.direct_io,
-                                 compression=settings.segment_compression)
+                                 compression=settings.segment_compression, id_layout=settings.segment_id_layout)
         return cls(store.registry, segments, Committer(store.index, store.reader, segments, store.health,
                                                           settings.health_bucket_s),
                    RecentRows(settings.stale_table_rows), settings.stale_min_entropy_bits)

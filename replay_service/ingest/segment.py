@@ -29,7 +29,14 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from replay_format.segment import BUFFER_OFFSETS_KEY, CHECKSUM_KEY, SegmentCompression, SegmentMeta
+from replay_format.segment import (
+    BUFFER_OFFSETS_KEY,
+    CHECKSUM_KEY,
+    IdLayout,
+    SegmentCompression,
+    SegmentMeta,
+    as_stored,
+)
 from replay_service.buffers import PAGE, BufferPool
 from replay_service.checks.check import CheckedRows
 from replay_service.errors import SegmentStoreUnreachable
@@ -56,23 +63,25 @@ class SegmentWriter:
     """Writes segments into `store` (a directory: local files) with the service's durability settings."""
 
     def __init__(self, store: SegmentStore | Path, staging: BufferPool, fsync: bool = True, direct: bool = True,
-                 compression: SegmentCompression = SegmentCompression.NONE) -> None:
+                 compression: SegmentCompression = SegmentCompression.NONE,
+                 id_layout: IdLayout = IdLayout.ROWS) -> None:
         self.store = LocalSegments(store) if isinstance(store, Path) else store
         self.staging = staging  # segment images before they are written (buffers.py says why reused)
         self.fsync = fsync
         self.direct = direct
         self.compression = compression
+        self.id_layout = id_layout.for_codec(compression)  # by layer under a codec only (segment.md)
 
     def write(self, checked: CheckedRows) -> Segment:
         """The batch's rows with the service's flags, as a new segment file."""
         path = self.store.new_path(checked.rows.meta.run_id)
-        meta = segment_meta(checked)
+        meta = segment_meta(checked, self.id_layout)
         if isinstance(self.store, S3Segments):  # one upload, complete when it returns
             image = object_image(segment_batch(checked, meta), self.compression)
             self.store.put(path, image)
             return Segment(checked, path, image.size, meta.written_ns)
         assert isinstance(self.store, LocalSegments)
-        batch = seal(segment_batch(checked, meta))
+        batch = as_stored(seal(segment_batch(checked, meta)))
         size = write_segment(self.store.root / path, batch, self.staging, fsync=self.fsync, direct=self.direct,
                              compression=self.compression, sync_folder=False)
         return Segment(checked, path, size, meta.written_ns, folder_unsynced=self.fsync)
@@ -89,11 +98,12 @@ class SegmentWriter:
             log.warning("could not delete the unindexed segment %s (%s); orphan collection will", segment.path, exc)
 
 
-def segment_meta(checked: CheckedRows) -> SegmentMeta:
+def segment_meta(checked: CheckedRows, id_layout: IdLayout = IdLayout.ROWS) -> SegmentMeta:
     """What the segment of `checked` says beside its rows (everything its index rows record)."""
     rows = checked.rows
     padding = {rows.request_ids[i]: int(checked.padding_dropped[i]) for i in np.flatnonzero(checked.padding_dropped)}
-    return SegmentMeta(rows.meta, checked.digest, time.time_ns(), padding, weight_versions=rows.weight_versions)
+    return SegmentMeta(rows.meta, checked.digest, time.time_ns(), padding, weight_versions=rows.weight_versions,
+                       id_layout=id_layout)
 
 
 def segment_batch(checked: CheckedRows, meta: SegmentMeta) -> pa.RecordBatch:
@@ -120,7 +130,7 @@ def object_image(batch: pa.RecordBatch, compression: SegmentCompression = Segmen
     memory map, carry neither.
     """
     if compression is not SegmentCompression.NONE:  # compressed buffers have no byte range per row
-        return segment_image(seal(batch), compression)
+        return segment_image(as_stored(seal(batch)), compression)
     md = ranged_metadata(batch)
     first = segment_image(batch.replace_schema_metadata({**md, CHECKSUM_KEY: "0" * 8}))  # the checksum's width
     md = fill_offsets(md, first)

@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from replay_format import FormatError
 from replay_format.core import decode_metadata, token_ids
-from replay_format.segment import BLOCK_CHECKSUM_KEY, CHECKSUM_KEY, segment_versions
+from replay_format.segment import BLOCK_CHECKSUM_KEY, CHECKSUM_KEY, by_rows, segment_versions
 from replay_format.weight_versions import WeightVersions
 from replay_service.errors import DamagedSegment
 from replay_service.store.ranges import block_crcs
@@ -70,8 +70,9 @@ def seal(batch: pa.RecordBatch) -> pa.RecordBatch:
 def open_segment(store: SegmentStore | Path, rel_path: str) -> pa.RecordBatch:
     """The segment at `rel_path` of `store` (a directory: `LocalSegments`), opened and checked; DamagedSegment if not.
 
-    Local: memory-mapped. Object store: fetched whole (the check reads every byte). A segment without a checksum
-    (written before segment 2.2) is served unchecked.
+    Local: memory-mapped. Object store: fetched whole (the check reads every byte). A segment whose ids are stored
+    by layer (3.0) comes back with one `experts` column, as every other. A segment without a checksum (written
+    before segment 2.2) is served unchecked.
     """
     if isinstance(store, Path):
         store = LocalSegments(store)
@@ -79,6 +80,7 @@ def open_segment(store: SegmentStore | Path, rel_path: str) -> pa.RecordBatch:
     try:
         batch = store.open_batch(rel_path)
         batch.validate()  # buffer sizes fit the rows: a damaged header must not make a read run off the map
+        batch = by_rows(batch)  # segment 3.0: ids stored by layer are joined back (readers take one column)
         md = decode_metadata(batch.schema.metadata, "segment")
         stored = md.get(CHECKSUM_KEY)
         if stored is None:

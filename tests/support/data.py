@@ -21,6 +21,15 @@ def routes(rng: np.random.Generator, n: int, shape: RunShape = QWEN3_SHAPE) -> n
     return np.argpartition(keys, shape.top_k, axis=-1)[..., : shape.top_k].astype(shape.dtype)
 
 
+def skewed_routes(rng: np.random.Generator, n: int, shape: RunShape = QWEN3_SHAPE) -> np.ndarray:
+    """`(n, L, K)` distinct ids per layer, drawn from a Zipf-like popularity per layer (a few hot experts, as
+    routers show; each layer its own), in the order of their draws."""
+    popularity = np.stack([np.log(1.0 / np.arange(1, shape.num_experts + 1))[rng.permutation(shape.num_experts)]
+                           for _ in range(shape.num_moe_layers)])
+    keys = popularity + rng.gumbel(size=(n, shape.num_moe_layers, shape.num_experts))
+    return np.argpartition(-keys, shape.top_k, axis=-1)[..., : shape.top_k].astype(shape.dtype)
+
+
 def batch_bytes(run_id, writer_id, seq, request_ids, positions, experts, shape=QWEN3_SHAPE, token_ids=None,
                 flags=None) -> bytes:
     """One row batch as an Arrow IPC stream body."""

@@ -121,7 +121,8 @@ def gloo_pool(world_size: int) -> GlooPool:
 
 
 @atexit.register
-def _close_all() -> None:
+def close_pools() -> None:
+    """Stop every pool's workers (at exit; and before conftest's `os._exit`, which skips atexit)."""
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()
