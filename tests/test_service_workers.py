@@ -215,10 +215,15 @@ def test_kill_9_of_a_worker_under_8_writers_loses_no_acknowledged_batch(tmp_path
             writers.wait_for(40)
             victim = min(before)
             os.kill(victim, signal.SIGKILL)
-            writers.wait_for(len(writers.acked) + 80)  # the survivor, then its new sibling, take every writer
+            writers.wait_for(len(writers.acked) + 80)  # the survivor takes every writer meanwhile
         assert not writers.errors, writers.errors
+        # uvicorn's supervisor notices the death and spawns a new worker: seconds under a loaded machine's CI
+        deadline = time.monotonic() + 60
         after = worker_pids(service)
-        assert len(after) == 2 and victim not in after  # uvicorn's supervisor replaced it
+        while victim in after or len(after) < 2:
+            assert time.monotonic() < deadline, f"no replacement worker: {after}"
+            time.sleep(0.2)
+            after = worker_pids(service)
         read_back(service.url, "kill-worker", writers.acked)
 
 
