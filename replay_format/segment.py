@@ -98,27 +98,28 @@ def by_layers(batch: pa.RecordBatch, num_layers: int) -> pa.RecordBatch:
         raise FormatError(f"segment: {width} ids a row do not split into {num_layers} layers")
     k = width // num_layers
     ids = experts.flatten().to_numpy(zero_copy_only=False)
-    per_row = k * ids.dtype.itemsize
-    words = _as_words(ids, k).reshape(batch.num_rows, num_layers, per_row // _word(per_row))
-    by_layer = np.ascontiguousarray(words.transpose(1, 0, 2))  # one pass; each layer's ids then one view
+    words = _row_words(ids, k)
+    by_layer = np.ascontiguousarray(words.reshape(batch.num_rows, num_layers, words.shape[1]).transpose(1, 0, 2))
     id_type = experts.type.value_type
     columns = [pa.FixedSizeListArray.from_arrays(pa.array(by_layer[layer].view(ids.dtype).reshape(-1), id_type), k)
                for layer in range(num_layers)]
     fields = [pa.field(layer_column(layer), pa.list_(id_type, k), nullable=False) for layer in range(num_layers)]
-    arrays = batch.columns[:at] + columns + batch.columns[at + 1 :]
-    schema = pa.schema(list(batch.schema)[:at] + fields + list(batch.schema)[at + 1 :], batch.schema.metadata)
-    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+    return _splice(batch, at, 1, columns, fields)
 
 
-def _as_words(ids: np.ndarray, k: int) -> np.ndarray:
-    """`ids` (k a row-layer) as the widest unsigned words a row-layer's bytes divide into: numpy moves a layer's
-    ids of a row as one word, not k (measured: joining 48 layers of 8192 x top-8 uint8, 2.2 ms against 7.4)."""
-    return np.ascontiguousarray(ids).view(f"<u{_word(k * ids.dtype.itemsize)}")
+def _row_words(ids: np.ndarray, k: int) -> np.ndarray:
+    """Flat `ids`, k to a row-layer, as one row of words per row-layer: the widest unsigned words (8, 4, 2 or 1
+    bytes) a row-layer divides into, so numpy moves a layer's ids of a row as one word, not k (measured: joining
+    48 layers of 8192 x top-8 uint8, 2.2 ms against 7.4)."""
+    width = k * ids.dtype.itemsize
+    unit = next(u for u in (8, 4, 2, 1) if width % u == 0)
+    return np.ascontiguousarray(ids).view(f"<u{unit}").reshape(-1, width // unit)
 
 
-def _word(width: int) -> int:
-    """The widest word size (8, 4, 2 or 1 bytes) that `width` bytes divide into."""
-    return next(u for u in (8, 4, 2, 1) if width % u == 0)
+def _splice(batch: pa.RecordBatch, at: int, count: int, arrays: list, fields: list[pa.Field]) -> pa.RecordBatch:
+    """`batch` with its columns `[at, at + count)` replaced by `arrays` named by `fields`, metadata kept."""
+    schema = pa.schema(list(batch.schema)[:at] + fields + list(batch.schema)[at + count :], batch.schema.metadata)
+    return pa.RecordBatch.from_arrays(batch.columns[:at] + arrays + batch.columns[at + count :], schema=schema)
 
 
 def as_stored(batch: pa.RecordBatch) -> pa.RecordBatch:
@@ -149,15 +150,10 @@ def by_rows(batch: pa.RecordBatch) -> pa.RecordBatch:
     if any(c.type != columns[0].type for c in columns):
         raise FormatError("segment: its layer columns differ in type")
     layers = [c.flatten().to_numpy(zero_copy_only=False) for c in columns]
-    per_row = k * layers[0].dtype.itemsize  # bytes of a row's ids in one layer
-    words = np.stack([_as_words(ids, k).reshape(batch.num_rows, per_row // _word(per_row)) for ids in layers], 1)
+    words = np.stack([_row_words(ids, k) for ids in layers], 1)
     id_type = columns[0].type.value_type
     experts = pa.FixedSizeListArray.from_arrays(pa.array(words.view(layers[0].dtype).reshape(-1), id_type), count * k)
-    field = pa.field(EXPERTS, pa.list_(id_type, count * k), nullable=False)
-    arrays = batch.columns[:first] + [experts] + batch.columns[first + count :]
-    schema = pa.schema(list(batch.schema)[:first] + [field] + list(batch.schema)[first + count :],
-                       batch.schema.metadata)
-    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+    return _splice(batch, first, count, [experts], [pa.field(EXPERTS, pa.list_(id_type, count * k), nullable=False)])
 
 
 @dataclass(frozen=True)
