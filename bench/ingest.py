@@ -50,6 +50,7 @@ import pyarrow as pa
 from replay_format import ARROW_STREAM_MEDIA_TYPE, RunShape
 from replay_format.rows import RowsMeta, build_rows, encode_stream
 from replay_service.ops.demo import bulk_routes
+from replay_service.ops.workers import worker_count
 from tests.support.service import ServiceProcess
 
 SHAPE = RunShape(num_moe_layers=48, top_k=8, num_experts=128)
@@ -168,7 +169,7 @@ def main() -> None:
     parser.add_argument("--warmup-batches", type=int, default=8, help="untimed batches (and requests) sent first")
     parser.add_argument("--workers", type=int, default=0, help="the service's worker processes (0: one per core)")
     args = parser.parse_args()
-    workers = args.workers or len(os.sched_getaffinity(0))
+    workers = worker_count(args.workers)
 
     configs = [Config("8192-row batches, 1 writer", 8192, 1, args.small_tokens),
                Config("8192-row batches, 4 writers", 8192, 4, args.small_tokens),

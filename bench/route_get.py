@@ -48,10 +48,10 @@ import pyarrow as pa
 from fastapi import APIRouter, Depends, Header, Query
 from starlette.concurrency import run_in_threadpool
 
-from bench.fetch import SHAPE, print_rows_table, read_files_directly, timed_rounds
+from bench.fetch import print_rows_table, read_files_directly, timed_rounds
+from bench.segment_files import SHAPE, load_store
 from replay_client import ReplayClient
 from replay_format import LayerAxis
-from replay_format.rows import RowsMeta, build_rows, encode_stream
 from replay_format.weight_versions import RecomputeRule
 from replay_service.api import encode
 from replay_service.api.auth import authorize
@@ -59,23 +59,8 @@ from replay_service.api.deps import RequestId, RunId, Settings, Store
 from replay_service.api.models import RouteParams
 from replay_service.api.parts_response import PartsResponse
 from replay_service.app import create_app
-from replay_service.ops.demo import bulk_routes
 from replay_service.settings import ServiceSettings
 from tests.support.service import ServiceProcess
-
-
-def load_store(client: ReplayClient, requests: list[str], rows: int) -> None:
-    """The requests' rows, 8 requests per ingest batch (as a sender ships them), each then finished."""
-    ids = bulk_routes(rows * len(requests), 0, SHAPE)
-    per_batch = 8
-    for seq, lo in enumerate(range(0, len(requests), per_batch)):
-        chunk = requests[lo : lo + per_batch]
-        at = lo * rows
-        batch = build_rows(RowsMeta("bench", "w", seq, SHAPE), [r for r in chunk for _ in range(rows)],
-                           np.tile(np.arange(rows, dtype=np.int32), len(chunk)), ids[at : at + len(chunk) * rows])
-        client.ingest(encode_stream(batch))
-    for r in requests:
-        client.finish("bench", r, rows + 1)
 
 
 def paths(url: str, client: ReplayClient, plain: httpx.Client,

@@ -37,6 +37,7 @@ import numpy as np
 
 from bench.segment_files import SHAPE, load_store, segment_rows
 from replay_client import ReplayClient
+from replay_service.ops.workers import worker_count
 from tests.support.service import ServiceProcess
 
 TP, CP = 2, 2
@@ -102,15 +103,8 @@ def one_client_in_turn(url: str, ranks: int, sequences: list, convention: str | 
 
 def peak_memory(service: ServiceProcess) -> int:
     """VmHWM of the service's process and its children, bytes."""
-    pids = [service.proc.pid]
-    for pid in os.listdir("/proc"):
-        try:
-            if pid.isdigit() and int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) == pids[0]:
-                pids.append(int(pid))
-        except OSError:
-            continue
     total = 0
-    for pid in pids:
+    for pid in [service.proc.pid, *service.children()]:
         try:
             for line in open(f"/proc/{pid}/status"):
                 if line.startswith("VmHWM:"):
@@ -151,7 +145,7 @@ def main() -> None:
         report["files_rows_per_s"] = round(files_rate)
         for workers in args.workers:
             with ServiceProcess(data, workers=workers, env={"REPLAY_FSYNC": "false"}) as service:
-                count = workers or len(os.sched_getaffinity(0))
+                count = worker_count(workers)
                 for ranks in args.ranks:
                     turn = [one_client_in_turn(service.url, ranks, sequences, args.convention)
                             for _ in range(args.rounds)]

@@ -48,18 +48,7 @@ def pinned(url: str, workers: int) -> dict[int, httpx.Client]:
 
 def worker_pids(service: ServiceProcess) -> set[int]:
     """The service's worker processes (its children running the app; not multiprocessing's resource tracker)."""
-    out = set()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            stat = open(f"/proc/{pid}/stat").read()
-            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == service.proc.pid and b"spawn_main" in cmdline:
-            out.add(int(pid))
-    return out
+    return {pid for pid, cmdline in service.children().items() if b"spawn_main" in cmdline}
 
 
 def alive(pid: int) -> bool:

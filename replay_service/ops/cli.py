@@ -84,7 +84,7 @@ def serve(
         typer.echo(f"demo run {summary['run_id']!r}: {summary['requests']} requests, {summary['rows']} rows")
     from replay_service.ops.workers import run_workers, worker_count
 
-    count = worker_count(settings)
+    count = worker_count(settings.workers)
     typer.echo(f"routing-replay on http://{host}:{port}  (data: {data.resolve()}, {count} worker"
                f"{'s' if count > 1 else ''}, API docs: /docs)")
     if settings.tokens_file is None and insecure:

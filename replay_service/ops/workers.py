@@ -49,9 +49,9 @@ PARENT_VARIABLE = "REPLAY_WORKER_PARENT"  # the parent's pid: a worker started a
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def worker_count(settings: ServiceSettings) -> int:
-    """How many workers `settings` ask for: `workers`, or one per core this process may run on when 0."""
-    return settings.workers or len(os.sched_getaffinity(0))
+def worker_count(workers: int) -> int:
+    """How many workers a `workers` setting means: that many, or one per core this process may run on when 0."""
+    return workers or len(os.sched_getaffinity(0))
 
 
 def worker_settings(settings: ServiceSettings, workers: int) -> ServiceSettings:

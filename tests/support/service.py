@@ -76,6 +76,21 @@ class ServiceProcess:
         if self.nice:
             os.nice(self.nice)
 
+    def children(self) -> dict[int, bytes]:
+        """The service process's children now (its workers, multiprocessing's helpers): pid -> command line."""
+        out = {}
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                stat = open(f"/proc/{pid}/stat").read()
+                cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+            except OSError:  # ended meanwhile
+                continue
+            if self.proc is not None and int(stat.rsplit(")", 1)[1].split()[1]) == self.proc.pid:
+                out[int(pid)] = cmdline
+        return out
+
     def kill9(self) -> None:
         if self.proc and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
