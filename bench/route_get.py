@@ -6,6 +6,9 @@ each into one numpy array:
   - `ReplayClient.get_route_npy` (.npy answer),
   - plain httpx, as a script would write it: `httpx.Client.get(url).content` then
     `pa.ipc.open_stream` / `np.load` (Arrow and .npy).
+The floor of those clients, beside them: the same .npy answer, as many times, from a server that holds its bytes
+and does nothing but send them (`bench/http_floor.py`), read by `ReplayClient`'s own transport and by plain
+httpx. What the client's HTTP stack and the loopback socket cost alone: no service is faster from that client.
 Baseline in the same run: one process memory-maps the store's segment files itself (warm page
 cache) and copies the same requests' rows into one array (no HTTP, no checks): `bench/fetch.py`'s
 `read_files_directly`. Every path is checked byte-equal to it.
@@ -15,10 +18,10 @@ the rounds, their spread (min-max) and the ratio to the baseline are printed. As
 
 Then the service's own time per GET, without a socket or a client: the app (`create_app`, on the same data)
 called as ASGI in this process, one request after another, for Arrow and .npy answers of the whole route and
-of one row, three ways in turn each round: the endpoint as served (its parameters parsed by api/lean.py); the
-same endpoint declared with FastAPI's per-parameter dependencies, as it was before (`_declared_route`, added to
-this app only, matched right after the real one); and the work alone (`RouteStore.read_route` and
-`encode.route_answer`, what both run in their thread). The differences are what the HTTP layer costs.
+of one row, three ways in turn each round: the endpoint as served (its parameters parsed by api/lean.py, a hot
+read on the event loop: store/on_loop.py); the same endpoint as it was before both (`_declared_route`: FastAPI's
+per-parameter dependencies, the read in a thread; added to this app only, matched right after the real one); and
+the work alone (`RouteStore.read_route` and `encode.route_answer`). The differences are what the HTTP layer costs.
 
     python bench/route_get.py [--requests 32] [--rows 4096] [--rounds 7]
 """
@@ -49,8 +52,11 @@ from fastapi import APIRouter, Depends, Header, Query
 from starlette.concurrency import run_in_threadpool
 
 from bench.fetch import print_rows_table, read_files_directly, timed_rounds
+from bench.http_floor import BytesServer
 from bench.segment_files import SHAPE, load_store
 from replay_client import ReplayClient
+from replay_client.client import npy_view
+from replay_client.transport import Transport
 from replay_format import LayerAxis
 from replay_format.weight_versions import RecomputeRule
 from replay_service.api import encode
@@ -89,6 +95,17 @@ def paths(url: str, client: ReplayClient, plain: httpx.Client,
     }
 
 
+def floor_paths(url: str, transport: Transport, plain: httpx.Client,
+                count: int) -> dict[str, Callable[[], list[np.ndarray]]]:
+    """The .npy answer `count` times from `BytesServer` at `url`, by ReplayClient's transport and by plain httpx."""
+    return {
+        "floor: client transport, .npy": lambda: [npy_view(transport.fetch_bulk("GET", "/", params={"format": "npy"}))
+                                                 for _ in range(count)],
+        "floor: plain httpx, .npy": lambda: [np.load(io.BytesIO(plain.get(url, params={"format": "npy"}).content))
+                                            for _ in range(count)],
+    }
+
+
 async def _asgi_get(app, path: str, query: bytes) -> int:
     """One GET through the ASGI app in this process; the answer's status."""
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
@@ -111,8 +128,8 @@ ROUTE_PATH = "/v1/runs/{run}/requests/{request}/routes"
 
 
 def _declared_route(app) -> str:
-    """The route GET as it was declared before api/lean.py (FastAPI solving each parameter), added to `app` right
-    after the served one (the same matching cost); its path template."""
+    """The route GET as it was declared before api/lean.py and store/on_loop.py (FastAPI solving each parameter,
+    the read in a thread), added to `app` right after the served one (the same matching cost); its path template."""
     router = APIRouter(dependencies=[Depends(authorize)])
     path = "/bench/declared/{run}/requests/{request}/routes"
 
@@ -192,15 +209,23 @@ def main() -> None:
         with ServiceProcess(data, env={"REPLAY_FSYNC": "false"}) as proc, ReplayClient(proc.url) as client, \
                 httpx.Client(timeout=60) as plain:
             load_store(client, requests, args.rows)
-            ways = {"direct segment files, one process": lambda: [read_files_directly(data, requests)],
-                    **paths(proc.url, client, plain, requests)}
-            expected = read_files_directly(data, requests).numpy()
-            for name, way in ways.items():  # warm (page cache, segment cache, connections) and check bytes
-                got = np.concatenate(way())
-                assert np.array_equal(got, expected), f"{name}: not the rows sent"
-            load = os.getloadavg()[0]
-            times = timed_rounds(ways, args.rounds)
-            load_after = os.getloadavg()[0]
+            one_route = plain.get(f"{proc.url}/v1/runs/bench/requests/{requests[0]}/routes",
+                                  params={"format": "npy"}).content
+            with BytesServer(one_route) as floor_url:
+                transport = Transport(floor_url, 60, None)
+                ways = {"direct segment files, one process": lambda: [read_files_directly(data, requests)],
+                        **paths(proc.url, client, plain, requests),
+                        **floor_paths(floor_url, transport, plain, len(requests))}
+                expected = read_files_directly(data, requests).numpy()
+                for name, way in ways.items():  # warm (page cache, segment cache, connections) and check bytes
+                    got = np.concatenate(way())
+                    want = np.concatenate([expected[:args.rows]] * len(requests)) if name.startswith("floor") \
+                        else expected
+                    assert np.array_equal(got, want), f"{name}: not the rows sent"
+                load = os.getloadavg()[0]
+                times = timed_rounds(ways, args.rounds)
+                load_after = os.getloadavg()[0]
+                transport.close()
 
         served = server_time(data, requests[0], args.calls, args.rounds)
 

@@ -9,8 +9,7 @@ fuzzer see no difference.
 What it saves, measured by `bench/route_get.py` (the app called in process, call by call in turn with the same
 endpoint declared parameter by parameter, 2026-12-03): 10-170 us of a GET's ~1 ms HTTP layer (0.93-1.04 ms as
 served, 1.05-1.10 declared). Dependency solving was not the main fixed cost on this machine; the largest piece
-left is the read's hand-off to a thread and back (~0.35-0.5 ms, measured ad hoc), kept because a read may wait
-on the disk, the index or a bucket, which must never stall the event loop.
+was the read's hand-off to a thread and back, which a hot read of a local store now skips (store/on_loop.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
@@ -25,8 +25,9 @@ from replay_service.api.models import (
 )
 from replay_service.api.parts_response import PartsResponse
 from replay_service.errors import InvalidInput
+from replay_service.metrics import ServiceMetrics
 from replay_service.settings import ServiceSettings
-from replay_service.store import RouteStore
+from replay_service.store import RouteStore, on_loop
 
 router = APIRouter(prefix="/v1", tags=["requests"], responses=ERRORS)
 
@@ -64,8 +65,9 @@ def request_summary(run: RunId, request: RequestId, store: Store) -> dict:
         RouteParams, {"run": f"run id: {ID_RULE}", "request": f"request id: {ID_RULE}"}, headers=("accept",)),
 )
 async def get_route(request: Request) -> PartsResponse:
-    """The hot read (the web view's and every script's first): parameters parsed by api/lean.py, one thread
-    hand-off for the read and its encoding, the parts sent as views of the route's arrays."""
+    """The hot read (the web view's and every script's first): parameters parsed by api/lean.py; read and
+    encoded on the event loop when nothing there would wait (store/on_loop.py: a local store, its segments
+    opened, an Arrow or .npy answer), else in a thread; the parts sent as views of the route's arrays."""
     run = lean.path_id(request, "run", "run id")
     request_id = lean.path_id(request, "request", "request id")
     query = lean.query(request, RouteParams)
@@ -80,8 +82,22 @@ async def get_route(request: Request) -> PartsResponse:
             encode.refuse_if_flagged(route, settings.strict_report_rows, f"request {request_id!r}")
         return encode.route_answer(run, route, query.start, kind, settings.max_json_rows, query.layer_axis, selection)
 
-    answer = await run_in_threadpool(work)
+    answer = _on_loop(work) if kind != encode.RouteFormat.JSON and store.reads_on_loop else None
+    place = on_loop.ReadPlace.EVENT_LOOP
+    if answer is None:
+        answer, place = await run_in_threadpool(work), on_loop.ReadPlace.THREAD
+    metrics: ServiceMetrics = request.app.state.metrics
+    metrics.route_reads.labels(place.value).inc()
     return PartsResponse(answer.parts, answer.media_type, answer.headers)
+
+
+def _on_loop(work: Callable[[], encode.Answer]) -> encode.Answer | None:
+    """`work()` run here, on the event loop, or None when it would wait (then it is run in a thread)."""
+    try:
+        with on_loop.on_event_loop():
+            return work()
+    except on_loop.WouldWait:
+        return None
 
 
 @router.post(

@@ -38,6 +38,7 @@ from replay_format.weight_versions import RecomputeRule, check_label
 from replay_service.errors import Conflict, InvalidInput, NotFound, RunDeleted
 from replay_service.ownership import claim_requests, current_actor, require_owner
 from replay_service.settings import ServiceSettings
+from replay_service.store import on_loop
 from replay_service.store.compares import CompareStore
 from replay_service.store.ends import upload_end
 from replay_service.store.files import QUARANTINE_DIR, SegmentCache, Sweep, require_index, sweep_unindexed
@@ -267,6 +268,11 @@ class RouteStore:
         items = [RequestRecord.of(r, spans.get(r["request_id"], [])) for r in rows[:limit]]
         return RequestPage(items, items[-1].request_id if len(rows) > limit else None)
 
+    @property
+    def reads_on_loop(self) -> bool:
+        """Whether a hot read may run on the event loop (store/on_loop.py): the index and the segments are local."""
+        return not (self.index.remote or self.segments.remote)
+
     def read_route(self, run_id: str, request_id: str, start: int = 0, end: int | None = None,
                    rule: RecomputeRule = RecomputeRule.FIRST, weight_version: str | None = None) -> RouteRows:
         """Rows `[start, end)` of a request, dense by position: a missing position is a GAP row.
@@ -297,6 +303,8 @@ class RouteStore:
             raise InvalidInput(
                 f"range {start}..{end} is {end - start} rows, more than one read returns "
                 f"(REPLAY_MAX_READ_ROWS={self.settings.max_read_rows}); read it in pieces with start/end")
+        if end - start > on_loop.MAX_ROWS:
+            on_loop.refuse(f"{end - start} rows is more than a read on the event loop serves")
         late = self.index.late_flags(run_id, request.request_id, start, end) if request.flagged[Flag.CONFLICT] else {}
         route = self.reader.route(run_id, request.request_id, state.shape, start, end, late, RecomputeRule(rule),
                                   weight_version)

@@ -34,6 +34,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from replay_service.errors import DamagedSegment, IndexNeedsRebuild, RunDeleted
+from replay_service.store import on_loop
 from replay_service.store.durable import TMP_SUFFIX, fsync_dir
 from replay_service.store.integrity import open_segment
 from replay_service.store.segment_store import SEGMENT_SUFFIX, LocalSegments, SegmentStore
@@ -194,13 +195,16 @@ class SegmentCache:
     def get(self, rel_path: str) -> pa.RecordBatch:
         """The segment at `rel_path` (its one record batch), mapped and checked on first use.
 
-        DamagedSegment when it fails its checksum: refused again, unread, until its file changes.
+        DamagedSegment when it fails its checksum: refused again, unread, until its file changes. On the event
+        loop (store/on_loop.py) a segment not opened yet is WouldWait: opening it reads and checks the whole file.
         """
         with self._lock:
             batch = self._open.get(rel_path)
             if batch is not None:
                 self._open.move_to_end(rel_path)
                 return batch
+        on_loop.refuse(f"segment {rel_path} is not opened yet")
+        with self._lock:
             known = self._damaged.get(rel_path)
             deleted = _run_of(rel_path) in self._deleted
         if deleted and self._stat(rel_path) is None:

@@ -412,6 +412,11 @@ class Index:
         return rows[0] if rows else None
 
     @property
+    def remote(self) -> bool:
+        """Whether a query may wait on the network (PostgreSQL), not only on this machine (SQLite)."""
+        return self.backend.remote
+
+    @property
     def shared(self) -> bool:
         """Whether other processes write this index too (PostgreSQL: replicas; SQLite: `serve`'s other workers), so
         no run row may be cached."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from replay_format import RunShape
 from replay_format.rows import RowsMeta
 from replay_service.errors import Conflict, NotFound, RunDeleted
+from replay_service.store import on_loop
 from replay_service.store.index import Index, Row
 
 
@@ -52,8 +53,11 @@ class RunRegistry:
 
     def get(self, run_id: str) -> RunState | None:
         """The run, or None when it does not exist."""
-        with self._lock:
+        on_loop.acquire(self._lock, f"run {run_id!r} is being registered")
+        try:
             return self._current(run_id)
+        finally:
+            self._lock.release()
 
     def require(self, run_id: str) -> RunState:
         """The run; NotFound when it does not exist."""

@@ -63,6 +63,8 @@ class SegmentStore(ABC):
 
     #: True when an opened segment is held in process memory (fetched), False when it is a map of a local file
     in_memory: bool = False
+    #: True when reading a segment (or its rows) may wait on the network
+    remote: bool = False
     #: what settings name it (start-up refusals and logs say it)
     url: str
 
@@ -167,6 +169,7 @@ class S3Segments(SegmentStore):
     """Segments as objects under `bucket/prefix` of an S3-compatible store (`pyarrow.fs.S3FileSystem`)."""
 
     in_memory = True
+    remote = True
 
     def __init__(self, fs: pafs.FileSystem, base: str, url: str) -> None:
         self.fs = fs

@@ -68,6 +68,7 @@ class Backend(Protocol):
     """One index database."""
 
     dialect: Dialect
+    remote: bool  # a read may wait on the network (a database server), not only on this machine
 
     def query(self, sql: str, params: Params = ()) -> list[Row]: ...
 

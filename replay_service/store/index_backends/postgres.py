@@ -148,6 +148,7 @@ class PostgresBackend:
     """One PostgreSQL database; refuses to open (IndexUnreachable) when it cannot be reached."""
 
     dialect = DIALECT
+    remote = True  # every query is a round trip to the database server
 
     def __init__(self, url: str) -> None:
         try:  # one plain connection first: its error names the cause (auth, host, database) clearly

@@ -1,13 +1,19 @@
-"""The SQLite index backend (the default): one file beside the segments, one connection behind one lock.
+"""The SQLite index backend (the default): one file beside the segments, one writing connection behind one lock.
 
 WAL with synchronous=FULL (or OFF when fsync is off). `BEGIN IMMEDIATE` takes the file's one write lock,
 under this process's lock: every transaction of every process on the file (`serve`'s workers, ops/workers.py)
 is serialised, so a run's commits need no lock of their own here. A transaction waits up to `BUSY_TIMEOUT_S`
 for another process's to end. The schema version is `PRAGMA user_version`.
+
+A query outside a transaction of its own thread runs on a read-only connection from a pool: under WAL a reader
+sees every committed transaction and never waits for a writer, so a read does not queue behind a group commit's
+fsync (or behind another worker's write lock), and reads run side by side. A query inside its thread's
+transaction runs on the writing connection, and sees that transaction's writes.
 """
 
 from __future__ import annotations
 
+import queue
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -79,25 +85,57 @@ class SqliteTransaction:
             if commit or self.conn.in_transaction:  # SQLite may have rolled back itself already
                 self.execute("COMMIT" if commit else "ROLLBACK")
         finally:
+            self.backend._writer_thread = None
             self.backend.lock.release()
 
 
 class SqliteBackend:
-    """One SQLite file: one connection shared by every thread, behind one re-entrant lock."""
+    """One SQLite file: one writing connection shared by every thread behind one re-entrant lock, and a pool of
+    read-only connections for the queries of threads without a transaction."""
 
     dialect = DIALECT
+    remote = False  # a local file: a read waits on no network (and, on a reader connection, on no writer)
 
     def __init__(self, path: Path, fsync: bool = True) -> None:
+        self.path = path
         self.conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_S)
         self.conn.row_factory = sqlite3.Row
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute(f"PRAGMA synchronous={'FULL' if fsync else 'OFF'}")
         self.lock = threading.RLock()
+        self._writer_thread: int | None = None  # the thread whose transaction is open, while one is
+        self._readers: queue.SimpleQueue[sqlite3.Connection] = queue.SimpleQueue()  # idle reader connections
+        self._opened: list[sqlite3.Connection] = []  # every reader connection made, to close them all
+        self._opened_lock = threading.Lock()  # not `lock`: a reader is never made to wait for a transaction
+        self._closed = False
 
     def query(self, sql: str, params: Params = ()) -> list[Row]:
-        """Every row of one statement (inside this thread's open transaction, if any: the lock is re-entrant)."""
-        with self.lock, _translating():
-            return self.conn.execute(sql, params).fetchall()
+        """Every row of one statement: inside this thread's open transaction when there is one (its writes seen),
+        else on a reader connection (every committed transaction seen, no writer waited for)."""
+        if self._writer_thread == threading.get_ident():
+            with self.lock, _translating():
+                return self.conn.execute(sql, params).fetchall()
+        reader = self._reader()
+        try:
+            with _translating():
+                return reader.execute(sql, params).fetchall()
+        finally:
+            self._readers.put(reader)
+
+    def _reader(self) -> sqlite3.Connection:
+        """An idle reader connection, or a new one (read-only: a write through `query` is an error, not a commit)."""
+        try:
+            return self._readers.get_nowait()
+        except queue.Empty:
+            pass
+        with self._opened_lock:
+            if self._closed:
+                raise sqlite3.ProgrammingError("Cannot operate on a closed database.")
+            reader = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False,
+                                     isolation_level=None, timeout=BUSY_TIMEOUT_S)
+            reader.row_factory = sqlite3.Row
+            self._opened.append(reader)
+        return reader
 
     def begin(self) -> SqliteTransaction:
         """Open an IMMEDIATE transaction (waits for the one under way)."""
@@ -108,6 +146,7 @@ class SqliteBackend:
         except BaseException:
             self.lock.release()
             raise
+        self._writer_thread = threading.get_ident()
         return SqliteTransaction(self)
 
     def ensure_schema(self, version: int, schema: str, migrate: Callable[[Transaction, int], None]) -> None:
@@ -133,6 +172,9 @@ class SqliteBackend:
             self.conn.executescript(text)
 
     def close(self) -> None:
-        """Close the connection."""
-        with self.lock:
+        """Close the writing connection and every reader connection."""
+        with self.lock, self._opened_lock:
+            self._closed = True
+            for reader in self._opened:
+                reader.close()
             self.conn.close()
