@@ -2,8 +2,9 @@
 
 A benchmark reads the same answer from it as from the service, with the same client, to show what the
 client's HTTP stack and the loopback socket alone cost on this machine: no service can be faster than that
-from that client. Every request on a keep-alive connection is answered with the one body given (its
-headers read and ignored), by one thread per connection writing the whole answer with `sendall`.
+from that client. Every request on a keep-alive connection is answered with the one body given, by one thread
+per connection writing the whole answer with `sendall`; a request's own body (its Content-Length) is received
+into a scratch buffer and dropped, so writers posting to it measure the floor of sending (`bench/ingest.py`).
 
     with BytesServer(body) as url:
         httpx.Client().get(url).content == body
@@ -19,18 +20,35 @@ from types import TracebackType
 END_OF_HEADERS = b"\r\n\r\n"
 
 
+def _content_length(head: bytes) -> int:
+    """A request head's Content-Length (0 without one)."""
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
+
+
 def _answer_each_request(conn: socket.socket, answer: bytes) -> None:
-    """Send `answer` once per request head received on `conn` (GETs: no bodies), until the client closes."""
+    """Send `answer` once per request received on `conn` (its body read and dropped), until the client closes."""
     pending = b""
+    scratch = memoryview(bytearray(1 << 20))
     with conn:
         while True:
-            data = conn.recv(1 << 16)
-            if not data:
-                return
-            pending += data
-            while END_OF_HEADERS in pending:
-                _, pending = pending.split(END_OF_HEADERS, 1)
-                conn.sendall(answer)
+            while END_OF_HEADERS not in pending:
+                data = conn.recv(1 << 16)
+                if not data:
+                    return
+                pending += data
+            head, pending = pending.split(END_OF_HEADERS, 1)
+            body_left = _content_length(head) - len(pending)
+            pending = b"" if body_left >= 0 else pending[len(pending) + body_left:]
+            while body_left > 0:
+                got = conn.recv_into(scratch[: min(body_left, len(scratch))])
+                if not got:
+                    return
+                body_left -= got
+            conn.sendall(answer)
 
 
 def _serve(listener: socket.socket, body: bytes, content_type: str) -> None:
