@@ -51,9 +51,9 @@ import httpx
 import numpy as np
 import pyarrow as pa
 
+from bench.http_floor import BytesServer
 from replay_format import ARROW_STREAM_MEDIA_TYPE, RunShape
 from replay_format.rows import RowsMeta, build_rows, encode_stream
-from bench.http_floor import BytesServer
 from replay_service.ops.demo import bulk_routes
 from replay_service.ops.workers import worker_count
 from tests.support.service import ServiceProcess

@@ -21,15 +21,17 @@ import numpy as np
 import pytest
 
 from replay_client.client import ReplayClient
+from replay_format import ARROW_STREAM_MEDIA_TYPE
 from replay_service.app import open_store
+from replay_service.ingest.decode import decode_batch
 from replay_service.settings import ServiceSettings
 from replay_service.store import on_loop
 from replay_service.store.index_backends.sqlite import SqliteBackend
-from tests.support.data import store_requests
+from tests.support.data import batch_bytes, routes
 from tests.support.service import ServiceProcess
 
 RUN = "loop"
-LENGTHS = {"short": 300, "long": on_loop.MAX_ROWS + 2000}
+LENGTHS = {"short": 300, "long": on_loop.MAX_ROWS + 2000}  # rows
 
 
 def _table(path: Path) -> SqliteBackend:
@@ -82,10 +84,17 @@ def test_a_write_outside_a_transaction_is_refused(tmp_path):
 
 @pytest.fixture(scope="module")
 def stored(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
-    """A data directory holding RUN's requests (the service stopped), and each request's rows as sent."""
+    """A data directory holding RUN's requests (stored in this process, then closed), and each one's rows."""
     data = tmp_path_factory.mktemp("on_loop") / "data"
-    with ServiceProcess(data, env={"REPLAY_FSYNC": "false"}) as proc, ReplayClient(proc.url) as client:
-        sent = store_requests(client, RUN, LENGTHS)
+    rng = np.random.default_rng(3)
+    sent = {rid: routes(rng, rows) for rid, rows in LENGTHS.items()}
+    store = open_store(ServiceSettings(data_dir=data, fsync=False))
+    try:
+        for seq, (rid, ids) in enumerate(sent.items()):
+            body = batch_bytes(RUN, "w", seq, [rid] * len(ids), np.arange(len(ids)), ids)
+            store.ingest(decode_batch(ARROW_STREAM_MEDIA_TYPE, body))
+    finally:
+        store.close()
     return data, sent
 
 
