@@ -2,7 +2,7 @@
 
 Connections come from a pool (psycopg_pool), in autocommit mode; a transaction is `BEGIN` ... `COMMIT` on
 one pooled connection, which its thread's reads use too (so a read inside a transaction sees its writes,
-as on SQLite's single connection). Isolation is READ COMMITTED; what SQLite's single writer gave for free
+as on SQLite's writing connection). Isolation is READ COMMITTED; what SQLite's single writer gave for free
 is made explicit:
 
 - a run's commits are serialised across replicas by `pg_advisory_xact_lock` on the run id (`lock_runs`,
