@@ -6,6 +6,9 @@ each into one numpy array:
   - `ReplayClient.get_route_npy` (.npy answer),
   - plain httpx, as a script would write it: `httpx.Client.get(url).content` then
     `pa.ipc.open_stream` / `np.load` (Arrow and .npy).
+The same two `ReplayClient` reads from a second service on a copy of the same data that reads every GET in a
+thread (`REPLAY_HOT_READS=thread`, as before store/on_loop.py), in the same rounds: what reading on the event
+loop changes, end to end.
 The floor of those clients, beside them: the same .npy answer, as many times, from a server that holds its bytes
 and does nothing but send them (`bench/http_floor.py`), read by `ReplayClient`'s own transport and by plain
 httpx. What the client's HTTP stack and the loopback socket cost alone: no service is faster from that client.
@@ -33,6 +36,7 @@ import asyncio
 import io
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -92,6 +96,14 @@ def paths(url: str, client: ReplayClient, plain: httpx.Client,
         "client get_route_npy": lambda: [client.get_route_npy("bench", rid) for rid in requests],
         "plain httpx, Arrow": plain_arrow,
         "plain httpx, .npy": plain_npy,
+    }
+
+
+def threaded_paths(client: ReplayClient, requests: list[str]) -> dict[str, Callable[[], list[np.ndarray]]]:
+    """`ReplayClient`'s two reads from the service that reads every GET in a thread."""
+    return {
+        "client get_route, reads in a thread": lambda: [client.get_route("bench", rid).experts for rid in requests],
+        "client get_route_npy, in a thread": lambda: [client.get_route_npy("bench", rid) for rid in requests],
     }
 
 
@@ -205,16 +217,20 @@ def main() -> None:
     requests = [f"r{i:03d}" for i in range(args.requests)]
     total_rows = args.requests * args.rows
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "data"
-        with ServiceProcess(data, env={"REPLAY_FSYNC": "false"}) as proc, ReplayClient(proc.url) as client, \
-                httpx.Client(timeout=60) as plain:
+        data, copy = Path(tmp) / "data", Path(tmp) / "data-threaded"
+        with ServiceProcess(data, env={"REPLAY_FSYNC": "false"}) as proc, ReplayClient(proc.url) as client:
             load_store(client, requests, args.rows)
+        shutil.copytree(data, copy)  # the service stopped: its files as it left them
+        with ServiceProcess(data, env={"REPLAY_FSYNC": "false"}) as proc, ReplayClient(proc.url) as client, \
+                ServiceProcess(copy, env={"REPLAY_FSYNC": "false", "REPLAY_HOT_READS": "thread"}) as threaded, \
+                ReplayClient(threaded.url) as threaded_client, httpx.Client(timeout=60) as plain:
             one_route = plain.get(f"{proc.url}/v1/runs/bench/requests/{requests[0]}/routes",
                                   params={"format": "npy"}).content
             with BytesServer(one_route) as floor_url:
                 transport = Transport(floor_url, 60, None)
                 ways = {"direct segment files, one process": lambda: [read_files_directly(data, requests)],
                         **paths(proc.url, client, plain, requests),
+                        **threaded_paths(threaded_client, requests),
                         **floor_paths(floor_url, transport, plain, len(requests))}
                 expected = read_files_directly(data, requests).numpy()
                 for name, way in ways.items():  # warm (page cache, segment cache, connections) and check bytes

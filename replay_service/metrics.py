@@ -47,7 +47,8 @@ class ServiceMetrics:
         self.damaged_reads = Counter(
             "replay_damaged_reads", "Requests refused because a segment they needed is damaged", registry=r)
         self.route_reads = Counter(
-            "replay_route_reads", "Route GETs by where they were read: event_loop (hot, store/on_loop.py) or thread",
+            "replay_route_reads",
+            "Route GETs by where they were read (settings.ReadPlace): event_loop (store/on_loop.py) or thread",
             ["place"], registry=r)
 
     def count_damaged(self, newly_found: bool) -> None:

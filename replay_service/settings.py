@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from pathlib import Path
 
 from pydantic import Field
@@ -10,6 +11,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from replay_format.segment import IdLayout, SegmentCompression
 
 DEFAULT_PORT = 8470
+
+
+class ReadPlace(enum.Enum):
+    """Where a route GET is read: on the event loop that received it, or in a worker thread (store/on_loop.py)."""
+
+    EVENT_LOOP = "event_loop"
+    THREAD = "thread"
 
 
 class ServiceSettings(BaseSettings):
@@ -90,6 +98,10 @@ class ServiceSettings(BaseSettings):
         default=None, description="the index: unset for <data_dir>/index.sqlite (SQLite, one service's workers), or "
         "postgresql://user:password@host:port/database for a PostgreSQL database that any number of replicas share "
         "(store/index_backends/); a replica that cannot reach it refuses to start")
+    hot_reads: ReadPlace = Field(
+        default=ReadPlace.EVENT_LOOP, description="where a hot route GET is read: event_loop (an Arrow or .npy "
+        "answer of a local store's opened segments, when nothing there would wait: store/on_loop.py) or thread "
+        "(every read handed to a worker thread, as before)")
     direct_io: bool = Field(
         default=True,
         description="write segments with O_DIRECT (skips filling fresh page cache; falls back where unsupported)")

@@ -5,7 +5,7 @@
   cannot write. The thread holding the transaction still sees its own writes.
 - On the event loop, a read that would wait (a segment not opened yet, more than `MAX_ROWS`, the run registry's
   lock held) raises WouldWait before waiting; once the segment is opened the same read is served there, the same
-  rows.
+  rows. `hot_reads=thread` keeps every read off the loop.
 - Through a real server: the first GET of a segment is read in a thread, the next ones on the event loop, every
   answer byte-equal to what was sent; `replay_route_reads_total` says where each was read.
 """
@@ -125,6 +125,11 @@ def test_a_read_that_would_wait_is_refused_on_the_loop_and_served_once_hot(store
             assert np.array_equal(store.read_route(RUN, "short").experts, in_thread.experts)
     finally:
         store.close()
+    kept_in_threads = open_store(ServiceSettings(data_dir=data, fsync=False, hot_reads="thread"))  # REPLAY_HOT_READS
+    try:
+        assert not kept_in_threads.reads_on_loop
+    finally:
+        kept_in_threads.close()
 
 
 def _route_reads(http: httpx.Client) -> dict[str, float]:

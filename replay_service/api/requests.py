@@ -26,7 +26,7 @@ from replay_service.api.models import (
 from replay_service.api.parts_response import PartsResponse
 from replay_service.errors import InvalidInput
 from replay_service.metrics import ServiceMetrics
-from replay_service.settings import ServiceSettings
+from replay_service.settings import ReadPlace, ServiceSettings
 from replay_service.store import RouteStore, on_loop
 
 router = APIRouter(prefix="/v1", tags=["requests"], responses=ERRORS)
@@ -83,9 +83,9 @@ async def get_route(request: Request) -> PartsResponse:
         return encode.route_answer(run, route, query.start, kind, settings.max_json_rows, query.layer_axis, selection)
 
     answer = _on_loop(work) if kind != encode.RouteFormat.JSON and store.reads_on_loop else None
-    place = on_loop.ReadPlace.EVENT_LOOP
+    place = ReadPlace.EVENT_LOOP
     if answer is None:
-        answer, place = await run_in_threadpool(work), on_loop.ReadPlace.THREAD
+        answer, place = await run_in_threadpool(work), ReadPlace.THREAD
     metrics: ServiceMetrics = request.app.state.metrics
     metrics.route_reads.labels(place.value).inc()
     return PartsResponse(answer.parts, answer.media_type, answer.headers)

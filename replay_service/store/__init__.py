@@ -37,7 +37,7 @@ from replay_format.rows import Rows
 from replay_format.weight_versions import RecomputeRule, check_label
 from replay_service.errors import Conflict, InvalidInput, NotFound, RunDeleted
 from replay_service.ownership import claim_requests, current_actor, require_owner
-from replay_service.settings import ServiceSettings
+from replay_service.settings import ReadPlace, ServiceSettings
 from replay_service.store import on_loop
 from replay_service.store.compares import CompareStore
 from replay_service.store.ends import upload_end
@@ -270,8 +270,9 @@ class RouteStore:
 
     @property
     def reads_on_loop(self) -> bool:
-        """Whether a hot read may run on the event loop (store/on_loop.py): the index and the segments are local."""
-        return not (self.index.remote or self.segments.remote)
+        """Whether a hot read may run on the event loop (store/on_loop.py): the index and the segments are local,
+        and the settings allow it (`hot_reads`)."""
+        return self.settings.hot_reads is ReadPlace.EVENT_LOOP and not (self.index.remote or self.segments.remote)
 
     def read_route(self, run_id: str, request_id: str, start: int = 0, end: int | None = None,
                    rule: RecomputeRule = RecomputeRule.FIRST, weight_version: str | None = None) -> RouteRows:

@@ -10,7 +10,8 @@ Such a read may run on the event loop, inside `on_event_loop()`. Whatever would 
 - the run registry's lock, held by a thread registering a run (a transaction): `RunRegistry.get`.
 
 The caller asks first whether the store is local at all (`RouteStore.reads_on_loop`): a PostgreSQL index or
-a bucket means a network round trip, which never runs on the loop. The SQLite index's queries run on reader
+a bucket means a network round trip, which never runs on the loop; `REPLAY_HOT_READS=thread` keeps every read
+in a thread. The SQLite index's queries run on reader
 connections there, which never wait for a writer (index_backends/sqlite.py).
 
 An opened segment's pages may still be on disk only (evicted from the page cache): touching them faults them in
@@ -20,7 +21,6 @@ read those pages on the loop.
 
 from __future__ import annotations
 
-import enum
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,13 +29,6 @@ from contextvars import ContextVar
 MAX_ROWS = 16384  # rows a read on the event loop may serve (6 MB of 48 x top-8 uint8 ids)
 
 _ON_LOOP: ContextVar[bool] = ContextVar("replay_read_on_loop", default=False)
-
-
-class ReadPlace(enum.Enum):
-    """Where a read ran (the `place` of the `replay_route_reads` metric)."""
-
-    EVENT_LOOP = "event_loop"
-    THREAD = "thread"
 
 
 class WouldWait(Exception):
