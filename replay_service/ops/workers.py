@@ -7,8 +7,11 @@
       uvicorn.run(workers=N): bind the socket, start
       the workers, replace one that dies
 
-The kernel hands each new connection to one worker, and every request on it stays there (HTTP keep-alive). What
-each worker keeps for itself, and how it stays right across them:
+The kernel hands each new connection to one worker, and every request on it stays there (HTTP keep-alive). Not
+evenly: on the one shared socket the first worker to wake accepts every connection waiting, so writers that
+connect together often all land on one worker (README, "What the floors say"; one socket per worker with
+SO_REUSEPORT would spread them, which uvicorn's supervisor does not do). What each worker keeps for itself, and
+how it stays right across them:
 
 - idempotency keys, the CONFLICT rule, ownership, request counters, the expert load, run health: the index,
   shared (SQLite: one write lock over every worker's transactions; PostgreSQL as between replicas).
