@@ -102,8 +102,8 @@ def paths(url: str, client: ReplayClient, plain: httpx.Client,
 def threaded_paths(client: ReplayClient, requests: list[str]) -> dict[str, Callable[[], list[np.ndarray]]]:
     """`ReplayClient`'s two reads from the service that reads every GET in a thread."""
     return {
-        "client get_route, reads in a thread": lambda: [client.get_route("bench", rid).experts for rid in requests],
-        "client get_route_npy, in a thread": lambda: [client.get_route_npy("bench", rid) for rid in requests],
+        "client get_route, read in a thread": lambda: [client.get_route("bench", rid).experts for rid in requests],
+        "client get_route_npy, read in a thread": lambda: [client.get_route_npy("bench", rid) for rid in requests],
     }
 
 
