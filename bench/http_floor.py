@@ -41,8 +41,9 @@ def _answer_each_request(conn: socket.socket, answer: bytes) -> None:
                     return
                 pending += data
             head, pending = pending.split(END_OF_HEADERS, 1)
-            body_left = _content_length(head) - len(pending)
-            pending = b"" if body_left >= 0 else pending[len(pending) + body_left:]
+            length = _content_length(head)
+            body_left = length - len(pending)
+            pending = pending[length:]  # what came after this body: the next request's start
             while body_left > 0:
                 got = conn.recv_into(scratch[: min(body_left, len(scratch))])
                 if not got:

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from replay_client.client import ReplayClient
 from replay_format import ARROW_STREAM_MEDIA_TYPE
@@ -133,12 +134,10 @@ def test_a_read_that_would_wait_is_refused_on_the_loop_and_served_once_hot(store
 
 
 def _route_reads(http: httpx.Client) -> dict[str, float]:
-    out = {}
-    for line in http.get("/metrics").text.splitlines():
-        if line.startswith("replay_route_reads_total{"):
-            name, value = line.rsplit(" ", 1)
-            out[name.split('place="')[1].split('"')[0]] = float(value)
-    return out
+    """`replay_route_reads_total` by place, from the service's exposition."""
+    families = text_string_to_metric_families(http.get("/metrics").text)
+    return {s.labels["place"]: s.value for f in families if f.name == "replay_route_reads"
+            for s in f.samples if s.name == "replay_route_reads_total"}
 
 
 def test_hot_gets_are_read_on_the_loop_through_a_server(stored):
