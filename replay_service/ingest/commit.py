@@ -38,10 +38,10 @@ from replay_service.errors import Conflict, RunDeleted
 from replay_service.ingest.segment import Segment, SegmentWriter
 from replay_service.ownership import claim_requests
 from replay_service.store.health import TICK_FLAGS, HealthTables
-from replay_service.store.index import COUNTED_FLAGS, Index, IndexTransaction
+from replay_service.store.index import COUNTED_FLAGS, HeldRows, Index, IndexTransaction, RequestCounts
 from replay_service.store.ingest_stage import IngestOutcome, IngestResult
 from replay_service.store.reads import RowReader
-from replay_service.store.references import HeldRows, Resolver
+from replay_service.store.references import Resolver
 from replay_service.store.runs import RunState
 
 
@@ -228,11 +228,16 @@ class Committer:
         rows = checked.rows
         versions = rows.versions()
         settled = _Settled()
-        for lo, hi in checked.request_spans():
-            request_id = rows.request_ids[rows.request_index[lo]]
+        spans = checked.request_spans()
+        pieces = [(rows.request_ids[rows.request_index[lo]], int(rows.positions[lo]), int(rows.positions[hi - 1]))
+                  for lo, hi in spans]
+        holding = self.index.pieces_held(rows.meta.run_id, pieces)  # one query: the others hold nothing there
+        for i, (lo, hi) in enumerate(spans):
+            request_id = pieces[i][0]
             positions = rows.positions[lo:hi]
-            stored = self.reader.stored_rows(rows.meta.run_id, request_id, shape, positions)
-            if not len(stored.positions):  # the check stage's verdicts stand
+            stored = (self.reader.stored_rows(rows.meta.run_id, request_id, shape, positions) if i in holding
+                      else None)
+            if stored is None or not len(stored.positions):  # the check stage's verdicts stand
                 if checked.recomputed is not None and checked.recomputed[lo:hi].any():
                     settled.recomputed[request_id] = np.unique(positions[checked.recomputed[lo:hi]]).tolist()
                 continue
@@ -263,30 +268,51 @@ class Committer:
         rows, meta = checked.rows, checked.rows.meta
         segment_id = tx.insert_segment(meta.run_id, meta.writer_id, meta.seq, segment.path, rows.num_rows,
                                        segment.size, checked.digest)
-        padding = checked.padding_dropped
-        with_rows = set()
-        held: list[HeldRows] = []
-        for lo, hi in checked.request_spans():
-            index = int(rows.request_index[lo])
-            with_rows.add(index)
-            request_id = rows.request_ids[index]
-            positions = rows.positions[lo:hi]
-            tx.insert_span(meta.run_id, request_id, segment_id, lo, hi - lo, int(positions[0]), int(positions[-1]))
-            held.append(HeldRows(request_id, segment_id, segment.path, lo, hi - lo, int(positions[0]),
-                                 int(positions[-1])))
-            served = ~shadowed[lo:hi]  # only served rows count
-            tx.add_served(meta.run_id, request_id, positions[served], checked.flags[lo:hi][served],
-                          pos_max=int(positions[-1]), padding=int(padding[index]))
-            if rows.weight_versions is not None:
-                spans = rows.weight_versions.take(slice(lo, hi)).take(served).spans(positions[served])
-                tx.add_versions(meta.run_id, request_id, [(s.version, s.start, s.end) for s in spans])
-        for index in np.flatnonzero(padding).tolist():
-            if index not in with_rows:  # a request whose rows were all padding this batch
-                tx.add_to_request(meta.run_id, rows.request_ids[index], rows=0, pos_max=-1, flag_bits=0,
-                                  first_flagged=None, counts={Flag.PADDING: int(padding[index])})
+        spans = checked.request_spans()
+        held = [HeldRows(rows.request_ids[rows.request_index[lo]], segment_id, segment.path, lo, hi - lo,
+                         int(rows.positions[lo]), int(rows.positions[hi - 1])) for lo, hi in spans]
+        tx.insert_spans(meta.run_id, held)
+        tx.add_counts(meta.run_id, served_counts(checked, shadowed, spans))
+        if rows.weight_versions is not None:
+            for (lo, hi), h in zip(spans, held):
+                served = ~shadowed[lo:hi]
+                versions = rows.weight_versions.take(slice(lo, hi)).take(served).spans(rows.positions[lo:hi][served])
+                tx.add_versions(meta.run_id, h.request_id, [(v.version, v.start, v.end) for v in versions])
         for request_id, position in settled.conflicts:
             tx.mark_conflict(meta.run_id, request_id, position)
         for request_id, recomputed in settled.recomputed.items():
             tx.add_recomputed(meta.run_id, request_id, recomputed)
         tx.add_run_totals(meta.run_id, segment.size, run_load, segment.written_ns)
         return held
+
+
+def served_counts(checked: CheckedRows, shadowed: np.ndarray, spans: list[tuple[int, int]]) -> list[RequestCounts]:
+    """What the batch adds to each request's counters: its rows not `shadowed` (served), their flags, and its writer
+    padding; a request whose rows were all padding counts only that. Counted for every span at once."""
+    rows = checked.rows
+    padding = checked.padding_dropped
+    counts: list[RequestCounts] = []
+    if spans:
+        starts = np.fromiter((lo for lo, _ in spans), dtype=np.intp, count=len(spans))
+        served = ~shadowed
+        flags = np.where(served, checked.flags, 0)
+        per_flag = {f: np.add.reduceat((flags & f) != 0, starts, dtype=np.int64).tolist()
+                    for f in COUNTED_FLAGS if f != Flag.PADDING}
+        n_served = np.add.reduceat(served, starts, dtype=np.int64).tolist()
+        unclean = np.add.reduceat(flags != 0, starts, dtype=np.int64).tolist()
+        bits = np.bitwise_or.reduceat(flags, starts).tolist()
+        never = np.iinfo(np.int64).max
+        first = np.minimum.reduceat(np.where(flags != 0, rows.positions.astype(np.int64), never), starts).tolist()
+        for i, (lo, hi) in enumerate(spans):
+            index = int(rows.request_index[lo])
+            by_flag: dict[Flag, int] = {f: n[i] for f, n in per_flag.items()}
+            by_flag[Flag.PADDING] = int(padding[index])
+            counts.append(RequestCounts(rows.request_ids[index], rows=n_served[i], pos_max=int(rows.positions[hi - 1]),
+                                        flag_bits=bits[i], first_flagged=None if first[i] == never else first[i],
+                                        counts=by_flag, unclean=unclean[i]))
+    with_rows = {int(rows.request_index[lo]) for lo, _ in spans}
+    for index in np.flatnonzero(padding).tolist():
+        if index not in with_rows:  # a request whose rows were all padding this batch
+            counts.append(RequestCounts(rows.request_ids[index], rows=0, pos_max=-1,
+                                        counts={Flag.PADDING: int(padding[index])}))
+    return counts

@@ -20,10 +20,10 @@ from __future__ import annotations
 import enum
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -50,7 +50,54 @@ def count_column(flag: Flag) -> str:
     return f"n_{str(flag.name).lower()}"
 
 
+
+@dataclass(frozen=True)
+class HeldRows:
+    """Rows `[row_start, row_start + row_count)` of one segment, held by a request at positions pos_min..pos_max
+    (a `spans` row, with its segment's path)."""
+
+    request_id: str
+    segment_id: int
+    path: str
+    row_start: int
+    row_count: int
+    pos_min: int
+    pos_max: int
+
+
+@dataclass(frozen=True)
+class RequestCounts:
+    """What one batch adds to one request's counters (`IndexTransaction.add_counts`).
+
+    `rows`: rows newly served; `pos_max`: the last position the batch's span reaches (served or not);
+    `counts`: rows per counted flag (PADDING: writer padding rows dropped); `referenced`: how many of `rows` are
+    served through a prefix-cache reference; `unclean`: how many of `rows` carry any flag.
+    """
+
+    request_id: str
+    rows: int
+    pos_max: int
+    flag_bits: int = 0
+    first_flagged: int | None = None
+    counts: Mapping[Flag, int] = field(default_factory=dict)
+    referenced: int = 0
+    unclean: int = 0
+
+    @classmethod
+    def of_rows(cls, request_id: str, positions: np.ndarray, flags: np.ndarray, pos_max: int, padding: int = 0,
+                referenced: int = 0) -> RequestCounts:
+        """The counts of rows newly served at sorted `positions` with their `flags`."""
+        counts: dict[Flag, int] = {f: int(np.count_nonzero(flags & f)) for f in COUNTED_FLAGS if f != Flag.PADDING}
+        counts[Flag.PADDING] = padding
+        flagged = positions[flags != 0]
+        return cls(request_id, rows=len(positions), pos_max=pos_max,
+                   flag_bits=int(np.bitwise_or.reduce(flags)) if flags.size else 0,
+                   first_flagged=int(flagged[0]) if flagged.size else None, counts=counts,
+                   referenced=referenced, unclean=int(flagged.size))
+
+
 COUNT_COLUMNS = tuple(count_column(f) for f in COUNTED_FLAGS)
+_COUNTS = tuple(zip(COUNTED_FLAGS, COUNT_COLUMNS))  # (flag, its column)
 SPAN_FIELDS = "run_id, request_id, segment_id, row_start, row_count, pos_min, pos_max"
 # A segment is indexed only while its run exists: a batch whose run was deleted while it was being written
 # (retention.py) is refused at commit with this message (RunDeleted), never left as rows of no run.
@@ -223,6 +270,11 @@ CREATE TABLE IF NOT EXISTS run_versions (
             "SELECT s.segment_id, s.row_start, s.row_count, s.pos_min, s.pos_max, g.path FROM spans s"
             " JOIN segments g USING (segment_id)"
             " WHERE s.run_id = ? AND s.request_id = ? AND s.pos_max >= ? AND s.pos_min <= ? ORDER BY s.span_id"
+        )
+        # Which pieces [request, lo, hi] name a request holding a span touching lo..hi (most of a fresh batch's none).
+        self.pieces_held = (
+            f"SELECT j.piece FROM {d.json_pieces} AS j WHERE EXISTS (SELECT 1 FROM spans s WHERE s.run_id = ?"
+            " AND s.request_id = j.src AND s.pos_max >= j.lo AND s.pos_min <= j.hi)"
         )
         # Rows of one segment a request already holds near some positions (a mirror never inserts them twice).
         self.held_in_segment = (
@@ -472,6 +524,13 @@ class Index:
         """
         return self.query(self.sql.spans_overlapping, (run_id, request_id, pos_lo, pos_hi))
 
+    def pieces_held(self, run_id: str, pieces: Sequence[tuple[str, int, int]]) -> set[int]:
+        """Which of `pieces` (`(request_id, pos_lo, pos_hi)` each) name a request holding rows in a span touching
+        positions `[pos_lo, pos_hi]`: their indexes, in one query. Sees the thread's own transaction as `spans`."""
+        if not pieces:
+            return set()
+        return {int(r["piece"]) for r in self.query(self.sql.pieces_held, (json.dumps(pieces), run_id))}
+
     def count_references(self, run_id: str) -> int:
         """How many distinct prefix-cache references a run received."""
         row = self.one(self.sql.count_references, (run_id,))
@@ -589,40 +648,22 @@ class IndexTransaction:
         cur = self.tx.execute(self.sql.insert_segment, (run_id, writer_id, seq, path, rows, size, digest))
         return int(cur.fetchall()[0]["segment_id"])
 
-    def insert_span(self, run_id: str, request_id: str, segment_id: int, row_start: int, row_count: int,
-                    pos_min: int, pos_max: int) -> None:
-        """Rows `[row_start, row_start + row_count)` of a segment hold a request's positions pos_min..pos_max."""
-        self.tx.execute(self.sql.insert_span, (run_id, request_id, segment_id, row_start, row_count, pos_min, pos_max))
+    def insert_spans(self, run_id: str, held: Sequence[HeldRows]) -> None:
+        """The `spans` rows of `held` (each: rows of a segment a request now holds)."""
+        self.tx.execute_many(self.sql.insert_span, [(run_id, h.request_id, h.segment_id, h.row_start, h.row_count,
+                                                     h.pos_min, h.pos_max) for h in held])
 
-    def add_to_request(self, run_id: str, request_id: str, rows: int, pos_max: int, flag_bits: int,
-                       first_flagged: int | None, counts: dict[Flag, int], referenced: int = 0,
-                       unclean: int = 0) -> None:
-        """Add served rows (and flag counts) to a request's counters, creating its row.
-
-        `referenced`: how many of `rows` are served through a prefix-cache reference (stored by another request);
-        `unclean`: how many of `rows` carry any flag.
-        """
-        self.tx.execute(self.sql.ensure_request, (run_id, request_id))
-        params: dict[str, Any] = {"run_id": run_id, "request_id": request_id, "rows": rows, "pos_max": pos_max,
-                                  "flag_bits": flag_bits, "first_flagged": first_flagged, "referenced": referenced,
-                                  "now": time.time(), "unclean": unclean}
-        params.update({count_column(f): int(counts.get(f, 0)) for f in COUNTED_FLAGS})
-        self.tx.execute(self.sql.add_to_request, params)
-
-    def add_served(self, run_id: str, request_id: str, positions: np.ndarray, flags: np.ndarray, pos_max: int,
-                   padding: int = 0, referenced: int = 0) -> None:
-        """Add rows newly served at sorted `positions` (with their `flags`) to a request's counters, creating its row.
-
-        `pos_max`: the last position the rows' span reaches (served or not); `padding`: writer padding rows
-        dropped; `referenced`: how many of the rows are served through a prefix-cache reference.
-        """
-        counts: dict[Flag, int] = {f: int(np.count_nonzero(flags & f)) for f in COUNTED_FLAGS if f != Flag.PADDING}
-        counts[Flag.PADDING] = padding
-        flagged = positions[flags != 0]
-        self.add_to_request(run_id, request_id, rows=len(positions), pos_max=pos_max,
-                            flag_bits=int(np.bitwise_or.reduce(flags)) if flags.size else 0,
-                            first_flagged=int(flagged[0]) if flagged.size else None, counts=counts,
-                            referenced=referenced, unclean=int(flagged.size))
+    def add_counts(self, run_id: str, counts: Sequence[RequestCounts]) -> None:
+        """Add each of `counts` to its request's counters (creating its row), in two statements for them all."""
+        if not counts:
+            return
+        now = time.time()
+        self.tx.execute_many(self.sql.ensure_request, [(run_id, c.request_id) for c in counts])
+        self.tx.execute_many(self.sql.add_to_request, [
+            {"run_id": run_id, "request_id": c.request_id, "rows": c.rows, "pos_max": c.pos_max,
+             "flag_bits": c.flag_bits, "first_flagged": c.first_flagged, "referenced": c.referenced, "now": now,
+             "unclean": c.unclean, **{column: int(c.counts.get(f, 0)) for f, column in _COUNTS}}
+            for c in counts])
 
     def add_versions(self, run_id: str, request_id: str, spans: Sequence[tuple[str, int, int]]) -> None:
         """Record the versions of rows newly served at positions `[start, end)` (`(version, start, end)` each), and

@@ -42,21 +42,8 @@ from replay_format import RunShape
 from replay_format.request_notes import Reference
 from replay_format.weight_versions import WeightVersions
 from replay_service.checks.check import judge_repeats
-from replay_service.store.index import IndexTransaction
+from replay_service.store.index import HeldRows, IndexTransaction, RequestCounts
 from replay_service.store.reads import RowReader
-
-
-@dataclass(frozen=True)
-class HeldRows:
-    """Rows `[row_start, row_start + row_count)` of one segment, held by a request at positions pos_min..pos_max."""
-
-    request_id: str
-    segment_id: int
-    path: str
-    row_start: int
-    row_count: int
-    pos_min: int
-    pos_max: int
 
 
 @dataclass
@@ -117,17 +104,18 @@ class Resolver:
         already = self.tx.held_in_segment(self.run_id, ref.request_id, held.segment_id, int(positions[lo]),
                                           int(positions[hi - 1]))
         for a, b in _subtract((held.row_start + lo, held.row_start + hi), already):
-            piece = rows.slice(a - held.row_start, b - a)
-            resolved += self._serve(ref.request_id, held.segment_id, a, piece,
-                                    versions.take(slice(a - held.row_start, b - held.row_start)))
             span_positions = positions[a - held.row_start : b - held.row_start]
-            mirrored.append(HeldRows(ref.request_id, held.segment_id, held.path, a, b - a,
-                                     int(span_positions[0]), int(span_positions[-1])))
+            span = HeldRows(ref.request_id, held.segment_id, held.path, a, b - a, int(span_positions[0]),
+                            int(span_positions[-1]))
+            resolved += self._serve(span, rows.slice(a - held.row_start, b - a),
+                                    versions.take(slice(a - held.row_start, b - held.row_start)))
+            mirrored.append(span)
         return mirrored, resolved
 
-    def _serve(self, request_id: str, segment_id: int, row_start: int, rows: pa.RecordBatch,
-               versions: WeightVersions) -> int:
-        """Insert one mirrored span and count its rows at positions the request did not serve yet."""
+    def _serve(self, span: HeldRows, rows: pa.RecordBatch, versions: WeightVersions) -> int:
+        """Insert one mirrored span (`rows` are its segment rows) and count its rows at positions the request did
+        not serve yet."""
+        request_id = span.request_id
         positions = rows.column("position").to_numpy()
         experts = rows.column("experts").flatten().to_numpy(zero_copy_only=True).reshape(len(positions), -1)
         flags = rows.column("flags").to_numpy()
@@ -152,10 +140,9 @@ class Resolver:
             recomputed = np.setdiff1d(positions[verdicts.recompute[back][m:]], counted).tolist()
         new = ~repeat
         n_new = int(np.count_nonzero(new))
-        self.tx.insert_span(self.run_id, request_id, segment_id, row_start, rows.num_rows, int(positions[0]),
-                            int(positions[-1]))
-        self.tx.add_served(self.run_id, request_id, positions[new], flags[new], pos_max=int(positions[-1]),
-                           referenced=n_new)
+        self.tx.insert_spans(self.run_id, [span])
+        self.tx.add_counts(self.run_id, [RequestCounts.of_rows(request_id, positions[new], flags[new],
+                                                               pos_max=int(positions[-1]), referenced=n_new)])
         spans = versions.take(new).spans(positions[new])
         self.tx.add_versions(self.run_id, request_id, [(s.version, s.start, s.end) for s in spans])
         for position in conflicts:

@@ -99,6 +99,11 @@ class PostgresTransaction:
         with _translating():
             return self.conn.execute(to_pyformat(sql), params)
 
+    def execute_many(self, sql: str, params: Sequence[Params]) -> None:
+        """One statement run once per parameter set, in one round trip (psycopg pipelines `executemany`)."""
+        with _translating(), self.conn.cursor() as cur:
+            cur.executemany(to_pyformat(sql), params)
+
     @contextmanager
     def savepoint(self) -> Iterator[None]:
         """A nested step: on an error only its writes are undone, and the error is raised."""

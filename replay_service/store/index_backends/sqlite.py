@@ -58,6 +58,11 @@ class SqliteTransaction:
         with _translating():
             return self.conn.execute(sql, params)
 
+    def execute_many(self, sql: str, params: Sequence[Params]) -> None:
+        """One statement run once per parameter set, in one call."""
+        with _translating():
+            self.conn.executemany(sql, params)
+
     @contextmanager
     def savepoint(self) -> Iterator[None]:
         """A nested step: on an error only its writes are undone, and the error is raised."""
