@@ -8,16 +8,32 @@ into a scratch buffer and dropped, so writers posting to it measure the floor of
 
     with BytesServer(body) as url:
         httpx.Client().get(url).content == body
+
+`UvicornFloor` is the same answer from the service's own HTTP stack with nothing behind it: uvicorn with the
+service's options (httptools, uvloop, as many worker processes) running a bare ASGI app that reads each request's
+body through `receive`, drops it and answers. Between the two floors and the service, a bench can tell the
+socket's cost from uvicorn's and from the service's own.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import socket
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 from types import TracebackType
+from typing import Any
+
+import httpx
 
 END_OF_HEADERS = b"\r\n\r\n"
+ROOT = Path(__file__).resolve().parent.parent
+ANSWER_VARIABLE = "HTTP_FLOOR_ANSWER"  # the floor app's answer body, hex, for uvicorn's worker processes
+TYPE_VARIABLE = "HTTP_FLOOR_CONTENT_TYPE"
 
 
 def _content_length(head: bytes) -> int:
@@ -79,3 +95,61 @@ class BytesServer:
         self.process.kill()
         self.process.join()
         self.listener.close()
+
+
+def floor_app() -> Any:
+    """The bare ASGI app `UvicornFloor` runs (uvicorn's factory, called in each worker): every request's body is
+    received and dropped, and the answer in the environment sent."""
+    body = bytes.fromhex(os.environ[ANSWER_VARIABLE])
+    start = {"type": "http.response.start", "status": 200,
+             "headers": [(b"content-type", os.environ[TYPE_VARIABLE].encode()),
+                         (b"content-length", str(len(body)).encode())]}
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        more = True
+        while more:
+            more = (await receive()).get("more_body", False)
+        await send(start)
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
+class UvicornFloor:
+    """uvicorn with the service's HTTP options (httptools, which the service's protocol extends with its connection
+    bounds; uvloop) and `workers` processes, answering every request with `body` (its
+    URL on entry); a child process, stopped on exit."""
+
+    def __init__(self, body: bytes, content_type: str = "application/octet-stream", workers: int = 1) -> None:
+        with socket.create_server(("127.0.0.1", 0)) as probe:
+            self.port = probe.getsockname()[1]
+        self.command = [sys.executable, "-m", "uvicorn", "bench.http_floor:floor_app", "--factory",
+                        "--host", "127.0.0.1", "--port", str(self.port), "--http", "httptools", "--loop", "uvloop",
+                        "--workers", str(workers), "--log-level", "warning", "--no-access-log"]
+        self.env = {**os.environ, ANSWER_VARIABLE: body.hex(), TYPE_VARIABLE: content_type}
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> str:
+        self.process = subprocess.Popen(self.command, env=self.env, cwd=ROOT)
+        url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(url, timeout=5)
+                return url
+            except httpx.TransportError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the uvicorn floor did not start: {self.command}") from None
+                time.sleep(0.1)
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        assert self.process is not None
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()

@@ -14,6 +14,9 @@ fsynced (what the service does before it acknowledges); no service, no HTTP, no 
 The HTTP floor, in the same rounds: the same bodies posted by the same writers to a server that receives each
 body, drops it and answers a few bytes (`bench/http_floor.py`): what sending alone costs here, with the writers
 and that server on the same cores as the service. No service that receives its bodies over HTTP is above it.
+The uvicorn floor, also in the same rounds: the same bodies to uvicorn with the service's HTTP options and as
+many workers, running a bare app that receives each body through ASGI and drops it: what the service's HTTP
+stack costs before the service does anything.
 
 Request bodies are encoded BEFORE the timed region: a sender encodes on its own machine, and here the client
 shares the service's cores, so only sending, the service's work and receiving the answer are timed.
@@ -51,7 +54,7 @@ import httpx
 import numpy as np
 import pyarrow as pa
 
-from bench.http_floor import BytesServer
+from bench.http_floor import BytesServer, UvicornFloor
 from replay_format import ARROW_STREAM_MEDIA_TYPE, RunShape
 from replay_format.rows import RowsMeta, build_rows, encode_stream
 from replay_service.ops.demo import bulk_routes
@@ -183,7 +186,8 @@ def main() -> None:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp, \
             ServiceProcess(Path(tmp) / "data", workers=workers) as proc, \
-            BytesServer(b'{"stored":true}', "application/json") as floor_url:
+            BytesServer(b'{"stored":true}', "application/json") as floor_url, \
+            UvicornFloor(b'{"stored":true}', "application/json", workers) as uvicorn_url:
         url = proc.url
         raw_dir = Path(tmp) / "raw"  # beside the data directory: the same filesystem
         for config in configs:
@@ -192,15 +196,18 @@ def main() -> None:
                               for i, b in enumerate(batches)]
             post_all(url, arrow_jobs(batches[: args.warmup_batches], f"warmup-{config.batch_rows}-{config.writers}",
                                      config.writers), config.writers)
-            ours, raw, floor = [], [], []
+            post_all(uvicorn_url, arrow_jobs(batches[: args.warmup_batches], "warmup", config.writers), config.writers)
+            ours, raw, floor, bare = [], [], [], []
             for r in range(args.rounds):
                 jobs = arrow_jobs(batches, f"bench-{config.batch_rows}-{config.writers}-{r}", config.writers)
                 ours.append(config.tokens / post_all(url, jobs, config.writers))
                 raw.append(config.tokens / raw_write(raw_dir, record_batches))
                 floor.append(config.tokens / post_all(floor_url, jobs, config.writers))
-            results[config.name] = {"ours": ours, "raw": raw, "floor": floor,
+                bare.append(config.tokens / post_all(uvicorn_url, jobs, config.writers))
+            results[config.name] = {"ours": ours, "raw": raw, "floor": floor, "uvicorn": bare,
                                     "ratios": [o / w for o, w in zip(ours, raw)],
-                                    "floor_ratios": [f / w for f, w in zip(floor, raw)]}
+                                    "floor_ratios": [f / w for f, w in zip(floor, raw)],
+                                    "uvicorn_ratios": [b / w for b, w in zip(bare, raw)]}
             stored = httpx.get(f"{url}/v1/runs/bench-{config.batch_rows}-{config.writers}-0").json()
             assert stored["rows"] == config.tokens, stored
 
@@ -225,20 +232,25 @@ def main() -> None:
           f"(fsync) store, {workers} service worker{'s' if workers > 1 else ''}; medians of {args.rounds} rounds "
           "(min-max); bodies encoded before timing")
     print(f"  {'path':<30} {'ours':<30} {'raw Arrow IPC + fsync':<30} {'ratio':<17} "
-          f"{'HTTP floor (bodies dropped)':<30} floor / raw")
+          f"{'HTTP floor (bodies dropped)':<30} {'floor / raw':<17} {'uvicorn floor (bodies dropped)':<30} "
+          "uvicorn / raw")
     for config in configs:
         res = results[config.name]
         med, lo, hi = summary(res["ratios"])
         floor_med, floor_lo, floor_hi = summary(res["floor_ratios"])
+        bare_med, bare_lo, bare_hi = summary(res["uvicorn_ratios"])
         print(f"  {config.name:<30} {fmt(res['ours']):<30} {fmt(res['raw']):<30} {med:.2f} ({lo:.2f}-{hi:.2f})"
-              f"{'':<5} {fmt(res['floor']):<30} {floor_med:.2f} ({floor_lo:.2f}-{floor_hi:.2f})")
+              f"{'':<5} {fmt(res['floor']):<30} {floor_med:.2f} ({floor_lo:.2f}-{floor_hi:.2f})"
+              f"{'':<5} {fmt(res['uvicorn']):<30} {bare_med:.2f} ({bare_lo:.2f}-{bare_hi:.2f})")
     print(f"  base64 json, requests of {per_request} tokens, 2 writers: {json_tps / 1e6:.3f} M tok/s; "
           f"32768-row arrow / base64-json: {large_tps / json_tps:.1f}x")
     figures = {name: {"ours_tokens_per_s": round(statistics.median(r["ours"])),
                       "raw_tokens_per_s": round(statistics.median(r["raw"])),
                       "floor_tokens_per_s": round(statistics.median(r["floor"])),
                       "ratio": round(statistics.median(r["ratios"]), 2),
-                      "floor_ratio": round(statistics.median(r["floor_ratios"]), 2)} for name, r in results.items()}
+                      "floor_ratio": round(statistics.median(r["floor_ratios"]), 2),
+                      "uvicorn_tokens_per_s": round(statistics.median(r["uvicorn"])),
+                      "uvicorn_ratio": round(statistics.median(r["uvicorn_ratios"]), 2)} for name, r in results.items()}
     print(json.dumps({"workers": workers, **figures, "json_tokens_per_s": round(json_tps),
                       "arrow_vs_json": round(large_tps / json_tps, 1)}))
 
