@@ -118,16 +118,14 @@ def floor_app() -> Any:
 
 
 class UvicornFloor:
-    """uvicorn with the service's HTTP options (httptools, which the service's protocol extends with its connection
-    bounds; uvloop) and `workers` processes, answering every request with `body` (its
+    """uvicorn with the service's HTTP options (its protocol, `ops.connections.PROTOCOL`; uvloop) and `workers`
+    processes, answering every request with `body` (its
     URL on entry); a child process, stopped on exit."""
 
     def __init__(self, body: bytes, content_type: str = "application/octet-stream", workers: int = 1) -> None:
         with socket.create_server(("127.0.0.1", 0)) as probe:
             self.port = probe.getsockname()[1]
-        self.command = [sys.executable, "-m", "uvicorn", "bench.http_floor:floor_app", "--factory",
-                        "--host", "127.0.0.1", "--port", str(self.port), "--http", "httptools", "--loop", "uvloop",
-                        "--workers", str(workers), "--log-level", "warning", "--no-access-log"]
+        self.command = [sys.executable, "-m", "bench.http_floor", str(self.port), str(workers)]
         self.env = {**os.environ, ANSWER_VARIABLE: body.hex(), TYPE_VARIABLE: content_type}
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -153,3 +151,13 @@ class UvicornFloor:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+if __name__ == "__main__":  # UvicornFloor's child: python -m bench.http_floor PORT WORKERS
+    import uvicorn
+
+    from replay_service.ops.connections import PROTOCOL
+
+    uvicorn.run("bench.http_floor:floor_app", factory=True, host="127.0.0.1",
+                port=int(sys.argv[1]), workers=int(sys.argv[2]), http=PROTOCOL, loop="uvloop", log_level="warning",
+                access_log=False)
