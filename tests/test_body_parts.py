@@ -12,21 +12,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import socket
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
-import uvicorn
 
 from replay_client.client import ReplayClient
 from replay_service.app import create_app
 from replay_service.ops.connections import PROTOCOL
 from replay_service.settings import ServiceSettings
 from tests.support.data import batch_bytes, routes
-from tests.support.service import free_port
+from tests.support.service import served_in_thread
 
 HIGH_WATER = 1 << 16  # uvicorn's flow_control.HIGH_WATER_LIMIT
 
@@ -47,22 +43,6 @@ async def _digest_app(scope, receive, send) -> None:
     headers = [(b"content-length", str(len(answer)).encode())]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     await send({"type": "http.response.body", "body": answer})
-
-
-@contextmanager
-def _served(app) -> Iterator[int]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="critical", http=PROTOCOL, loop="uvloop"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 def _answers(sock: socket.socket, count: int) -> list[bytes]:
@@ -91,7 +71,8 @@ def test_bodies_in_parts_of_every_size_arrive_whole(part):
     sizes = [0, 1, HIGH_WATER - 1, HIGH_WATER, HIGH_WATER + 1, 3 * (1 << 20) + 7]
     if part == 1:
         sizes = [0, 1, 300, 5000]  # a byte at a time: small bodies only
-    with _served(_digest_app) as port, socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+    with served_in_thread(_digest_app, http=PROTOCOL, loop="uvloop") as port, \
+            socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for i, size in enumerate(sizes):
             body = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
@@ -114,7 +95,7 @@ def test_an_ingest_through_the_protocol_reads_back_byte_equal(tmp_path):
     rng = np.random.default_rng(9)
     experts = routes(rng, 12000)  # a body of several high-water marks
     positions = np.arange(12000, dtype=np.int32)
-    with _served(app) as port:
+    with served_in_thread(app, http=PROTOCOL, loop="uvloop") as port:
         client = ReplayClient(f"http://127.0.0.1:{port}")
         try:
             assert client.ingest(batch_bytes("parts", "w", 0, ["r"] * 12000, positions, experts))["stored"]

@@ -15,13 +15,12 @@ import time
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 
 from capture.sender import RouteSender, SenderConfig
 from replay_client.client import ReplayClient
 from replay_format import ARROW_STREAM_MEDIA_TYPE
 from tests.support.data import QWEN3_SHAPE, batch_bytes, routes
-from tests.support.service import ServiceProcess, free_port
+from tests.support.service import ServiceProcess, served_in_thread
 
 ARROW = {"content-type": ARROW_STREAM_MEDIA_TYPE}
 NPY = {"content-type": "application/x-npy"}
@@ -148,22 +147,12 @@ def test_an_unexpected_error_is_a_json_500_and_the_connection_stays_open(tmp_pat
         raise RuntimeError("a bug")
 
     app.router.routes.insert(0, app.router.routes.pop())  # before the web view's catch-all mount
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="critical", http=BoundedH11Protocol))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-            first = _exchange(sock, b"GET /v1/boom HTTP/1.1\r\nhost: x\r\n\r\n")
-            assert first.startswith(b"HTTP/1.1 500") and b"application/json" in first and b"RuntimeError" in first
-            second = _exchange(sock, b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")  # the same connection
-            assert second.startswith(b"HTTP/1.1 200")
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with served_in_thread(app, http=BoundedH11Protocol) as port, \
+            socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        first = _exchange(sock, b"GET /v1/boom HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert first.startswith(b"HTTP/1.1 500") and b"application/json" in first and b"RuntimeError" in first
+        second = _exchange(sock, b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")  # the same connection
+        assert second.startswith(b"HTTP/1.1 200")
 
 
 def _stalled_upload(url: str, results: list, index: int) -> None:

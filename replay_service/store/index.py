@@ -50,7 +50,6 @@ def count_column(flag: Flag) -> str:
     return f"n_{str(flag.name).lower()}"
 
 
-
 @dataclass(frozen=True)
 class HeldRows:
     """Rows `[row_start, row_start + row_count)` of one segment, held by a request at positions pos_min..pos_max

@@ -7,8 +7,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -17,6 +21,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def served_in_thread(app: Any, **options: Any) -> Iterator[int]:
+    """`app` served by a real uvicorn on loopback in a thread of this process (uvicorn.Config `options`: the HTTP
+    protocol, the loop); its port, once it has started."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="critical", **options))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 class ServiceProcess:
