@@ -30,6 +30,8 @@ from typing import Any
 
 import httpx
 
+from tests.support.service import free_port
+
 END_OF_HEADERS = b"\r\n\r\n"
 ROOT = Path(__file__).resolve().parent.parent
 ANSWER_VARIABLE = "HTTP_FLOOR_ANSWER"  # the floor app's answer body, hex, for uvicorn's worker processes
@@ -119,12 +121,10 @@ def floor_app() -> Any:
 
 class UvicornFloor:
     """uvicorn with the service's HTTP options (its protocol, `ops.connections.PROTOCOL`; uvloop) and `workers`
-    processes, answering every request with `body` (its
-    URL on entry); a child process, stopped on exit."""
+    processes, answering every request with `body` (its URL on entry); a child process, stopped on exit."""
 
     def __init__(self, body: bytes, content_type: str = "application/octet-stream", workers: int = 1) -> None:
-        with socket.create_server(("127.0.0.1", 0)) as probe:
-            self.port = probe.getsockname()[1]
+        self.port = free_port()
         self.command = [sys.executable, "-m", "bench.http_floor", str(self.port), str(workers)]
         self.env = {**os.environ, ANSWER_VARIABLE: body.hex(), TYPE_VARIABLE: content_type}
         self.process: subprocess.Popen[bytes] | None = None

@@ -194,9 +194,10 @@ def main() -> None:
             batches = make_batches(ids[: config.tokens], config.batch_rows, args.request_tokens)
             record_batches = [build_rows(RowsMeta("raw", "w0", i, SHAPE, source="vllm-plugin"), *b)
                               for i, b in enumerate(batches)]
-            post_all(url, arrow_jobs(batches[: args.warmup_batches], f"warmup-{config.batch_rows}-{config.writers}",
-                                     config.writers), config.writers)
-            post_all(uvicorn_url, arrow_jobs(batches[: args.warmup_batches], "warmup", config.writers), config.writers)
+            warmup = arrow_jobs(batches[: args.warmup_batches], f"warmup-{config.batch_rows}-{config.writers}",
+                                config.writers)
+            post_all(url, warmup, config.writers)
+            post_all(uvicorn_url, warmup, config.writers)
             ours, raw, floor, bare = [], [], [], []
             for r in range(args.rounds):
                 jobs = arrow_jobs(batches, f"bench-{config.batch_rows}-{config.writers}-{r}", config.writers)

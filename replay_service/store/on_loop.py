@@ -11,8 +11,8 @@ Such a read may run on the event loop, inside `on_event_loop()`. Whatever would 
 
 The caller asks first whether the store is local at all (`RouteStore.reads_on_loop`): a PostgreSQL index or
 a bucket means a network round trip, which never runs on the loop; `REPLAY_HOT_READS=thread` keeps every read
-in a thread. The SQLite index's queries run on reader
-connections there, which never wait for a writer (index_backends/sqlite.py).
+in a thread. The SQLite index's queries run on reader connections there, which never wait for a writer
+(index_backends/sqlite.py).
 
 An opened segment's pages may still be on disk only (evicted from the page cache): touching them faults them in
 on the loop. That is not new: the answer's parts are views of the mapped segment, and sending them has always
