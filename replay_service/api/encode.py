@@ -10,6 +10,7 @@ header `X-Replay-Weight-Versions` (the spans as JSON: a reader needs no body par
 from __future__ import annotations
 
 import enum
+import functools
 import io
 import json
 from collections.abc import Iterator
@@ -76,6 +77,8 @@ class Answer:
 
 def flag_counts(flags: np.ndarray) -> dict[str, int]:
     """Rows per flag name."""
+    if not flags.any():  # the common answer (clean rows), without np.unique's sort
+        return {}
     bits, counts = np.unique(flags[flags != 0], return_counts=True)
     out: dict[str, int] = {}
     for b, c in zip(bits.tolist(), counts.tolist()):
@@ -123,7 +126,10 @@ def version_spans(route: RouteRows) -> list[VersionSpan]:
 
 def versions_header(route: RouteRows) -> str:
     """`X-Replay-Weight-Versions`: the spans as JSON (`[{"version", "start", "end"}]`); InvalidInput over the bound."""
-    text = json.dumps([s.to_json() for s in version_spans(route)], separators=(",", ":"))
+    spans = version_spans(route)
+    if not spans:
+        return "[]"
+    text = json.dumps([s.to_json() for s in spans], separators=(",", ":"))
     if len(text) > MAX_VERSIONS_HEADER:
         raise InvalidInput(f"the rows' weight versions are {len(text)} bytes of spans, more than the "
                            f"{VERSIONS_HEADER} header carries ({MAX_VERSIONS_HEADER}); read a shorter range "
@@ -214,13 +220,22 @@ def batch_answer(store: RouteStore, run: str, request_ids: list[str], start: int
                                 for rid in request_ids))
 
 
-def npy_parts(array: np.ndarray) -> list[bytes | memoryview]:
-    """`.npy` (format 1.0) of `array`: its header, then the array's own bytes (no copy when contiguous)."""
+@functools.lru_cache(maxsize=1024)
+def npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+    """The `.npy` 1.0 header of a C-ordered array of `dtype` and `shape`, as numpy writes it (kept: answers repeat
+    a few shapes, and numpy's writer costs more than the rest of a small answer)."""
     header = io.BytesIO()
-    np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(array))
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape})
+    return header.getvalue()
+
+
+def npy_parts(array: np.ndarray) -> list[bytes | memoryview]:
+    """`.npy` (format 1.0) of `array`: its header, then the array's own bytes in C order (no copy when contiguous)."""
+    header = npy_header(array.dtype, array.shape)
     if array.size == 0:  # an empty range: a memoryview of a zero-length shape cannot be cast
-        return [header.getvalue()]
-    return [header.getvalue(), np.ascontiguousarray(array).data.cast("B")]
+        return [header]
+    return [header, np.ascontiguousarray(array).data.cast("B")]
 
 
 def route_json(run_id: str, route: RouteRows, start: int, end: int, axis: LayerAxis = LayerAxis.MOE,

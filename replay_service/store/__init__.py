@@ -260,6 +260,11 @@ class RouteStore:
         row = self._request(run_id, request_id)
         return RequestRecord.of(row, self.index.version_spans(run_id, [request_id]).get(request_id, []))
 
+    def request_to_read(self, run_id: str, request_id: str) -> RequestRecord:
+        """The request's record as a read of its rows takes it (`read_rows`): `request_summary` without the
+        weight-version spans, one index query instead of two. NotFound as `request_summary`."""
+        return RequestRecord.of(self._request(run_id, request_id))
+
     def list_requests(self, run_id: str, flag: Flag | None, cursor: str | None, limit: int) -> RequestPage:
         """A page of request summaries after `cursor` by id (those with `flag` only), and the next cursor."""
         self.registry.require(run_id)
@@ -282,11 +287,11 @@ class RouteStore:
         a row of it read as GAP). RunDeleted when the run was deleted while it was read (its spans may have gone:
         never GAP rows for that).
         """
-        return self.read_rows(run_id, self.request_summary(run_id, request_id), start, end, rule, weight_version)
+        return self.read_rows(run_id, self.request_to_read(run_id, request_id), start, end, rule, weight_version)
 
     def read_rows(self, run_id: str, request: RequestRecord, start: int = 0, end: int | None = None,
                   rule: RecomputeRule = RecomputeRule.FIRST, weight_version: str | None = None) -> RouteRows:
-        """`read_route` of a request whose summary the caller holds (`request_summary`): no second index lookup.
+        """`read_route` of a request whose record the caller holds (`request_to_read`): no second index lookup.
 
         The late CONFLICT flags are looked up when `request` counted some.
         """

@@ -36,20 +36,23 @@ class RequestRecord:
     expected_rows: int
     first_flagged_position: int | None
     flagged: Mapping[Flag, int]  # rows per counted flag, and GAP: rows expected but never received
-    # the versions of the rows served by the default rule, as spans over positions (unknown ones in none)
-    weight_versions: tuple[VersionSpan, ...] = ()
+    # the versions of the rows served by the default rule, as spans over positions (unknown ones in none); None: not
+    # looked up (the record a read takes, `RouteStore.request_to_read`)
+    weight_versions: tuple[VersionSpan, ...] | None = None
     recomputed: int = 0  # positions computed again under other weights (not CONFLICT), each counted once
     first_recomputed: int | None = None  # the first of them
 
     @classmethod
-    def of(cls, request: Row, version_spans: Sequence[tuple[str, int, int]] = ()) -> RequestRecord:
-        """The record of one `requests` row and its `Index.version_spans` (adjacent ones of one version merged)."""
+    def of(cls, request: Row, version_spans: Sequence[tuple[str, int, int]] | None = None) -> RequestRecord:
+        """The record of one `requests` row and its `Index.version_spans` (adjacent ones of one version merged; None:
+        not looked up)."""
         expected = expected_rows(request)
         flagged = {f: request[count_column(f)] for f in COUNTED_FLAGS}
         flagged[Flag.GAP] = max(expected - request["rows"], 0)
         return cls(request["request_id"], RequestStatus(request["status"]), request["final_tokens"], request["rows"],
                    request["referenced_rows"], expected, request["first_flagged"], flagged,
-                   merged_spans(version_spans), request["recomputed"], request["first_recomputed"])
+                   None if version_spans is None else merged_spans(version_spans), request["recomputed"],
+                   request["first_recomputed"])
 
     @property
     def clean(self) -> bool:
@@ -57,7 +60,9 @@ class RequestRecord:
         return not any(n for f, n in self.flagged.items() if f is not Flag.PADDING)
 
     def to_json(self) -> dict[str, Any]:
-        """The RequestSummary object the API answers with."""
+        """The RequestSummary object the API answers with (of a record whose version spans were looked up)."""
+        if self.weight_versions is None:
+            raise ValueError(f"request {self.request_id!r}: a record made for a read has no weight-version spans")
         return {
             "request_id": self.request_id,
             "status": self.status.value,

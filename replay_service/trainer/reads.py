@@ -120,7 +120,7 @@ def stored_sequences(store: RouteStore, refs: tuple[SequenceRef, ...]) -> list[S
     """Each sequence's request and rows, checked against the length rule (`layouts.sequence_spec`)."""
     seqs = []
     for i, ref in enumerate(refs):
-        request = store.request_summary(ref.run, ref.request)
+        request = store.request_to_read(ref.run, ref.request)
         spec = layouts.sequence_spec(request.expected_rows, ref.start, ref.num_tokens,
                                      f"sequence {i} ({ref.run}/{ref.request})")
         seqs.append(StoredSequence(ref, request, spec))

@@ -1,0 +1,83 @@
+"""A read's fixed costs, cut without changing what it answers.
+
+- A route read asks the index for the request's row and spans only: the weight-version spans of its summary are
+  the summary's (`request_summary`), not the read's (`request_to_read`). A record made for a read cannot be
+  answered as a summary.
+- `.npy` headers are numpy's own, kept per (dtype, shape); the body is always C order, and the header says so.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+from replay_format import RunShape
+from replay_format.rows import Rows, RowsMeta
+from replay_format.trainer_query import SequenceRef
+from replay_format.weight_versions import RecomputeRule, WeightVersions
+from replay_service.api.encode import npy_header, npy_parts
+from replay_service.app import open_store
+from replay_service.settings import ServiceSettings
+from replay_service.trainer.reads import stored_sequences
+from replay_service.trajectory import read_trajectory
+from tests.support.data import many_routes
+
+SHAPE = RunShape(num_moe_layers=3, top_k=2, num_experts=16)
+
+
+def _versioned_rows(n: int) -> Rows:
+    experts = many_routes(np.random.default_rng(11), n, SHAPE).reshape(n, -1)
+    versions = WeightVersions.of_labels(["v1"] * (n // 2) + ["v2"] * (n - n // 2))
+    return Rows(RowsMeta("costs", "w", 0, SHAPE), ["a"], np.zeros(n, np.int32), np.arange(n, dtype=np.int32),
+                np.arange(n, dtype=np.int32), experts, np.zeros(n, np.uint16), versions)
+
+
+def test_reads_do_not_look_up_version_spans(tmp_path, monkeypatch):
+    store = open_store(ServiceSettings(data_dir=tmp_path / "data", fsync=False))
+    try:
+        rows = _versioned_rows(40)
+        store.ingest(rows)
+        store.finish("costs", "a", 41, "finished")
+        summary = store.request_summary("costs", "a").to_json()
+        assert summary["weight_versions"] == [{"version": "v1", "start": 0, "end": 20},
+                                              {"version": "v2", "start": 20, "end": 40}]
+
+        def looked_up(*_args):
+            raise AssertionError("a read looked up the summary's version spans")
+
+        monkeypatch.setattr(store.index, "version_spans", looked_up)
+        route = store.read_route("costs", "a")
+        assert np.array_equal(route.experts, rows.experts) and route.weight_versions is not None
+        assert [s.to_json() for s in route.weight_versions.spans(route.positions)] == summary["weight_versions"]
+        record = store.request_to_read("costs", "a")
+        assert record.expected_rows == 40 and record.weight_versions is None
+        with pytest.raises(ValueError, match="no weight-version spans"):
+            record.to_json()
+        assert stored_sequences(store, (SequenceRef("costs", "a"),))[0].spec.rows == 40
+        assert read_trajectory(store, "costs", ["a"], RecomputeRule.FIRST, 8).route.num_rows == 40
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("array", [
+    np.arange(384, dtype=np.uint8).reshape(1, 48, 8),
+    np.arange(24, dtype=np.uint16).reshape(2, 3, 4),
+    np.zeros((0, 48, 8), np.uint8),
+    np.arange(12, dtype=np.int32).reshape(3, 4).T,  # Fortran-ordered: sent in C order, and said so
+], ids=["uint8", "uint16", "empty", "fortran"])
+def test_npy_answers_are_what_numpy_saves(array):
+    body = b"".join(bytes(p) for p in npy_parts(array))
+    saved = io.BytesIO()
+    np.save(saved, np.ascontiguousarray(array))
+    assert body == saved.getvalue()
+    back = np.load(io.BytesIO(body))
+    assert back.dtype == array.dtype and np.array_equal(back, array)
+
+
+def test_npy_headers_are_kept_per_dtype_and_shape():
+    one = np.zeros((4, 48, 8), np.uint8)
+    assert npy_parts(one)[0] is npy_parts(one.copy())[0]
+    assert npy_header(np.dtype(np.uint8), (5, 48, 8)) != npy_header(np.dtype(np.uint8), (4, 48, 8))
+    assert npy_header(np.dtype(np.uint16), (4, 48, 8)) != npy_header(np.dtype(np.uint8), (4, 48, 8))
