@@ -115,7 +115,7 @@ def create_app(settings: ServiceSettings | None = None, store: RouteStore | None
     install_error_handlers(app)
     app.state.auth = Authenticator.from_file(settings.tokens_file)
     # Starlette tries routes in the order they were added (~2-4 us each): the hot reads (one route, a training step's
-    # slices) and ingest come before the rest, ahead of 14 routes of runs, pins and references they used to wait on.
+    # slices) first, then ingest; the route GET no longer waits behind the 12 routes of ingest, references and runs.
     for module in (requests, trainer, ingest, references, runs, trajectories, compares, health, ops):
         # every API route passes the token gate (its role: api/auth.py ROUTE_NEEDS); docs and web files do not
         app.include_router(module.router, dependencies=[Depends(authorize)], responses=AUTH)
