@@ -158,6 +158,8 @@ class WeightVersions:
         names = column.dictionary.to_pylist()
         if len(names) > MAX_LABELS:
             raise FormatError(f"{what} names {len(names)} versions; at most {MAX_LABELS}")
+        if column.null_count == len(column):  # no row's version known (a writer that sends none): nothing to fold
+            return cls.unknown(len(column))
         valid = column.indices.is_valid().to_numpy(zero_copy_only=False)
         indices = column.indices.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
         used = np.unique(indices[valid]) if valid.any() else np.empty(0, np.int64)

@@ -4,6 +4,8 @@
   the summary's (`request_summary`), not the read's (`request_to_read`). A record made for a read cannot be
   answered as a summary.
 - `.npy` headers are numpy's own, kept per (dtype, shape); the body is always C order, and the header says so.
+- A `weight_version` column with no known version (every Arrow answer and batch of a writer that sends none) is
+  read as unknown rows without folding its dictionary.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ from __future__ import annotations
 import io
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
-from replay_format import RunShape
+from replay_format import FormatError, RunShape
 from replay_format.rows import Rows, RowsMeta
 from replay_format.trainer_query import SequenceRef
-from replay_format.weight_versions import RecomputeRule, WeightVersions
+from replay_format.weight_versions import INDEX_TYPE, MAX_LABELS, UNKNOWN, RecomputeRule, WeightVersions
 from replay_service.api.encode import npy_header, npy_parts
 from replay_service.app import open_store
 from replay_service.settings import ServiceSettings
@@ -81,3 +84,20 @@ def test_npy_headers_are_kept_per_dtype_and_shape():
     assert npy_parts(one)[0] is npy_parts(one.copy())[0]
     assert npy_header(np.dtype(np.uint8), (5, 48, 8)) != npy_header(np.dtype(np.uint8), (4, 48, 8))
     assert npy_header(np.dtype(np.uint16), (4, 48, 8)) != npy_header(np.dtype(np.uint8), (4, 48, 8))
+
+
+def test_a_column_of_no_known_version_reads_as_unknown_rows():
+    """The all-null `weight_version` column (a writer that sends no versions) takes a short way; a column with one
+    known row among nulls, and a dictionary naming too many versions, take the long one as before."""
+    none_known = pa.DictionaryArray.from_arrays(pa.array([None] * 5, INDEX_TYPE), pa.array(["v1", "v2"]))
+    read = WeightVersions.from_arrow(none_known)
+    assert read.labels == () and read.index.tolist() == [UNKNOWN] * 5 and read.index.dtype == np.int16
+    assert WeightVersions.from_arrow(pa.array([None] * 3, pa.utf8())).index.tolist() == [UNKNOWN] * 3
+    one_known = pa.DictionaryArray.from_arrays(pa.array([None, None, 1, None, None], INDEX_TYPE),
+                                               pa.array(["v1", "v2"]))
+    read = WeightVersions.from_arrow(one_known)
+    assert read.labels == ("v2",) and read.index.tolist() == [UNKNOWN, UNKNOWN, 0, UNKNOWN, UNKNOWN]
+    too_many = pa.DictionaryArray.from_arrays(pa.array([None] * 2, INDEX_TYPE),
+                                              pa.array([f"v{i}" for i in range(MAX_LABELS + 1)]))
+    with pytest.raises(FormatError, match="at most"):
+        WeightVersions.from_arrow(too_many)
