@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.stopping import exit_on_sigterm
 from capture import RowSharding, StepRecorder, Strategy, restore_rows
 from capture.worker.restore import _gather_single
 from replay_format import RunShape
@@ -286,4 +287,5 @@ def main_sections(args) -> None:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     main()

@@ -54,6 +54,7 @@ sys.path[:] = [ROOT] + [p for p in sys.path if Path(p or ".").resolve() != Path(
 import numpy as np
 import pyarrow as pa
 
+from bench.stopping import exit_on_sigterm
 from replay_format.core import RunShape
 from replay_format.rows import RowsMeta, build_rows
 from replay_format.segment import CHECKSUM_KEY, ID_LAYOUT_KEY, IdLayout, SegmentCompression, SegmentMeta, as_stored
@@ -394,4 +395,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     main()

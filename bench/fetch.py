@@ -39,6 +39,7 @@ import pyarrow as pa
 import torch
 
 from bench.segment_files import SHAPE, load_store, segment_rows
+from bench.stopping import exit_on_sigterm
 from replay_client import ReplayClient
 from tests.support.service import ServiceProcess
 
@@ -140,4 +141,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     main()

@@ -30,6 +30,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.stopping import exit_on_sigterm
 from replay_client.client import ReplayClient
 from tests.support.data import batch_bytes, routes
 from tests.support.service import ServiceProcess
@@ -105,4 +106,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     main()

@@ -55,6 +55,7 @@ import numpy as np
 import pyarrow as pa
 
 from bench.http_floor import BytesServer, UvicornFloor
+from bench.stopping import exit_on_sigterm
 from replay_format import ARROW_STREAM_MEDIA_TYPE, RunShape
 from replay_format.rows import RowsMeta, build_rows, encode_stream
 from replay_service.ops.demo import bulk_routes
@@ -257,4 +258,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     main()

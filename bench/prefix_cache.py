@@ -22,6 +22,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.stopping import exit_on_sigterm
+
 
 def _group(url: str, model: str, run_id: str, spill: str, args, cache: bool) -> dict[str, list[int]]:
     from vllm import SamplingParams
@@ -78,4 +80,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     sys.exit(main())

@@ -58,6 +58,7 @@ from starlette.concurrency import run_in_threadpool
 from bench.fetch import print_rows_table, read_files_directly, timed_rounds
 from bench.http_floor import BytesServer
 from bench.segment_files import SHAPE, load_store
+from bench.stopping import exit_on_sigterm
 from replay_client import ReplayClient
 from replay_client.client import npy_view
 from replay_client.transport import Transport
@@ -260,4 +261,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     main()

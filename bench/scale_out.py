@@ -66,6 +66,7 @@ import httpx
 import numpy as np
 
 from bench.ingest import post_parts
+from bench.stopping import exit_on_sigterm
 from replay_format import ARROW_STREAM_MEDIA_TYPE, RunShape, Source
 from replay_format.rows import RowsMeta, build_rows, encode_stream
 from replay_service.app import open_store
@@ -278,4 +279,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     main()

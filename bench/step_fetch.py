@@ -36,6 +36,7 @@ if ROOT not in sys.path:  # `python bench/step_fetch.py` from anywhere: tests.su
 import numpy as np
 
 from bench.segment_files import SHAPE, load_store, segment_rows
+from bench.stopping import exit_on_sigterm
 from replay_client import ReplayClient
 from replay_service.ops.workers import worker_count
 from tests.support.service import ServiceProcess
@@ -178,4 +179,5 @@ def _timed(fn, *args) -> float:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()
     main()

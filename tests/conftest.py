@@ -63,6 +63,7 @@ SLOW = {
     "test_service_weight_versions.py::test_a_2_4_batch": "old formats: service restarts on rewritten files",
     "test_service_weight_versions.py::test_reindex_rebuilds": "a reindex and a service restart",
     "test_service_weight_versions.py::test_the_clients_uploads": "imports vLLM (its WeightVersionSpan), ~7 s",
+    "test_bench_stopping.py": "children with a service each, stopped by SIGTERM (~7 s)",
     "test_wheel.py": "builds the wheel, installs it into a fresh venv and serves it (~10 s)",
     "test_capture_restore.py": "gloo grids up to 8 ranks",
     "test_capture_pcp_mask.py": "gloo grids up to 8 ranks",
