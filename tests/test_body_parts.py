@@ -22,7 +22,7 @@ from replay_service.app import create_app
 from replay_service.ops.connections import PROTOCOL
 from replay_service.settings import ServiceSettings
 from tests.support.data import batch_bytes, routes
-from tests.support.service import served_in_thread
+from tests.support.service import read_answers, served_in_thread
 
 HIGH_WATER = 1 << 16  # uvicorn's flow_control.HIGH_WATER_LIMIT
 
@@ -45,22 +45,6 @@ async def _digest_app(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": answer})
 
 
-def _answers(sock: socket.socket, count: int) -> list[bytes]:
-    """The bodies of the next `count` answers on `sock` (each with a content-length)."""
-    data, bodies = b"", []
-    while len(bodies) < count:
-        while b"\r\n\r\n" not in data:
-            data += sock.recv(65536)
-        head, data = data.split(b"\r\n\r\n", 1)
-        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"content-length"))
-        while len(data) < length:
-            data += sock.recv(65536)
-        bodies.append(data[:length])
-        data = data[length:]
-    return bodies
-
-
 def _request(body: bytes) -> bytes:
     return b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
 
@@ -81,13 +65,13 @@ def test_bodies_in_parts_of_every_size_arrive_whole(part):
                 sock.sendall(wire[lo : lo + part])
                 if k % 7 == i % 7 and part > 1:
                     time.sleep(0.002)  # now and then the app reads before the next part arrives
-            digest, _ = _answers(sock, 1)[0].split()
+            digest, _ = read_answers(sock, 1)[0][1].split()
             assert digest.decode() == hashlib.sha256(body).hexdigest(), (part, size)
         # Two requests in one send: the second's body follows the first's in the same parts.
         first, second = (rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (HIGH_WATER * 3 + 5, 77))
         sock.sendall(_request(first) + _request(second))
-        answers = _answers(sock, 2)
-        assert [a.split()[0].decode() for a in answers] == [hashlib.sha256(b).hexdigest() for b in (first, second)]
+        digests = [body.split()[0].decode() for _, body in read_answers(sock, 2)]
+        assert digests == [hashlib.sha256(b).hexdigest() for b in (first, second)]
 
 
 def test_an_ingest_through_the_protocol_reads_back_byte_equal(tmp_path):

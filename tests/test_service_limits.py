@@ -20,7 +20,7 @@ from capture.sender import RouteSender, SenderConfig
 from replay_client.client import ReplayClient
 from replay_format import ARROW_STREAM_MEDIA_TYPE
 from tests.support.data import QWEN3_SHAPE, batch_bytes, routes
-from tests.support.service import ServiceProcess, served_in_thread
+from tests.support.service import ServiceProcess, read_answers, served_in_thread
 
 ARROW = {"content-type": ARROW_STREAM_MEDIA_TYPE}
 NPY = {"content-type": "application/x-npy"}
@@ -122,14 +122,7 @@ def test_inputs_that_were_500s_are_json_4xx(stored, name):
 def _exchange(sock: socket.socket, request: bytes) -> bytes:
     """Send one request on an open connection and read its whole answer (content-length framed)."""
     sock.sendall(request)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += sock.recv(65536)
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"content-length")))
-    while len(body) < length:
-        body += sock.recv(65536)
+    head, body = read_answers(sock, 1)[0]
     return head + b"\r\n\r\n" + body
 
 

@@ -43,6 +43,23 @@ def served_in_thread(app: Any, **options: Any) -> Iterator[int]:
         thread.join(10)
 
 
+def read_answers(sock: socket.socket, count: int) -> list[tuple[bytes, bytes]]:
+    """The next `count` HTTP answers on `sock`, each `(head, body)`, content-length framed (answers may arrive
+    together: a pipelined request's answer is read after the one before it)."""
+    data, answers = b"", []
+    while len(answers) < count:
+        while b"\r\n\r\n" not in data:
+            data += sock.recv(65536)
+        head, data = data.split(b"\r\n\r\n", 1)
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length"))
+        while len(data) < length:
+            data += sock.recv(65536)
+        answers.append((head, data[:length]))
+        data = data[length:]
+    return answers
+
+
 class ServiceProcess:
     def __init__(self, data_dir: Path, port: int | None = None, env: dict[str, str] | None = None,
                  log_path: Path | None = None, demo: bool = False, cpus: set[int] | None = None, nice: int = 0,
