@@ -182,6 +182,39 @@ def test_a_read_that_named_a_deleted_segment_is_a_404_even_after_its_run_is_crea
         store.close()
 
 
+def test_a_read_whose_run_was_deleted_and_created_again_under_it_is_a_404_not_gap_rows(tmp_path, monkeypatch):
+    """The race `test_delete_while_reading_and_writing` met in a whole-suite run (2026-12-03): a route read took the
+    request's row, then the run was deleted and a writer's next batch created it again before the read looked the
+    run up for its rows; the new run's state was not deleted, the old spans were gone, and the read answered 200 with
+    GAP rows. The read now checks the run it started under."""
+    from replay_service.app import open_store
+    from replay_service.errors import RunDeleted
+    from replay_service.settings import ServiceSettings
+
+    store = open_store(ServiceSettings(data_dir=tmp_path / "data", fsync=False))
+    try:
+        def ingest(seq: int, request: str) -> None:
+            body = batch_bytes("again", "w", seq, [request] * 4, np.arange(4, dtype=np.int32),
+                               routes(np.random.default_rng(seq), 4, SHAPE).reshape(4, -1), shape=SHAPE)
+            store.ingest(decode_batch("", body))
+
+        ingest(0, "r")
+        assert store.read_route("again", "r").num_rows == 4
+        took_row = store.request_to_read
+
+        def row_then_deleted_and_created_again(run_id, request_id):
+            record = took_row(run_id, request_id)
+            store.delete_run(run_id)
+            ingest(1, "x")  # the writer's next batch: the run again, without request r
+            return record
+
+        monkeypatch.setattr(store, "request_to_read", row_then_deleted_and_created_again)
+        with pytest.raises(RunDeleted):
+            store.read_route("again", "r")
+    finally:
+        store.close()
+
+
 def test_retention_cap_and_gc(tmp_path):
     data = tmp_path / "data"
     with ServiceProcess(data) as probe:  # one run's size on disk, to set the cap from

@@ -287,7 +287,11 @@ class RouteStore:
         a row of it read as GAP). RunDeleted when the run was deleted while it was read (its spans may have gone:
         never GAP rows for that).
         """
-        return self.read_rows(run_id, self.request_to_read(run_id, request_id), start, end, rule, weight_version)
+        state = self.registry.require(run_id)  # the run as the request's row is taken, before it may be deleted
+        route = self.read_rows(run_id, self.request_to_read(run_id, request_id), start, end, rule, weight_version)
+        if state.deleted:  # deleted (and maybe started again by a writer) since the row was taken: its spans are gone
+            raise RunDeleted(f"run {run_id!r} was deleted while this read was under way")
+        return route
 
     def read_rows(self, run_id: str, request: RequestRecord, start: int = 0, end: int | None = None,
                   rule: RecomputeRule = RecomputeRule.FIRST, weight_version: str | None = None) -> RouteRows:
