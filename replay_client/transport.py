@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
+import ssl
 import threading
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -52,6 +54,16 @@ def raise_for(response: httpx.Response) -> None:
     raise cls(response.status_code, str(detail), body)
 
 
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """httpx's default TLS context (its CA bundle, or SSL_CERT_FILE / SSL_CERT_DIR), made once per process.
+
+    httpx builds a new one for every client it makes, for plain-http URLs too, and building one reads the whole
+    CA bundle (~55 ms here): a script or test that opens a client per call paid that every time.
+    """
+    return httpx.create_ssl_context()
+
+
 class Transport:
     """One httpx client for small calls, plus a stdlib connection per thread for large answers."""
 
@@ -59,7 +71,7 @@ class Transport:
         self.own_http = http is None
         # the service's bearer token (REPLAY_TOKENS_FILE on its side), sent on every call
         self.auth = {"authorization": f"Bearer {token}"} if token else {}
-        self.http = http or httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout)
+        self.http = http or httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout, verify=tls_context())
         self.http.headers.update(self.auth)
         self.timeout = timeout
         self._bulk = threading.local()  # per-thread stdlib connection for large bodies
@@ -93,8 +105,10 @@ class Transport:
         base = self.http.base_url
         conn = getattr(self._bulk, "conn", None)
         if conn is None:
-            cls = http.client.HTTPSConnection if base.scheme == "https" else http.client.HTTPConnection
-            conn = cls(base.host, base.port, timeout=self.timeout)
+            if base.scheme == "https":  # verified as the httpx client verifies (the same CA bundle)
+                conn = http.client.HTTPSConnection(base.host, base.port, timeout=self.timeout, context=tls_context())
+            else:
+                conn = http.client.HTTPConnection(base.host, base.port, timeout=self.timeout)
             self._bulk.conn = conn
         # ids are URL-safe (ID_RULE); one that is not is escaped as httpx would, for the service to refuse
         path = base.raw_path.decode().rstrip("/") + quote(url, safe="/:@+=")

@@ -11,7 +11,6 @@ import logging
 import threading
 import time
 
-import httpx
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -21,7 +20,7 @@ from replay_client.client import ReplayClient
 from replay_format import FormatError, FormatVersion
 from replay_format.spill import ItemKind, SpillHeader, created_ns, decode_item, encode_item, item_name
 from tests.support.data import QWEN3_SHAPE, batch_bytes, many_routes
-from tests.support.service import ServiceProcess, free_port
+from tests.support.service import ServiceProcess, calls, free_port
 
 STEP_ROWS = 512
 
@@ -149,7 +148,7 @@ def test_spilled_batches_keep_each_rows_weight_version_and_drain_with_it(tmp_pat
         later.close(5)
         _assert_all_arrived(service.url, _expected(4, requests=2))
         for r in range(2):
-            answer = httpx.get(f"{service.url}/v1/runs/cap/requests/req-{r}/routes", params={"format": "json"})
+            answer = calls.get(f"{service.url}/v1/runs/cap/requests/req-{r}/routes", params={"format": "json"})
             assert [row.get("weight_version") for row in answer.json()["rows"]] == [
                 v for v in versions for _ in range(per_step // 2)]
 

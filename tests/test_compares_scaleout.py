@@ -7,13 +7,12 @@ directories) on one PostgreSQL database and one moto S3 bucket.
 
 from __future__ import annotations
 
-import httpx
 import numpy as np
 import pyarrow.fs as pafs
 
 from replay_client.client import ReplayClient
 from tests.support.data import QWEN3_SHAPE, store_requests
-from tests.support.service import ServiceProcess
+from tests.support.service import ServiceProcess, calls
 
 LENGTHS = {"c-a": 65, "c-b": 33}
 
@@ -35,7 +34,7 @@ def test_a_comparison_stored_on_one_replica_reads_on_another(tmp_path, postgres,
         fs = moto_s3.fs()
         assert _npz(fs, bucket) == [f"{bucket}/segments/cmp/compares/{result['compare_id']}.npz"]
         assert not (tmp_path / "a" / "compares" / "cmp").exists()  # nothing of it kept on the storing machine
-        assert httpx.delete(f"{b.url}/v1/runs/cmp").status_code == 200
+        assert calls.delete(f"{b.url}/v1/runs/cmp").status_code == 200
         assert _npz(fs, bucket) == []
 
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import numpy as np
 import pytest
 
 from replay_client.client import ReplayClient
 from replay_service.health.series import imbalance
-from tests.support.service import ServiceProcess
+from tests.support.service import ServiceProcess, calls
 
 L, K, E = 4, 4, 16
 BUCKET_S = 1.0
@@ -55,7 +54,7 @@ def test_buckets_and_versions_count_what_was_ingested(service):
         sent.append((40, zeros, rows[zeros:]))
         by_version[version].append(rows[zeros:])
 
-    series = httpx.get(f"{service.url}/v1/runs/load/health/series").raise_for_status().json()
+    series = calls.get(f"{service.url}/v1/runs/load/health/series").raise_for_status().json()
     assert series["bucket_s"] == BUCKET_S
     points = series["ingest"]
     assert [p["t"] for p in points] == sorted(p["t"] for p in points)
@@ -74,13 +73,13 @@ def test_buckets_and_versions_count_what_was_ingested(service):
     assert [v["rows"] for v in versions] == [80, 40]
 
     # A whole-life report and one over a window that holds only the last wave's request.
-    report = httpx.get(f"{service.url}/v1/runs/load/health").json()
+    report = calls.get(f"{service.url}/v1/runs/load/health").json()
     assert report["verdict"] == "fail" and report["checks"]["ZERO"]["count"] == 3
     assert report["weight_versions"]["current"] == "2" and report["weight_versions"]["stale_rows"] == 80
     assert report["weight_versions"]["max_lag"] == 1
     time.sleep(1.5)
     client.upload_route("load", "late", skewed(rng, 20, 1), num_experts=E, weight_version="2")
-    recent = httpx.get(f"{service.url}/v1/runs/load/health", params={"window_s": 1.0}).json()
+    recent = calls.get(f"{service.url}/v1/runs/load/health", params={"window_s": 1.0}).json()
     assert recent["requests"] == 1 and recent["verdict"] == "ok" and recent["window_s"] == 1.0
 
 
@@ -89,16 +88,16 @@ def test_a_batch_judged_against_the_version_it_trains(service):
     rng = np.random.default_rng(5)
     client.upload_route("versions", "old", skewed(rng, 10, 0), num_experts=E, weight_version="3")
     client.upload_route("versions", "new", skewed(rng, 10, 0), num_experts=E, weight_version="5")
-    batch = httpx.post(f"{service.url}/v1/runs/versions/health",
+    batch = calls.post(f"{service.url}/v1/runs/versions/health",
                        json={"requests": ["old", "new"], "weight_version": "6"}).json()
     assert batch["weight_versions"] == {"current": "6", "rows": {"3": 10, "5": 10}, "unversioned": 0,
                                         "stale_rows": 20, "max_lag": 3}
     assert batch["metrics"]["r3/version_stale_frac"] == 1.0 and batch["metrics"]["r3/version_max_lag"] == 3.0
     assert batch["verdict"] == "ok"  # no default limit: asynchronous RL trains on older versions on purpose
     # A run that gates on it sets a limit: then the same batch fails, naming STALENESS.
-    httpx.put(f"{service.url}/v1/runs/versions/health/thresholds",
+    calls.put(f"{service.url}/v1/runs/versions/health/thresholds",
               json={"STALENESS": {"fail": 0.5}}).raise_for_status()
-    again = httpx.post(f"{service.url}/v1/runs/versions/health",
+    again = calls.post(f"{service.url}/v1/runs/versions/health",
                        json={"requests": ["old", "new"], "weight_version": "6"}).json()
     assert again["verdict"] == "fail" and [f["check"] for f in again["failed"]] == ["STALENESS"]
     assert again["failed"][0]["limit"] == 0.5
@@ -127,16 +126,16 @@ def test_an_index_of_schema_6_is_migrated_and_its_requests_are_judged(tmp_path):
             PRAGMA user_version = 6;
         """)
     with ServiceProcess(data) as svc:
-        report = httpx.get(f"{svc.url}/v1/runs/old/health").json()
+        report = calls.get(f"{svc.url}/v1/runs/old/health").json()
         assert report["verdict"] == "fail" and [f["check"] for f in report["failed"]] == ["ZERO", "FALLBACK"]
         for finding in report["failed"]:
             assert finding["requests"] == [{"request_id": "r", "count": 1, "first_position": 4}]
-        assert httpx.get(f"{svc.url}/v1/runs/old/health", params={"window_s": 3600}).json()["requests"] == 0
-        assert httpx.get(f"{svc.url}/v1/runs/old/health/series").json()["ingest"] == []
+        assert calls.get(f"{svc.url}/v1/runs/old/health", params={"window_s": 3600}).json()["requests"] == 0
+        assert calls.get(f"{svc.url}/v1/runs/old/health/series").json()["ingest"] == []
         ReplayClient(svc.url).upload_route("old", "s", skewed(rng, 12, 0), num_experts=E)
-        recent = httpx.get(f"{svc.url}/v1/runs/old/health", params={"window_s": 3600}).json()
+        recent = calls.get(f"{svc.url}/v1/runs/old/health", params={"window_s": 3600}).json()
         assert recent["requests"] == 1 and recent["verdict"] == "ok"
-        assert [p["rows"] for p in httpx.get(f"{svc.url}/v1/runs/old/health/series").json()["ingest"]] == [12]
+        assert [p["rows"] for p in calls.get(f"{svc.url}/v1/runs/old/health/series").json()["ingest"]] == [12]
     with sqlite3.connect(data / "index.sqlite") as conn:
         assert conn.execute("PRAGMA user_version").fetchone()[0] == 7
 
@@ -149,10 +148,10 @@ def test_a_deleted_run_takes_its_health_with_it(service):
     bad = skewed(rng, 10, 0)
     bad[2] = 0
     client.upload_route("again", "a", bad, num_experts=E, weight_version="1")
-    httpx.put(f"{service.url}/v1/runs/again/health/thresholds", json={"ZERO": {"fail": 0.9}}).raise_for_status()
-    httpx.delete(f"{service.url}/v1/runs/again").raise_for_status()
-    assert httpx.get(f"{service.url}/v1/runs/again/health").status_code == 404
+    calls.put(f"{service.url}/v1/runs/again/health/thresholds", json={"ZERO": {"fail": 0.9}}).raise_for_status()
+    calls.delete(f"{service.url}/v1/runs/again").raise_for_status()
+    assert calls.get(f"{service.url}/v1/runs/again/health").status_code == 404
     client.upload_route("again", "b", skewed(rng, 10, 0), num_experts=E)
-    series = httpx.get(f"{service.url}/v1/runs/again/health/series").json()
+    series = calls.get(f"{service.url}/v1/runs/again/health/series").json()
     assert [(p["rows"], p["flagged"]["ZERO"]) for p in series["ingest"]] == [(10, 0)] and series["versions"] == []
-    assert httpx.get(f"{service.url}/v1/runs/again/health/thresholds").json()["overridden"] == []
+    assert calls.get(f"{service.url}/v1/runs/again/health/thresholds").json()["overridden"] == []

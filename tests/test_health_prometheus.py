@@ -35,7 +35,7 @@ from replay_service.settings import ServiceSettings
 from tests.conftest import REQUIRE_ALL
 from tests.support.data import batch_bytes, routes, store_requests
 from tests.support.prometheus import PrometheusServer, binary, promtool
-from tests.support.service import ServiceProcess
+from tests.support.service import ServiceProcess, calls
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "prometheus"
 RULES = DEPLOY / "alerts.yml"
@@ -270,10 +270,10 @@ def test_the_planted_zero_row_fires_its_alert_and_the_clean_run_none(scraped):
     assert {a["labels"].get("run") for a in prometheus.alerts()} <= {"faulty", "drifting"}
     assert [float(r["value"][1]) for r in prometheus.query("replay_health_scrape_errors_total")] == [0.0]
     # the figures agree with the service's own health answer over the same window
-    report = httpx.get(f"{service.url}/v1/runs/faulty/health", params={"window_s": 3600}).json()
+    report = calls.get(f"{service.url}/v1/runs/faulty/health", params={"window_s": 3600}).json()
     assert report["verdict"] == "fail" and "ZERO" in {f["check"] for f in report["failed"]}
     assert report["checks"]["ZERO"]["count"] == 1
-    assert httpx.get(f"{service.url}/v1/runs/clean/health", params={"window_s": 3600}).json()["verdict"] == "ok"
+    assert calls.get(f"{service.url}/v1/runs/clean/health", params={"window_s": 3600}).json()["verdict"] == "ok"
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ from replay_service.app import WEB_DIR, create_app
 from replay_service.ops import cli
 from tests.support.browser import browser, new_page, require_browser, set_hash
 from tests.support.data import batch_bytes, routes
-from tests.support.service import ServiceProcess
+from tests.support.service import ServiceProcess, calls
 
 READ, WRITE, WRITE2, ADMIN, TEAM = ("r" * 24, "w" * 24, "v" * 24, "a" * 24, "t" * 24)
 TOKENS = f"""# test tokens
@@ -203,7 +203,7 @@ def test_without_tokens_serve_stays_on_loopback(tmp_path, monkeypatch):
 
 def test_insecure_serves_a_public_address(tmp_path):
     with ServiceProcess(tmp_path / "data", args=["--host", "0.0.0.0", "--insecure"]) as proc:
-        assert httpx.get(f"{proc.url}/v1/runs", timeout=10).status_code == 200
+        assert calls.get(f"{proc.url}/v1/runs", timeout=10).status_code == 200
 
 
 # the sessionStorage key the web view keeps its token under (web/js/api.js)
@@ -215,7 +215,7 @@ def test_web_view_asks_for_its_token_in_a_form(tmp_path):
     require_browser()
     (tmp_path / "tokens").write_text(TOKENS)
     with ServiceProcess(tmp_path / "data", env={"REPLAY_TOKENS_FILE": str(tmp_path / "tokens")}) as proc:
-        assert httpx.post(f"{proc.url}/v1/ingest", content=rows("web-run", "seed", 4),
+        assert calls.post(f"{proc.url}/v1/ingest", content=rows("web-run", "seed", 4),
                           headers={**ARROW, **bearer(WRITE)}, timeout=30).status_code == 200
         with browser() as b:
             page, watch = new_page(b, proc.url)

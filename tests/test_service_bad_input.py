@@ -13,7 +13,7 @@ import pytest
 from replay_format import ARROW_STREAM_MEDIA_TYPE, RunShape
 from replay_format.rows import RowsMeta, build_rows, encode_stream
 from tests.support.data import QWEN3_SHAPE, batch_bytes, routes
-from tests.support.service import ServiceProcess
+from tests.support.service import ServiceProcess, calls
 
 ARROW = {"content-type": ARROW_STREAM_MEDIA_TYPE}
 
@@ -25,7 +25,7 @@ def server(tmp_path_factory):
     with ServiceProcess(path, env={"REPLAY_MAX_BODY_BYTES": str(4 * 2**20), "REPLAY_MAX_READ_ROWS": "8"}) as proc:
         rng = np.random.default_rng(5)
         body = batch_bytes("good", "w", 0, ["r"] * 10, np.arange(10), routes(rng, 10))
-        assert httpx.post(f"{proc.url}/v1/ingest", content=body, headers=ARROW).status_code == 200
+        assert calls.post(f"{proc.url}/v1/ingest", content=body, headers=ARROW).status_code == 200
         yield proc
 
 
@@ -106,13 +106,13 @@ CASES = _cases()
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bad_ingest_is_refused_and_nothing_stored(server, name):
     body, headers, status, words = CASES[name]
-    before = httpx.get(f"{server.url}/v1/runs").json()
-    answer = httpx.post(f"{server.url}/v1/ingest", content=body, headers=headers, timeout=30)
+    before = calls.get(f"{server.url}/v1/runs").json()
+    answer = calls.post(f"{server.url}/v1/ingest", content=body, headers=headers, timeout=30)
     assert answer.status_code == status, answer.text
     assert answer.headers["content-type"] == "application/json"
     assert words in answer.json()["detail"]
-    assert httpx.get(f"{server.url}/v1/runs").json() == before
-    assert httpx.get(f"{server.url}/healthz").status_code == 200
+    assert calls.get(f"{server.url}/v1/runs").json() == before
+    assert calls.get(f"{server.url}/healthz").status_code == 200
 
 
 @pytest.mark.parametrize(
@@ -129,7 +129,7 @@ def test_bad_ingest_is_refused_and_nothing_stored(server, name):
     ],
 )
 def test_bad_reads(server, path, status, words):
-    answer = httpx.get(server.url + path)
+    answer = calls.get(server.url + path)
     assert answer.status_code == status, answer.text
     if words:
         assert words in answer.json()["detail"]
@@ -158,27 +158,27 @@ def test_bad_route_uploads(server):
          {"content-type": "application/json"}, {}, 422, "'num_experts' must be an integer"),
     ]
     for body, headers, params, status, words in cases:
-        answer = httpx.post(url, content=body, headers=headers, params=params)
+        answer = calls.post(url, content=body, headers=headers, params=params)
         assert answer.status_code == status, answer.text
         assert words in answer.json()["detail"]
-    assert httpx.get(f"{server.url}/v1/runs/fresh").status_code == 404
+    assert calls.get(f"{server.url}/v1/runs/fresh").status_code == 404
 
 
 def test_finish_conflicts_and_validation(server):
     url = f"{server.url}/v1/runs/good/requests/r/finish"
-    assert httpx.post(url, json={"num_tokens": 11}).status_code == 200
-    again = httpx.post(url, json={"num_tokens": 12})
+    assert calls.post(url, json={"num_tokens": 11}).status_code == 200
+    again = calls.post(url, json={"num_tokens": 12})
     assert again.status_code == 409 and "already finished with 11 tokens" in again.json()["detail"]
-    assert httpx.post(url, json={"num_tokens": -1}).status_code == 422
-    assert httpx.post(url, json={"num_tokens": 5, "status": "exploded"}).status_code == 422
+    assert calls.post(url, json={"num_tokens": -1}).status_code == 422
+    assert calls.post(url, json={"num_tokens": 5, "status": "exploded"}).status_code == 422
 
 
 def test_reads_past_the_row_limit_are_paged(server):
     url = f"{server.url}/v1/runs/good/requests/r/routes"
-    whole = httpx.get(url)
+    whole = calls.get(url)
     assert whole.status_code == 422 and "REPLAY_MAX_READ_ROWS=8" in whole.json()["detail"]
-    assert httpx.get(url, params={"start": 0, "end": 8}).status_code == 200
-    assert httpx.get(url, params={"start": 8, "end": 10}).status_code == 200
+    assert calls.get(url, params={"start": 0, "end": 8}).status_code == 200
+    assert calls.get(url, params={"start": 8, "end": 10}).status_code == 200
 
 
 # Positions are int32 (0 .. 2^31 - 2; an exclusive end up to 2^31 - 1): a read range past that answered 500 from
@@ -192,9 +192,9 @@ def test_an_empty_range_reads_as_no_rows_in_every_format(server):
     url = f"{server.url}/v1/runs/good/requests/r/routes"
     for start in (5, 2**31 - 1):
         for fmt in ("arrow", "npy", "json"):
-            answer = httpx.get(url, params={"start": start, "end": start, "format": fmt})
+            answer = calls.get(url, params={"start": start, "end": start, "format": fmt})
             assert answer.status_code == 200, (fmt, answer.text[:200])
-        assert np.load(io.BytesIO(httpx.get(url, params={"start": start, "end": start, "format": "npy"}).content)
+        assert np.load(io.BytesIO(calls.get(url, params={"start": start, "end": start, "format": "npy"}).content)
                        ).shape[0] == 0
 
 

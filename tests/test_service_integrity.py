@@ -16,7 +16,6 @@ import sys
 import uuid
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
@@ -24,7 +23,7 @@ from replay_client.client import ReplayClient
 from replay_format import RunShape
 from replay_service.store.index import Index
 from tests.support.data import batch_bytes, routes
-from tests.support.service import ServiceProcess
+from tests.support.service import ServiceProcess, calls
 
 SHAPE = RunShape(num_moe_layers=8, top_k=4, num_experts=64)
 
@@ -57,7 +56,7 @@ def _fill(url: str, run: str) -> None:
     assert _rows(client, run, "a", range(3, 15), late, seq=2)["stored"]
     client.finish(run, "a", 16)
     client.finish(run, "b", 9, status="aborted")  # rows 0..5 stored, 6..7 GAP
-    answer = httpx.post(f"{url}/v1/runs/{run}/references", timeout=30, json={"references": [
+    answer = calls.post(f"{url}/v1/runs/{run}/references", timeout=30, json={"references": [
         {"request_id": "c", "start": 0, "end": 4, "source_request_id": "a"}]})
     assert answer.status_code == 200, answer.text
     assert _rows(client, run, "c", range(4, 8), routes(rng, 4, SHAPE), seq=3)["stored"]
@@ -67,7 +66,7 @@ def _fill(url: str, run: str) -> None:
 def _snapshot(url: str, run: str) -> dict:
     """Everything a reader sees of a run: its summary, its request listing, each request's summary and rows."""
     client = ReplayClient(url)
-    listing = httpx.get(f"{url}/v1/runs/{run}/requests", params={"limit": 100}, timeout=30).json()
+    listing = calls.get(f"{url}/v1/runs/{run}/requests", params={"limit": 100}, timeout=30).json()
     seen = {"run": client.run(run), "listing": listing}
     for item in listing["items"]:
         rid = item["request_id"]
@@ -157,14 +156,14 @@ def test_flipped_byte_is_never_served(shared_service):
 
     _flip(damaged, ids, at=37)  # one id of row 1
     for params in ({}, {"strict": "true"}, {"format": "npy"}, {"format": "json"}):
-        answer = httpx.get(f"{url}/v1/runs/{run}/requests/r/routes", params=params, timeout=30)
+        answer = calls.get(f"{url}/v1/runs/{run}/requests/r/routes", params=params, timeout=30)
         assert answer.status_code == 503, (params, answer.status_code, answer.text[:200])
         assert answer.json()["segment"] == rel and rel in answer.json()["detail"]
-    batch = httpx.post(f"{url}/v1/runs/{run}/routes/batch", json={"requests": ["r"]}, timeout=30)
+    batch = calls.post(f"{url}/v1/runs/{run}/routes/batch", json={"requests": ["r"]}, timeout=30)
     assert batch.status_code == 503 and batch.json()["segment"] == rel
     assert len(client.get_route(run, "other").positions) == 3  # other segments are served as before
 
-    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    metrics = calls.get(f"{url}/metrics", timeout=30).text
     assert "replay_segments_damaged_total 1.0" in metrics
     assert "replay_damaged_reads_total 5.0" in metrics
 

@@ -14,7 +14,6 @@ import base64
 import io
 import sqlite3
 
-import httpx
 import numpy as np
 import pytest
 
@@ -26,6 +25,7 @@ from replay_service.app import open_store
 from replay_service.settings import ServiceSettings
 from tests.support.data import routes
 from tests.support.formats import with_metadata
+from tests.support.service import calls
 
 # DeepSeek-V3-like, small: 8 model layers, the first 3 dense (first_k_dense_replace=3), top-8 of 64.
 DEEPSEEK = RunShape(num_moe_layers=5, top_k=8, num_experts=64, moe_layers=(3, 4, 5, 6, 7), num_hidden_layers=8)
@@ -65,11 +65,11 @@ def test_model_axis_reads_are_vllms_routed_experts_byte_for_byte(client, shared_
 
     array = client.get_route_npy("ax-ds", "r0", start=10, end=30, layer_axis="model")
     assert array.shape == (20, 8, 8) and array.tobytes() == engine[10:30].astype(np.uint8).tobytes()
-    answer = httpx.get(f"{shared_service.url}/v1/runs/ax-ds/requests/r0/routes",
+    answer = calls.get(f"{shared_service.url}/v1/runs/ax-ds/requests/r0/routes",
                        params={"format": "npy", "layer_axis": "model"})
     assert answer.headers["x-route-layer-axis"] == "model"
 
-    doc = httpx.get(f"{shared_service.url}/v1/runs/ax-ds/requests/r0/routes",
+    doc = calls.get(f"{shared_service.url}/v1/runs/ax-ds/requests/r0/routes",
                     params={"format": "json", "layer_axis": "model", "end": 3}).json()
     RouteJson.model_validate(doc)
     assert doc["layer_axis"] == "model" and doc["layers"] == list(range(8)) and doc["num_hidden_layers"] == 8
@@ -78,7 +78,7 @@ def test_model_axis_reads_are_vllms_routed_experts_byte_for_byte(client, shared_
     for axis, want in (("model", engine), ("moe", engine[:, 3:])):
         (got,) = client.get_routes("ax-ds", ["r0"], layer_axis=axis)
         assert got.layer_axis == axis and got.experts.tobytes() == np.ascontiguousarray(want).astype(np.uint8).tobytes()
-    bad = httpx.get(f"{shared_service.url}/v1/runs/ax-ds/requests/r0/routes", params={"layer_axis": "dense"})
+    bad = calls.get(f"{shared_service.url}/v1/runs/ax-ds/requests/r0/routes", params={"layer_axis": "dense"})
     assert bad.status_code == 422
 
 
@@ -103,19 +103,19 @@ def test_a_top1_layer_that_always_chose_expert_0_is_never_dropped(client, shared
     ex[:, 2] = 0  # MoE layer 2: top-1, expert 0 for every token (a router with one hot expert)
     url = f"{shared_service.url}/v1/runs/ax-top1/requests/t0/routes"
     # A new run without a list: which of the layers are MoE layers is ambiguous, so it is refused, not guessed.
-    refused = httpx.post(url, content=npy(ex), params={"num_experts": 8}, headers={"content-type": NPY_MEDIA_TYPE})
+    refused = calls.post(url, content=npy(ex), params={"num_experts": 8}, headers={"content-type": NPY_MEDIA_TYPE})
     assert refused.status_code == 422 and "layers [2] of the array are all zero" in refused.json()["detail"]
     assert "pass moe_layers" in refused.json()["detail"]
-    assert httpx.get(f"{shared_service.url}/v1/runs/ax-top1").status_code == 404  # nothing stored
+    assert calls.get(f"{shared_service.url}/v1/runs/ax-top1").status_code == 404  # nothing stored
     # With the list, every layer is kept.
-    stored = httpx.post(url, content=npy(ex), params={"num_experts": 8, "moe_layers": "0,1,2,3"},
+    stored = calls.post(url, content=npy(ex), params={"num_experts": 8, "moe_layers": "0,1,2,3"},
                         headers={"content-type": NPY_MEDIA_TYPE})
     assert stored.status_code == 200, stored.text
     assert client.get_route("ax-top1", "t0").experts.tolist() == ex.tolist()
     # The run now knows its layers: a later upload on the MoE axis with a zero layer needs no list (was a 409).
     ex2 = routes(rng, 12, shape).astype(np.int32)
     ex2[:, 2] = 0
-    again = httpx.post(f"{shared_service.url}/v1/runs/ax-top1/requests/t1/routes", content=npy(ex2),
+    again = calls.post(f"{shared_service.url}/v1/runs/ax-top1/requests/t1/routes", content=npy(ex2),
                        headers={"content-type": NPY_MEDIA_TYPE})
     assert again.status_code == 200, again.text
     assert client.get_route("ax-top1", "t1").experts.tolist() == ex2.tolist()

@@ -20,7 +20,7 @@ from capture.sender import RouteSender, SenderConfig
 from replay_client.client import ReplayClient
 from replay_format import ARROW_STREAM_MEDIA_TYPE
 from tests.support.data import QWEN3_SHAPE, batch_bytes, routes
-from tests.support.service import ServiceProcess, read_answers, served_in_thread
+from tests.support.service import ServiceProcess, calls, read_answers, served_in_thread
 
 ARROW = {"content-type": ARROW_STREAM_MEDIA_TYPE}
 NPY = {"content-type": "application/x-npy"}
@@ -32,8 +32,8 @@ def stored(shared_service):
     """The shared service with run `limits`: request `r` of 11 tokens (10 rows), finished."""
     rng = np.random.default_rng(13)
     body = batch_bytes("limits", "w", 0, ["r"] * 10, np.arange(10), routes(rng, 10))
-    assert httpx.post(f"{shared_service.url}/v1/ingest", content=body, headers=ARROW).status_code == 200
-    assert httpx.post(f"{shared_service.url}/v1/runs/limits/requests/r/finish", json={"num_tokens": 11}).is_success
+    assert calls.post(f"{shared_service.url}/v1/ingest", content=body, headers=ARROW).status_code == 200
+    assert calls.post(f"{shared_service.url}/v1/runs/limits/requests/r/finish", json={"num_tokens": 11}).is_success
     return shared_service
 
 
@@ -52,14 +52,14 @@ TOO_LARGE = [
 def test_allocations_are_refused_before_anything_is_allocated(stored, kind, fields, words):
     for run in ("limits", "no-such-run"):  # refused before the store is read: an unknown run is still a 413
         started = time.perf_counter()
-        answer = httpx.post(f"{stored.url}/v1/trainer/{kind}",
+        answer = calls.post(f"{stored.url}/v1/trainer/{kind}",
                             json={"sequences": [{"run": run, "request": "r"}], **fields})
         elapsed_ms = (time.perf_counter() - started) * 1e3
         assert answer.status_code == 413, answer.text
         assert answer.headers["content-type"] == "application/json"
         assert words in answer.json()["detail"] and "REPLAY_MAX_LAYOUT_TOKENS" in answer.json()["detail"]
         print(f"{kind} {fields} refused in {elapsed_ms:.1f} ms")  # measured, reported, not asserted
-    assert httpx.get(f"{stored.url}/healthz").status_code == 200
+    assert calls.get(f"{stored.url}/healthz").status_code == 200
 
 
 def _npy(shape) -> bytes:
@@ -111,12 +111,12 @@ WERE_500 = {
 @pytest.mark.parametrize("name", sorted(WERE_500))
 def test_inputs_that_were_500s_are_json_4xx(stored, name):
     path, body, headers, params, status, words = WERE_500[name]
-    answer = httpx.post(stored.url + path, content=body, headers=headers, params=params, timeout=30)
+    answer = calls.post(stored.url + path, content=body, headers=headers, params=params, timeout=30)
     assert answer.status_code == status, answer.text
     assert answer.headers["content-type"] == "application/json"
     assert words in answer.json()["detail"]
     for run in ("deep", "empty-layers", "empty-npy", "empty-json"):  # a refused upload leaves no (empty) run
-        assert httpx.get(f"{stored.url}/v1/runs/{run}").status_code == 404
+        assert calls.get(f"{stored.url}/v1/runs/{run}").status_code == 404
 
 
 def _exchange(sock: socket.socket, request: bytes) -> bytes:
@@ -228,9 +228,9 @@ def test_a_full_disk_is_a_507_and_recovers(tmp_path):
             rng = np.random.default_rng(3)
             bodies = [batch_bytes("full", "w", seq, ["r"] * 512, np.arange(512) + 512 * seq, routes(rng, 512))
                       for seq in range(3)]
-            assert httpx.post(f"{service.url}/v1/ingest", content=bodies[0], headers=ARROW).status_code == 200
+            assert calls.post(f"{service.url}/v1/ingest", content=bodies[0], headers=ARROW).status_code == 200
             _fill(mount / "filler")
-            answer = httpx.post(f"{service.url}/v1/ingest", content=bodies[1], headers=ARROW)
+            answer = calls.post(f"{service.url}/v1/ingest", content=bodies[1], headers=ARROW)
             assert answer.status_code == 507, answer.text
             assert "disk is full" in answer.json()["detail"]
             assert not list((mount / "data").rglob("*.tmp")), "a refused write left its .tmp file"
@@ -244,7 +244,7 @@ def test_a_full_disk_is_a_507_and_recovers(tmp_path):
             assert sender.stats.retried >= 1 and sender.stats.refused == 0
 
             (mount / "filler").unlink()  # space returns
-            assert httpx.post(f"{service.url}/v1/ingest", content=bodies[1], headers=ARROW).status_code == 200
+            assert calls.post(f"{service.url}/v1/ingest", content=bodies[1], headers=ARROW).status_code == 200
             assert sender.close(30)
             assert sender.stats.refused == 0
             assert ReplayClient(service.url).run("full")["rows"] == 1024

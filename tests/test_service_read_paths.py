@@ -11,7 +11,6 @@ import socket
 import threading
 import time
 
-import httpx
 import numpy as np
 import pytest
 import uvicorn
@@ -26,7 +25,7 @@ from replay_service.app import open_store
 from replay_service.ops.connections import PROTOCOL, BoundedH11Protocol, BoundedHttpToolsProtocol
 from replay_service.settings import ServiceSettings
 from tests.support.data import QWEN3_SHAPE, routes, store_requests
-from tests.support.service import free_port
+from tests.support.service import calls, free_port
 
 RUN = "read-paths"
 LENGTHS = {"a": 300, "b": 17, "c": 1025}
@@ -92,7 +91,7 @@ def stored(shared_service):
 def test_the_batch_read_has_a_length_and_every_byte(stored):
     service, sent = stored
     names = ["c", "a", "b", "a"]
-    answer = httpx.post(f"{service.url}/v1/runs/{RUN}/routes/batch", json={"requests": names}, timeout=30)
+    answer = calls.post(f"{service.url}/v1/runs/{RUN}/routes/batch", json={"requests": names}, timeout=30)
     assert answer.status_code == 200
     assert answer.headers.get("content-length") == str(len(answer.content))  # built whole, not streamed
     with ReplayClient(service.url) as client:
@@ -107,7 +106,7 @@ def test_the_trainer_slice_has_a_length_and_every_byte(stored):
     service, sent = stored
     with ReplayClient(service.url) as client:
         batch = client.megatron_batch([(RUN, "a"), (RUN, "c")], packing="thd")
-    answer = httpx.post(f"{service.url}/v1/trainer/megatron", timeout=30,
+    answer = calls.post(f"{service.url}/v1/trainer/megatron", timeout=30,
                         json={"sequences": [{"run": RUN, "request": "a"}, {"run": RUN, "request": "c"}]})
     assert answer.status_code == 200 and answer.headers["content-length"] == str(len(answer.content))
     valid = batch.valid.astype(bool)

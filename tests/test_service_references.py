@@ -22,7 +22,7 @@ from replay_service.app import open_store
 from replay_service.settings import ServiceSettings
 from replay_service.store.index import SCHEMA_VERSION
 from tests.support.data import batch_bytes, routes
-from tests.support.service import ServiceProcess
+from tests.support.service import ServiceProcess, calls
 
 # 8 MoE layers x top-4 of 64: enough entropy that the STALE content check runs, as on a real model.
 SHAPE = RunShape(num_moe_layers=8, top_k=4, num_experts=64)
@@ -52,7 +52,7 @@ class Run:
         body = {"references": [{"request_id": r, "start": a, "end": b, "source_request_id": s}
                                for r, a, b, s in references]}
         # 120 s: 10,000 references on PostgreSQL took more than 30 s once on a loaded machine
-        return httpx.post(f"{self.url}/v1/runs/{self.run}/references", json=body, timeout=120)
+        return calls.post(f"{self.url}/v1/runs/{self.run}/references", json=body, timeout=120)
 
     def resolved(self, *references: tuple[str, int, int, str]) -> dict:
         answer = self.refs(*references)
@@ -330,7 +330,7 @@ def test_a_group_of_samples_stores_the_prompt_once(url):
 def test_bad_references_are_422_naming_the_problem_and_store_nothing(url, reference, problem):
     run = Run(url, "ref-bad", 15)
     run.rows("s", [0], run.new_routes(1))
-    answer = httpx.post(f"{url}/v1/runs/{run.run}/references", json={"references": [reference]})
+    answer = calls.post(f"{url}/v1/runs/{run.run}/references", json={"references": [reference]})
     assert answer.status_code == 422 and problem in answer.json()["detail"], answer.text
     assert run.client.run(run.run)["references"] == 0
 
@@ -342,11 +342,11 @@ def test_too_many_references_unknown_runs_and_bad_run_ids(url):
     answer = run.refs(*many)
     assert answer.status_code == 422 and "at most 10000" in answer.json()["detail"]
     assert run.refs(*many[:10_000]).json() == {"received": 10_000, "new": 10_000, "rows_resolved": 1}
-    missing = httpx.post(f"{url}/v1/runs/no-such-run/references", json={"references": []})
+    missing = calls.post(f"{url}/v1/runs/no-such-run/references", json={"references": []})
     assert missing.status_code == 404 and "no-such-run" in missing.json()["detail"]
-    bad = httpx.post(f"{url}/v1/runs/.bad/references", json={"references": []})
+    bad = calls.post(f"{url}/v1/runs/.bad/references", json={"references": []})
     assert bad.status_code == 422 and "run id" in bad.json()["detail"]
-    body = httpx.post(f"{url}/v1/runs/{run.run}/references", json={"refs": []})
+    body = calls.post(f"{url}/v1/runs/{run.run}/references", json={"refs": []})
     assert body.status_code == 422 and "references" in body.json()["detail"]
 
 

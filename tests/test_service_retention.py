@@ -26,7 +26,7 @@ from replay_client.client import ReplayClient
 from replay_format import RunShape
 from replay_service.ingest.decode import decode_batch
 from tests.support.data import batch_bytes, routes
-from tests.support.service import ServiceProcess
+from tests.support.service import ServiceProcess, calls
 
 SHAPE = RunShape(num_moe_layers=4, top_k=2, num_experts=16)
 
@@ -51,7 +51,7 @@ def _store(url: str, run: str, requests: int = 4, rows: int = 32, seq: int = 0, 
 
 
 def _runs(url: str) -> dict[str, dict]:
-    return {r["run_id"]: r for r in httpx.get(f"{url}/v1/runs", timeout=30).json()["runs"]}
+    return {r["run_id"]: r for r in calls.get(f"{url}/v1/runs", timeout=30).json()["runs"]}
 
 
 def test_delete_frees_rows_and_files(shared_service):
@@ -63,33 +63,33 @@ def test_delete_frees_rows_and_files(shared_service):
     folder = shared_service.data_dir / "runs" / run
     assert folder.exists()
 
-    answer = httpx.delete(f"{url}/v1/runs/{run}", timeout=30)
+    answer = calls.delete(f"{url}/v1/runs/{run}", timeout=30)
     assert answer.status_code == 200, answer.text
     body = answer.json()
     assert body["run_id"] == run and body["rows"] >= 1 + 4 + 1 and body["bytes"] >= listed["bytes"]
     assert not folder.exists()
-    assert httpx.get(f"{url}/v1/runs/{run}", timeout=30).status_code == 404
-    assert httpx.get(f"{url}/v1/runs/{run}/requests/r0/routes?format=npy", timeout=30).status_code == 404
-    again = httpx.delete(f"{url}/v1/runs/{run}", timeout=30)
+    assert calls.get(f"{url}/v1/runs/{run}", timeout=30).status_code == 404
+    assert calls.get(f"{url}/v1/runs/{run}/requests/r0/routes?format=npy", timeout=30).status_code == 404
+    again = calls.delete(f"{url}/v1/runs/{run}", timeout=30)
     assert again.status_code == 404 and "detail" in again.json()
     assert run not in _runs(url) and other in _runs(url)
-    got = np.load(io.BytesIO(httpx.get(f"{url}/v1/runs/{other}/requests/r1/routes?format=npy", timeout=30).content))
+    got = np.load(io.BytesIO(calls.get(f"{url}/v1/runs/{other}/requests/r1/routes?format=npy", timeout=30).content))
     assert np.array_equal(got, kept["r1"])
 
     fresh = _store(url, run, requests=1, rows=5, seed=3)  # seq 0 again: a fresh run, not a duplicate
-    summary = httpx.get(f"{url}/v1/runs/{run}", timeout=30).json()
+    summary = calls.get(f"{url}/v1/runs/{run}", timeout=30).json()
     assert summary["requests"] == 1 and summary["rows"] == 5
-    got = np.load(io.BytesIO(httpx.get(f"{url}/v1/runs/{run}/requests/r0/routes?format=npy", timeout=30).content))
+    got = np.load(io.BytesIO(calls.get(f"{url}/v1/runs/{run}/requests/r0/routes?format=npy", timeout=30).content))
     assert np.array_equal(got, fresh["r0"])
 
 
 def test_pin(shared_service):
     url, run = shared_service.url, f"pin-{uuid.uuid4().hex[:6]}"
     _store(url, run, requests=1, rows=3)
-    assert httpx.put(f"{url}/v1/runs/{run}/pin", timeout=30).json()["pinned"] is True
+    assert calls.put(f"{url}/v1/runs/{run}/pin", timeout=30).json()["pinned"] is True
     assert _runs(url)[run]["pinned"] is True
-    assert httpx.delete(f"{url}/v1/runs/{run}/pin", timeout=30).json()["pinned"] is False
-    assert httpx.put(f"{url}/v1/runs/nope-{uuid.uuid4().hex[:6]}/pin", timeout=30).status_code == 404
+    assert calls.delete(f"{url}/v1/runs/{run}/pin", timeout=30).json()["pinned"] is False
+    assert calls.put(f"{url}/v1/runs/nope-{uuid.uuid4().hex[:6]}/pin", timeout=30).status_code == 404
 
 
 def test_delete_while_reading_and_writing(shared_service):
@@ -130,13 +130,13 @@ def test_delete_while_reading_and_writing(shared_service):
         for t in threads:
             t.start()
         time.sleep(0.2)
-        assert httpx.delete(f"{url}/v1/runs/{run}", timeout=30).status_code == 200
+        assert calls.delete(f"{url}/v1/runs/{run}", timeout=30).status_code == 200
         time.sleep(0.1)
         stop.set()
         for t in threads:
             t.join()
         stop.clear()
-        httpx.delete(f"{url}/v1/runs/{run}", timeout=30)  # a batch written after the delete made a fresh run
+        calls.delete(f"{url}/v1/runs/{run}", timeout=30)  # a batch written after the delete made a fresh run
 
     reads, ingests = answers["read"], answers["ingest"]
     assert reads and ingests
@@ -223,7 +223,7 @@ def test_retention_cap_and_gc(tmp_path):
     env = {"REPLAY_RETENTION_MAX_BYTES": str(int(size * 2.5)), "REPLAY_RETENTION_INTERVAL_S": "0.1"}
     with ServiceProcess(tmp_path / "data2", env=env) as service:
         _store(service.url, "r1")
-        assert httpx.put(f"{service.url}/v1/runs/r1/pin", timeout=30).status_code == 200
+        assert calls.put(f"{service.url}/v1/runs/r1/pin", timeout=30).status_code == 200
         _store(service.url, "r2")
         _store(service.url, "r3")
         deadline = time.monotonic() + 30
@@ -257,7 +257,7 @@ def test_export_parquet(shared_service, tmp_path):
     assert table.num_rows == len(frame) == 3 * 20 + 3
     assert frame.equals(table.to_pandas())
     for rid in [*full, "gappy"]:
-        api = httpx.get(f"{url}/v1/runs/{run}/requests/{rid}/routes?format=json", timeout=30).json()
+        api = calls.get(f"{url}/v1/runs/{run}/requests/{rid}/routes?format=json", timeout=30).json()
         rows = frame[frame["request"] == rid]
         assert rows["position"].tolist() == [r["position"] for r in api["rows"]]
         assert [bool(f) for f in rows["flags"]] == [bool(r["flags"]) for r in api["rows"]]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import base64
 import io
+import ssl
 
-import httpx
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -14,6 +14,7 @@ from replay_client.client import ReplayClient, ReplayError
 from replay_format import NO_TOKEN, RunShape
 from replay_service.api.models import RouteJson
 from tests.support.data import QWEN3_SHAPE, batch_bytes, routes
+from tests.support.service import calls
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def test_npy_and_json_round_trip(stored, shared_service):
     array = client.get_route_npy("rt", "req-b", strict=True)
     assert array.shape == (41, 48, 8) and array.dtype == np.uint8
     assert array.tobytes() == full["req-b"].tobytes()
-    doc = httpx.get(f"{shared_service.url}/v1/runs/rt/requests/req-a/routes",
+    doc = calls.get(f"{shared_service.url}/v1/runs/rt/requests/req-a/routes",
                     params={"start": 10, "end": 20}, headers={"accept": "application/json"}).json()
     assert [r["position"] for r in doc["rows"]] == list(range(10, 20))
     assert np.array(doc["rows"][0]["experts"], np.uint8).tobytes() == full["req-a"][10].tobytes()
@@ -145,7 +146,7 @@ def test_sglang_base64_upload(shared_service):
 
 
 def test_arrow_stream_body_is_the_documented_schema(stored, shared_service):
-    body = httpx.get(f"{shared_service.url}/v1/runs/rt/requests/req-b/routes").content
+    body = calls.get(f"{shared_service.url}/v1/runs/rt/requests/req-b/routes").content
     table = pa.ipc.open_stream(io.BytesIO(body)).read_all()
     assert table.schema.field("experts").type == pa.list_(pa.uint8(), 48 * 8)
     assert table.schema.field("request_id").type == pa.dictionary(pa.int32(), pa.utf8())
@@ -175,10 +176,10 @@ def test_unknown_token_ids_are_null_on_the_wire_and_no_token_in_memory(shared_se
     for route in (client.get_route("tok", "t0"), client.get_routes("tok", ["t0"])[0]):
         assert route.token_ids.dtype == np.int32 and route.token_ids.tolist() == tokens.tolist()
     assert client.get_route("tok", "t1").token_ids.tolist() == [NO_TOKEN] * 3
-    doc = httpx.get(f"{shared_service.url}/v1/runs/tok/requests/t0/routes", params={"format": "json"}).json()
+    doc = calls.get(f"{shared_service.url}/v1/runs/tok/requests/t0/routes", params={"format": "json"}).json()
     RouteJson.model_validate(doc)
     assert [r["token_id"] for r in doc["rows"]] == [5, None, 7, None, 9]
-    body = httpx.get(f"{shared_service.url}/v1/runs/tok/requests/t0/routes").content
+    body = calls.get(f"{shared_service.url}/v1/runs/tok/requests/t0/routes").content
     assert pa.ipc.open_stream(io.BytesIO(body)).read_all().column("token_id").to_pylist() == [5, None, 7, None, 9]
 
 
@@ -190,3 +191,17 @@ def test_the_client_needs_only_numpy_pyarrow_and_httpx():
     code = ("import sys, replay_client; bad = [m for m in ('replay_service', 'fastapi', 'torch', 'sqlite3')"
             " if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_clients_read_the_ca_bundle_once_per_process():
+    """Every ReplayClient verifies TLS with one context made once: httpx made a new one per client, reading the CA
+    bundle each time (~55 ms, for plain-http URLs too), which a script opening a client per call paid on every call.
+    """
+    clients = [ReplayClient(url) for url in ("http://127.0.0.1:1", "https://127.0.0.1:2", "http://127.0.0.1:3")]
+    try:
+        contexts = [client._transport.http._transport._pool._ssl_context for client in clients]
+        assert all(context is contexts[0] for context in contexts)
+        assert contexts[0].verify_mode == ssl.CERT_REQUIRED and contexts[0].check_hostname  # still verifies
+    finally:
+        for client in clients:
+            client.close()

@@ -18,6 +18,7 @@ from replay_client import ReplayClient
 from replay_client.client import npy_view
 from replay_service.api.encode import SMALL_PART, joined_small
 from tests.support.data import batch_bytes, routes
+from tests.support.service import calls
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +50,8 @@ def test_every_get_path_is_byte_equal(stored, shared_service):
         "get_route_npy": client.get_route_npy("readpaths", "a"),
         "get_route, caller's httpx": own.get_route("readpaths", "a").experts,
         "get_route_npy, caller's httpx": own.get_route_npy("readpaths", "a"),
-        "plain httpx .npy": np.load(io.BytesIO(httpx.get(url, params={"format": "npy"}).content)),
-        "plain httpx Arrow": pa.ipc.open_stream(httpx.get(url).content).read_all()
+        "plain httpx .npy": np.load(io.BytesIO(calls.get(url, params={"format": "npy"}).content)),
+        "plain httpx Arrow": pa.ipc.open_stream(calls.get(url).content).read_all()
         .column("experts").combine_chunks().flatten().to_numpy().reshape(expected.shape),
         "a range": np.concatenate([client.get_route_npy("readpaths", "a", end=300),
                                    client.get_route("readpaths", "a", start=300).experts]),

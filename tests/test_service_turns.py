@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import io
 
-import httpx
 import numpy as np
 import pytest
 
@@ -23,6 +22,7 @@ from replay_client.client import ReplayClient, ReplayError
 from replay_format import ARROW_STREAM_MEDIA_TYPE, NPY_MEDIA_TYPE, RunShape
 from replay_format.rows import RowsMeta, build_rows, encode_stream
 from tests.support.data import routes
+from tests.support.service import calls
 
 DEEPSEEK = RunShape(num_moe_layers=5, top_k=8, num_experts=64, moe_layers=(3, 4, 5, 6, 7), num_hidden_layers=8)
 
@@ -84,7 +84,7 @@ def test_one_upload_from_an_offset_lands_at_its_positions(client, shared_service
     start = 17
     body = io.BytesIO()
     np.save(body, full[start:], allow_pickle=False)
-    answer = httpx.post(f"{shared_service.url}/v1/runs/turns-one/requests/r/routes", content=body.getvalue(),
+    answer = calls.post(f"{shared_service.url}/v1/runs/turns-one/requests/r/routes", content=body.getvalue(),
                         params={"start": start, "num_experts": 64, "moe_layers": "3,4,5,6,7"},
                         headers={"content-type": NPY_MEDIA_TYPE})
     assert answer.status_code == 200, answer.text
@@ -125,11 +125,11 @@ def test_arrow_positions_are_absolute(client, shared_service):
     def body(lo: int, hi: int) -> bytes:
         return encode_stream(build_rows(RowsMeta("x", "x", 0, shape), ["a"] * (hi - lo), np.arange(lo, hi), ex[lo:hi]))
 
-    assert httpx.post(url, content=body(0, 5), headers=arrow).status_code == 200
+    assert calls.post(url, content=body(0, 5), headers=arrow).status_code == 200
     assert client.request("turns-a", "a")["num_tokens"] == 6
-    wrong = httpx.post(url, content=body(5, 9), params={"start": 0}, headers=arrow)  # relative positions assumed
+    wrong = calls.post(url, content=body(5, 9), params={"start": 0}, headers=arrow)  # relative positions assumed
     assert wrong.status_code == 422 and "positions are absolute" in wrong.json()["detail"]
-    assert httpx.post(url, content=body(5, 9), params={"start": 5}, headers=arrow).status_code == 200
+    assert calls.post(url, content=body(5, 9), params={"start": 5}, headers=arrow).status_code == 200
     assert client.request("turns-a", "a")["num_tokens"] == 10
     assert client.get_route("turns-a", "a", strict=True).experts.tobytes() == ex.tobytes()
 
@@ -152,11 +152,11 @@ def test_uploads_that_would_misplace_rows_are_refused_and_store_nothing(client, 
     url = f"{shared_service.url}/v1/runs/turns-bad/requests/r/routes"
     doc = {"routed_experts": base64.b64encode(np.ascontiguousarray(full[s2 : t2 - 1])).decode(), "num_layers": 8,
            "top_k": 8, "routed_experts_start_len": s2}
-    disagree = httpx.post(url, json=doc, params={"start": s2 + 1})
+    disagree = calls.post(url, json=doc, params={"start": s2 + 1})
     assert disagree.status_code == 422 and "routed_experts_start_len" in disagree.json()["detail"]
-    bad_tokens = httpx.post(url, json={**doc, "token_ids": tokens[: s2 + 2].tolist()})
+    bad_tokens = calls.post(url, json={**doc, "token_ids": tokens[: s2 + 2].tolist()})
     assert bad_tokens.status_code == 422 and "token_ids has" in bad_tokens.json()["detail"]
-    assert httpx.post(url, json=doc).status_code == 200
+    assert calls.post(url, json=doc).status_code == 200
     assert client.request("turns-bad", "r")["num_tokens"] == t2
     # An aborted request is not finished or extended by an upload.
     client.finish("turns-bad", "ab", 5, status="aborted")

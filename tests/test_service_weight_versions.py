@@ -35,7 +35,7 @@ from replay_service.ingest.segment import object_image
 from replay_service.store.integrity import seal
 from replay_service.store.ranges import BufferOffsets, read_rows
 from tests.support.data import QWEN3_SHAPE, routes
-from tests.support.service import ServiceProcess
+from tests.support.service import ServiceProcess, calls
 
 ARROW = {"content-type": ARROW_STREAM_MEDIA_TYPE}
 SMALL = RunShape(num_moe_layers=4, top_k=2, num_experts=8)
@@ -49,7 +49,7 @@ def body(run, writer, seq, request_ids, positions, experts, versions, shape=QWEN
 
 
 def raw(service, run, request, **params) -> httpx.Response:
-    answer = httpx.get(f"{service.url}/v1/runs/{run}/requests/{request}/routes", params=params, timeout=30)
+    answer = calls.get(f"{service.url}/v1/runs/{run}/requests/{request}/routes", params=params, timeout=30)
     answer.raise_for_status()
     return answer
 
@@ -208,7 +208,7 @@ def test_a_mirrored_prefix_under_another_version_is_a_recompute(shared_service):
     src, own = routes(rng, 8), routes(rng, 8)
     client.ingest(body(run, "w", 0, ["src"] * 8 + ["r"] * 8, np.r_[0:8, 0:8], np.concatenate([src, own]),
                        ["old"] * 8 + ["new"] * 8))
-    answer = httpx.post(f"{shared_service.url}/v1/runs/{run}/references", json={"references": [
+    answer = calls.post(f"{shared_service.url}/v1/runs/{run}/references", json={"references": [
         {"request_id": "r", "start": 0, "end": 4, "source_request_id": "src"}]}, timeout=30)
     assert answer.status_code == 200, answer.text
     summary = client.request(run, "r")
@@ -226,7 +226,7 @@ def npy(array: np.ndarray) -> bytes:
 
 
 def upload(service, run, request, content, content_type, **params) -> httpx.Response:
-    return httpx.post(f"{service.url}/v1/runs/{run}/requests/{request}/routes", content=content,
+    return calls.post(f"{service.url}/v1/runs/{run}/requests/{request}/routes", content=content,
                       headers={"content-type": content_type}, params=params, timeout=30)
 
 
@@ -259,12 +259,12 @@ def test_sglang_spans_and_one_version_for_every_row(shared_service):
     doc = {"routed_experts": base64.b64encode(ids.tobytes()).decode(), "num_layers": 4, "top_k": 2,
            "num_experts": 8,  # 9 rows (T = 10) and 7 output tokens: a prompt of 3, output token j at row 2+j
            "weight_versions": [{"version": "a", "start": 0, "end": 2}, {"version": "b", "start": 2, "end": 7}]}
-    answer = httpx.post(f"{shared_service.url}/v1/runs/{run}/requests/r/routes", json=doc, timeout=30)
+    answer = calls.post(f"{shared_service.url}/v1/runs/{run}/requests/r/routes", json=doc, timeout=30)
     assert answer.status_code == 200, answer.text
     assert client.get_route(run, "r").versions() == ["a"] * 4 + ["b"] * 5
     doc = {"routed_experts": doc["routed_experts"], "num_layers": 4, "top_k": 2, "num_experts": 8,
            "weight_version": "7"}  # SGLang's meta_info["weight_version"]: one version for the whole request
-    answer = httpx.post(f"{shared_service.url}/v1/runs/{run}/requests/s/routes", json=doc, timeout=30)
+    answer = calls.post(f"{shared_service.url}/v1/runs/{run}/requests/s/routes", json=doc, timeout=30)
     assert answer.status_code == 200, answer.text
     assert client.get_route(run, "s").versions() == ["7"] * 9
 
@@ -306,7 +306,7 @@ def test_bad_spans_and_labels_are_a_422_naming_them_and_store_nothing(shared_ser
     answer = upload(shared_service, run, "r", npy(ex), NPY_MEDIA_TYPE, num_experts=8, prompt_tokens=5,
                     weight_versions=json.dumps(spans))
     assert answer.status_code == 422 and named in answer.json()["detail"], answer.text
-    assert httpx.get(f"{shared_service.url}/v1/runs/{run}/requests/r", timeout=30).status_code == 404
+    assert calls.get(f"{shared_service.url}/v1/runs/{run}/requests/r", timeout=30).status_code == 404
 
 
 def test_bad_labels_in_a_batch_and_in_a_read_are_4xx_naming_them(shared_service):
@@ -317,14 +317,14 @@ def test_bad_labels_in_a_batch_and_in_a_read_are_4xx_naming_them(shared_service)
     bad = pa.DictionaryArray.from_arrays(pa.array([0, 0], pa.int16()), pa.array(["no spaces allowed"]))
     batch = pa.RecordBatch.from_arrays([*batch.columns, bad], schema=batch.schema.append(
         pa.field("weight_version", bad.type)))
-    answer = httpx.post(f"{shared_service.url}/v1/ingest", content=encode_stream(batch), headers=ARROW, timeout=30)
+    answer = calls.post(f"{shared_service.url}/v1/ingest", content=encode_stream(batch), headers=ARROW, timeout=30)
     assert answer.status_code == 422 and "'no spaces allowed' is not a valid label" in answer.json()["detail"]
-    assert httpx.get(f"{shared_service.url}/v1/runs/{run}", timeout=30).status_code == 404
+    assert calls.get(f"{shared_service.url}/v1/runs/{run}", timeout=30).status_code == 404
     ReplayClient(shared_service.url).ingest(body(run, "w", 1, ["r"] * 2, np.arange(2), ex, ["ok"] * 2))
-    answer = httpx.get(f"{shared_service.url}/v1/runs/{run}/requests/r/routes",
+    answer = calls.get(f"{shared_service.url}/v1/runs/{run}/requests/r/routes",
                        params={"weight_version": "a b"}, timeout=30)
     assert answer.status_code == 422 and "'a b' is not a valid label" in answer.json()["detail"]
-    answer = httpx.get(f"{shared_service.url}/v1/runs/{run}/requests/r/routes", params={"recompute": "newest"},
+    answer = calls.get(f"{shared_service.url}/v1/runs/{run}/requests/r/routes", params={"recompute": "newest"},
                        timeout=30)
     assert answer.status_code == 422 and "recompute" in answer.text
 

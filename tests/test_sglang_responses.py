@@ -25,13 +25,13 @@ from __future__ import annotations
 import base64
 import zlib
 
-import httpx
 import numpy as np
 import pytest
 
 from replay_client.client import ReplayClient, ReplayError
 from replay_format import RunShape
 from tests.support.data import routes
+from tests.support.service import calls
 
 SMALL = RunShape(num_moe_layers=5, top_k=4, num_experts=64, moe_layers=(3, 4, 5, 6, 7), num_hidden_layers=8)
 WIDE = RunShape(num_moe_layers=5, top_k=4, num_experts=300, moe_layers=(3, 4, 5, 6, 7), num_hidden_layers=8)
@@ -200,10 +200,10 @@ def test_refusals_name_the_item_and_store_nothing(client, shared_service):
     rng = np.random.default_rng(11)
     for index, (name, body, query, status, text) in enumerate(_refusals(rng)):
         run = f"sgr-refused-{index}"
-        r = httpx.post(f"{shared_service.url}/v1/runs/{run}/responses/sglang", json=body, params=query)
+        r = calls.post(f"{shared_service.url}/v1/runs/{run}/responses/sglang", json=body, params=query)
         assert r.status_code == status, (name, r.text)
         assert text in r.json()["detail"], (name, r.json()["detail"])
-        assert httpx.get(f"{shared_service.url}/v1/runs/{run}").status_code == 404, name  # no run: nothing stored
+        assert calls.get(f"{shared_service.url}/v1/runs/{run}").status_code == 404, name  # no run: nothing stored
     # On a run that exists, a refused answer leaves its requests as they were.
     good = [generate_item(f"k{i}", *request_of(rng, SMALL, 6, 5), sglang_dtype="uint8") for i in range(2)]
     client.upload_sglang_response("sgr-refused-run", good[:1], top_k=4, num_experts=64, moe_layers=SMALL.moe_layers)
@@ -212,7 +212,7 @@ def test_refusals_name_the_item_and_store_nothing(client, shared_service):
         client.upload_sglang_response("sgr-refused-run", [good[1] | {"meta_info": {**good[1]["meta_info"],
                                                                                   "id": "k9"}}, broken])
     assert refused.value.status == 422
-    listed = httpx.get(f"{shared_service.url}/v1/runs/sgr-refused-run/requests").json()
+    listed = calls.get(f"{shared_service.url}/v1/runs/sgr-refused-run/requests").json()
     assert [r["request_id"] for r in listed["items"]] == ["k0"]
 
 

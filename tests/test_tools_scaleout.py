@@ -19,7 +19,6 @@ import os
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -35,7 +34,7 @@ from replay_service.store.files import QUARANTINE_DIR
 from replay_service.store.journal import JOURNAL_DIR, JOURNAL_NAME
 from replay_service.store.segment_store import S3Segments
 from tests.support.data import QWEN3_SHAPE, batch_bytes, routes, two_halves
-from tests.support.service import ServiceProcess
+from tests.support.service import ServiceProcess, calls
 
 RUN = "tools"
 LENGTHS = {"req-a": 300, "req-b": 41, "req-c": 120}
@@ -49,7 +48,7 @@ def _bodies() -> tuple[list[bytes], dict[str, np.ndarray]]:
 def _snapshot(url: str, run: str) -> dict:
     """Everything a reader sees of a run: its summary, its request listing, each request's summary and rows."""
     client = ReplayClient(url)
-    listing = httpx.get(f"{url}/v1/runs/{run}/requests", params={"limit": 100}, timeout=30).json()
+    listing = calls.get(f"{url}/v1/runs/{run}/requests", params={"limit": 100}, timeout=30).json()
     seen = {"run": client.run(run), "listing": listing, "load": client.expert_load(run)}
     for item in listing["items"]:
         rid = item["request_id"]
@@ -99,7 +98,7 @@ def shared(postgres, moto_s3, tmp_path_factory):
         assert cb.ingest(bodies[1])["stored"]
         cb.finish(RUN, "req-a", LENGTHS["req-a"] + 1)  # told only to B
         ca.finish(RUN, "req-b", LENGTHS["req-b"] + 3, status="aborted")  # told only to A: GAP rows at its end
-        refs = httpx.post(f"{b.url}/v1/runs/{RUN}/references", timeout=30, json={"references": [
+        refs = calls.post(f"{b.url}/v1/runs/{RUN}/references", timeout=30, json={"references": [
             {"request_id": "req-d", "start": 0, "end": 10, "source_request_id": "req-a"}]})
         assert refs.status_code == 200, refs.text
         setup.replicas = (a, b)
@@ -193,7 +192,7 @@ def test_deleting_a_run_deletes_its_journal_objects(shared):
     assert client.ingest(body)["stored"]
     client.finish("gone", "r", 9)
     assert shared.store().other_objects(f"gone/{JOURNAL_DIR}", ".jsonl")
-    assert httpx.delete(f"{url}/v1/runs/gone", timeout=30).status_code == 200
+    assert calls.delete(f"{url}/v1/runs/gone", timeout=30).status_code == 200
     assert shared.store().other_objects("gone", "") == []  # segments and journal alike
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 
-import httpx
 import numpy as np
 import pytest
 
@@ -22,6 +21,7 @@ from replay_format.rows import RowsMeta, build_rows, encode_stream
 from replay_format.trajectory import TrajectoryInfo, TurnSpan
 from replay_format.weight_versions import RecomputeRule, WeightVersions
 from tests.support.data import routes
+from tests.support.service import calls
 
 SHAPE = RunShape(num_moe_layers=3, top_k=2, num_experts=16, moe_layers=(1, 2, 3), num_hidden_layers=4)
 L, K = SHAPE.num_moe_layers, SHAPE.top_k
@@ -172,20 +172,20 @@ def test_a_position_no_turn_holds_is_a_gap_row_and_strict_refuses_it(client):
 def test_json_and_npy_answers_say_which_turn_each_row_came_from(client, shared_service):
     turns, _ = conversation(client, "traj-formats", [5, 9], seed=6, recompute=False)
     url = f"{shared_service.url}/v1/runs/traj-formats/routes/trajectory"
-    doc = httpx.post(url, json={"turns": ["turn-0", "turn-1"], "format": "json", "layer_axis": "model"}).json()
+    doc = calls.post(url, json={"turns": ["turn-0", "turn-1"], "format": "json", "layer_axis": "model"}).json()
     assert doc["request_id"] == "turn-1" and doc["turns"] == ["turn-0", "turn-1"] and doc["recompute"] == "first"
     assert doc["spans"] == [{"turn": 0, "request_id": "turn-0", "start": 0, "end": 4},
                             {"turn": 1, "request_id": "turn-1", "start": 4, "end": 8}]
     assert [r["turn"] for r in doc["rows"]] == [0] * 4 + [1] * 4 and doc["differing"] == 0
     assert doc["rows"][4]["experts"] == SHAPE.to_model_axis(turns[1][4:5])[0].tolist()
-    npy = httpx.post(url, json={"turns": ["turn-0", "turn-1"], "format": "npy", "recompute": "latest"})
+    npy = calls.post(url, json={"turns": ["turn-0", "turn-1"], "format": "npy", "recompute": "latest"})
     assert npy.status_code == 200 and npy.headers["x-replay-recompute"] == "latest"
     assert npy.headers["x-trajectory-spans"] == '[{"turn":1,"request_id":"turn-1","start":0,"end":8}]'
     body = np.load(io.BytesIO(npy.content))
     assert np.array_equal(body, turns[1])
-    bad = httpx.post(url, json={"turns": ["turn-0"], "recompute": "newest"})
+    bad = calls.post(url, json={"turns": ["turn-0"], "recompute": "newest"})
     assert bad.status_code == 422 and "recompute" in bad.text
-    assert httpx.post(url, json={"turns": ["turn-0"], "rule": "first"}).status_code == 422  # unknown field
+    assert calls.post(url, json={"turns": ["turn-0"], "rule": "first"}).status_code == 422  # unknown field
 
 
 def test_within_a_turn_the_same_rule_picks_among_its_own_computations(client):

@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 
-import httpx
 import numpy as np
 import pytest
 
@@ -39,6 +38,7 @@ from replay_format.step_frame import (
     StepFrame,
     pack,
 )
+from tests.support.service import calls
 
 SHAPE = RunShape(num_moe_layers=4, top_k=8, num_experts=64)
 ROWS_PER_REQUEST = 6
@@ -112,7 +112,7 @@ def test_rows_carry_the_weight_version_of_their_step(service, tmp_path):
     assert handoff.close(30.0) and handoff.proc.returncode == 0
     _assert_routes(service.url, "h-versions", _expected(steps, 2))
     for r in range(2):
-        answer = httpx.get(f"{service.url}/v1/runs/h-versions/requests/user-{r}/routes", params={"format": "json"})
+        answer = calls.get(f"{service.url}/v1/runs/h-versions/requests/user-{r}/routes", params={"format": "json"})
         assert answer.status_code == 200, answer.text
         got = [row.get("weight_version") for row in answer.json()["rows"]]
         assert got == [v for v in versions for _ in range(ROWS_PER_REQUEST)], got

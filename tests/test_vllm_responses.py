@@ -25,13 +25,13 @@ import base64
 import io
 from types import SimpleNamespace
 
-import httpx
 import numpy as np
 import pytest
 
 from replay_client.client import ReplayClient, ReplayError
 from replay_format import RunShape
 from tests.support.data import routes
+from tests.support.service import calls
 
 SHAPE = RunShape(num_moe_layers=3, top_k=2, num_experts=16, moe_layers=(1, 2, 3), num_hidden_layers=4)
 WIDE = RunShape(num_moe_layers=3, top_k=2, num_experts=300, moe_layers=(1, 2, 3), num_hidden_layers=4)
@@ -215,6 +215,6 @@ def test_what_cannot_be_mapped_is_refused_naming_the_choice_and_nothing_is_store
 
 
 def test_the_endpoint_takes_json_only(shared_service):
-    r = httpx.post(f"{shared_service.url}/v1/runs/x/responses/vllm", content=b"\x93NUMPY",
+    r = calls.post(f"{shared_service.url}/v1/runs/x/responses/vllm", content=b"\x93NUMPY",
                    headers={"content-type": "application/x-npy"})
     assert r.status_code == 415 and "a vLLM answer is application/json" in r.json()["detail"]

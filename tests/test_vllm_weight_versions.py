@@ -63,6 +63,7 @@ from replay_client.openai_ids import Endpoint, response_request_ids  # noqa: E40
 from replay_format.segment import segment_versions  # noqa: E402
 from replay_format.trajectory import TurnSpan  # noqa: E402
 from replay_format.weight_versions import RecomputeRule, VersionSpan, span_from_json  # noqa: E402
+from tests.support.service import calls  # noqa: E402
 from tests.support.vllm_model import (  # noqa: E402
     checkpoint_norms,
     hf_switched_reference,
@@ -368,7 +369,7 @@ def _differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _route_json(url: str, rid: str, **params) -> dict:
-    answer = httpx.get(f"{url}/v1/runs/{RUN}/requests/{rid}/routes", params={"format": "json", **params}, timeout=30)
+    answer = calls.get(f"{url}/v1/runs/{RUN}/requests/{rid}/routes", params={"format": "json", **params}, timeout=30)
     assert answer.status_code == 200, answer.text
     return answer.json()
 

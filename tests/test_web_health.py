@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
-import httpx
 import numpy as np
 import pytest
 
@@ -25,7 +24,7 @@ from replay_format.rows import RowsMeta, build_rows, encode_stream
 from replay_format.weight_versions import WeightVersions
 from tests.support.browser import browser, goto_hash, new_page, require_browser, set_hash
 from tests.support.data import QWEN3_SHAPE
-from tests.support.service import ServiceProcess
+from tests.support.service import ServiceProcess, calls
 
 RUN, CLEAN_RUN = "web-health", "web-health-clean"
 N, BATCHES, STEPS, BUCKET_S = 200, 30, 200, 0.1
@@ -111,7 +110,7 @@ def page(health_web):
 
 def api(web, path: str) -> dict:
     """A read of the service's HTTP API, as JSON."""
-    r = httpx.get(web["url"] + path, timeout=60)
+    r = calls.get(web["url"] + path, timeout=60)
     r.raise_for_status()
     return r.json()
 

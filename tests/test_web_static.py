@@ -9,9 +9,8 @@ import hashlib
 import json
 import re
 
-import httpx
-
 from replay_service.app import WEB_DIR as WEB
+from tests.support.service import calls
 
 FILES = sorted(p for p in WEB.rglob("*") if p.is_file())
 TEXT = {p: p.read_text() for p in FILES if p.suffix in {".html", ".js", ".css"}}
@@ -64,11 +63,11 @@ def test_web_module_imports_resolve():
 
 def test_web_served_at_root(shared_service):
     base = shared_service.url
-    index = httpx.get(f"{base}/")
+    index = calls.get(f"{base}/")
     assert index.status_code == 200 and "js/app.js" in index.text
     for p in FILES:
         rel = p.relative_to(WEB).as_posix()
-        r = httpx.get(f"{base}/{rel}")
+        r = calls.get(f"{base}/{rel}")
         assert r.status_code == 200, rel
         if p.suffix == ".js":
             assert "javascript" in r.headers["content-type"], (rel, r.headers["content-type"])

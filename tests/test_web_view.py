@@ -10,13 +10,12 @@ import json
 import time
 from urllib.parse import quote
 
-import httpx
 import numpy as np
 import pytest
 
 from replay_client.client import ReplayClient
 from tests.support.browser import browser, goto_hash, new_page, require_browser, set_hash
-from tests.support.service import ServiceProcess
+from tests.support.service import ServiceProcess, calls
 
 BIG_RUN, BIG_REQ = "big", "long-32k"
 BIG_ROWS, BIG_L, BIG_K, BIG_E = 32768, 48, 8, 128
@@ -55,7 +54,7 @@ def page(web):
 
 
 def api(web, path):
-    r = httpx.get(web["url"] + path, timeout=30)
+    r = calls.get(web["url"] + path, timeout=30)
     r.raise_for_status()
     return r.json()
 
@@ -178,7 +177,7 @@ def _cell_w(page):
 
 def test_compare_page_or_no_comparisons(web, page):
     page, _ = page
-    r = httpx.get(f"{web['url']}/v1/runs/demo/compares")
+    r = calls.get(f"{web['url']}/v1/runs/demo/compares")
     goto_hash(page, web["url"], "/runs/demo?tab=compares")
     if r.status_code == 404 or not r.json().get("compares"):
         assert page.locator("#no-compares").is_visible()

@@ -19,10 +19,9 @@ import zipfile
 from importlib.metadata import version
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.support.service import ServiceProcess
+from tests.support.service import ServiceProcess, calls
 
 ROOT = Path(__file__).resolve().parent.parent
 WEB = ROOT / "replay_service" / "web"
@@ -99,12 +98,12 @@ def test_the_installed_wheel_serves_the_web_view(installed, tmp_path):
     elsewhere = tmp_path / "elsewhere"  # a working directory with no web/ and no packages in it
     elsewhere.mkdir()
     with ServiceProcess(tmp_path / "data", program=[str(cli)], cwd=elsewhere, env=ENV, workers=0) as service:
-        index = httpx.get(f"{service.url}/", timeout=10)
+        index = calls.get(f"{service.url}/", timeout=10)
         assert index.status_code == 200 and "text/html" in index.headers["content-type"], index.text[:300]
         scripts = re.findall(r'<script[^>]*\ssrc="([^"]+\.js)"', index.text)
         assert scripts, index.text
-        script = httpx.get(f"{service.url}/{scripts[0]}", timeout=10)
+        script = calls.get(f"{service.url}/{scripts[0]}", timeout=10)
         assert script.status_code == 200 and "javascript" in script.headers["content-type"]
         assert script.content == (WEB / scripts[0]).read_bytes()
-        health = httpx.get(f"{service.url}/healthz", timeout=10).json()
+        health = calls.get(f"{service.url}/healthz", timeout=10).json()
         assert health["status"] == "ok" and health["version"] == version("routing-replay"), health

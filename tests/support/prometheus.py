@@ -20,6 +20,8 @@ import yaml
 
 from tests.support.service import free_port
 
+from .service import calls
+
 DEBIAN_BIN = Path("/usr/bin")
 
 
@@ -82,7 +84,7 @@ class PrometheusServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"prometheus exited with {self.proc.returncode}; log: {self.log()}")
             try:
-                if httpx.get(f"{self.url}/-/ready", timeout=1.0).status_code == 200:
+                if calls.get(f"{self.url}/-/ready", timeout=1.0).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -96,7 +98,7 @@ class PrometheusServer:
 
     def api(self, path: str, **params: str) -> object:
         """`GET /api/v1/<path>`'s `data` (an error status raises, naming Prometheus' error)."""
-        answer = httpx.get(f"{self.url}/api/v1/{path}", params=params, timeout=10.0).json()
+        answer = calls.get(f"{self.url}/api/v1/{path}", params=params, timeout=10.0).json()
         if answer.get("status") != "success":
             raise RuntimeError(f"prometheus /api/v1/{path}: {answer}")
         return answer["data"]

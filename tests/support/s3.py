@@ -21,6 +21,8 @@ import pyarrow.fs as pafs
 
 from tests.support.service import free_port
 
+from .service import calls
+
 REGION = "us-east-1"
 
 
@@ -47,7 +49,7 @@ class MotoS3:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"moto server exited with {self.proc.returncode}")
             try:
-                httpx.get(f"{self.endpoint}/moto-api/", timeout=1.0)
+                calls.get(f"{self.endpoint}/moto-api/", timeout=1.0)
                 return self
             except httpx.HTTPError:
                 time.sleep(0.1)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 
+from .service import calls
+
 NUM_LAYERS, HIDDEN, NUM_EXPERTS, TOP_K, VOCAB = 2, 128, 8, 2, 512
 # Prompts of different lengths (token ids), shared by tests and the benchmark.
 PROMPT_LENGTHS = (4, 11, 23, 37)
@@ -229,7 +231,7 @@ def start_api_server(model_dir: str, env: dict[str, str], log_path, extra_args: 
         if proc.poll() is not None:
             pytest.fail(f"vLLM API server exited {proc.returncode}: {log_path.read_text()[-3000:]}")
         try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+            if calls.get(f"{url}/health", timeout=1.0).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
             pass
