@@ -131,10 +131,11 @@ def read_trajectory(store: RouteStore, run_id: str, turns: Sequence[str], rule: 
                     max_turns: int) -> Trajectory:
     """The turns of run `run_id` as one route by `rule`; InvalidInput, NotFound or Conflict say why not."""
     check_turns(turns, max_turns)
+    run = store.run_to_read(run_id)
     records = [store.request_to_read(run_id, rid) for rid in turns]  # NotFound before any row is read
     check_growing(records)
     rule = RecomputeRule(rule)
-    composer = _Composer(store.run_shape(run_id), records[-1].expected_rows, rule, turns)
+    composer = _Composer(run.shape, records[-1].expected_rows, rule, turns)
     for k, record in enumerate(records):
-        composer.add(k, store.read_rows(run_id, record, 0, record.expected_rows, rule))
+        composer.add(k, store.read_rows(run, record, 0, record.expected_rows, rule))
     return composer.result(records[-1].request_id)

@@ -182,11 +182,40 @@ def test_a_read_that_named_a_deleted_segment_is_a_404_even_after_its_run_is_crea
         store.close()
 
 
-def test_a_read_whose_run_was_deleted_and_created_again_under_it_is_a_404_not_gap_rows(tmp_path, monkeypatch):
-    """The race `test_delete_while_reading_and_writing` met in a whole-suite run (2026-12-03): a route read took the
-    request's row, then the run was deleted and a writer's next batch created it again before the read looked the
-    run up for its rows; the new run's state was not deleted, the old spans were gone, and the read answered 200 with
-    GAP rows. The read now checks the run it started under."""
+def _route_read(store) -> None:
+    store.read_route("again", "r")
+
+
+def _trainer_slice(store) -> None:
+    from replay_format.trainer_query import MegatronQuery, MissingPolicy, SequenceRef
+    from replay_service.trainer.plans import SliceLimits
+    from replay_service.trainer.reads import read_slice
+
+    query = MegatronQuery(sequences=(SequenceRef("again", "r", num_tokens=4),), missing=MissingPolicy.ROUTER)
+    read_slice(store, query, SliceLimits.of(store.settings))  # (ROUTER: r's flagged rows are no refusal)
+
+
+def _trajectory(store) -> None:
+    from replay_format.weight_versions import RecomputeRule
+    from replay_service.trajectory import read_trajectory
+
+    read_trajectory(store, "again", ["r"], RecomputeRule.FIRST, 8)
+
+
+def _health(store) -> None:
+    from replay_service.health.gather import run_health
+
+    run_health(store, "again")  # its DUPLICATE finding reads r's rows for the first one (r holds two kinds)
+
+
+@pytest.mark.parametrize("read", [_route_read, _trainer_slice, _trajectory, _health],
+                         ids=["route", "trainer slice", "trajectory", "health"])
+def test_a_read_whose_run_was_deleted_and_created_again_under_it_is_a_404_not_gap_rows(tmp_path, monkeypatch, read):
+    """The race `test_delete_while_reading_and_writing` met in a whole-suite run (2026-12-03): a read took a request's
+    row, then the run was deleted and a writer's next batch created it again before the read looked the run up for
+    its rows; the new run's state was not deleted, the old spans were gone, and the read answered 200 with GAP rows.
+    Every read of rows (a route, a trainer's slice, a trajectory, the rows a health finding points into) now checks
+    the run it took before the row."""
     from replay_service.app import open_store
     from replay_service.errors import RunDeleted
     from replay_service.settings import ServiceSettings
@@ -194,23 +223,28 @@ def test_a_read_whose_run_was_deleted_and_created_again_under_it_is_a_404_not_ga
     store = open_store(ServiceSettings(data_dir=tmp_path / "data", fsync=False))
     try:
         def ingest(seq: int, request: str) -> None:
-            body = batch_bytes("again", "w", seq, [request] * 4, np.arange(4, dtype=np.int32),
-                               routes(np.random.default_rng(seq), 4, SHAPE).reshape(4, -1), shape=SHAPE)
+            ids = routes(np.random.default_rng(seq), 4, SHAPE).reshape(4, -1)
+            ids[1, 1] = ids[1, 0]  # a DUPLICATE row
+            ids[2, 0] = SHAPE.num_experts  # an OUT_OF_RANGE row
+            body = batch_bytes("again", "w", seq, [request] * 4, np.arange(4, dtype=np.int32), ids, shape=SHAPE)
             store.ingest(decode_batch("", body))
 
         ingest(0, "r")
+        store.finish("again", "r", 5, "finished")
         assert store.read_route("again", "r").num_rows == 4
-        took_row = store.request_to_read
+        read(store)  # reads on the run as it is
+        table, method = (store.health, "kind_requests") if read is _health else (store, "request_to_read")
+        took_row = getattr(table, method)
 
-        def row_then_deleted_and_created_again(run_id, request_id):
-            record = took_row(run_id, request_id)
-            store.delete_run(run_id)
+        def row_then_deleted_and_created_again(*args, **kwargs):
+            row = took_row(*args, **kwargs)
+            store.delete_run("again")
             ingest(1, "x")  # the writer's next batch: the run again, without request r
-            return record
+            return row
 
-        monkeypatch.setattr(store, "request_to_read", row_then_deleted_and_created_again)
+        monkeypatch.setattr(table, method, row_then_deleted_and_created_again)
         with pytest.raises(RunDeleted):
-            store.read_route("again", "r")
+            read(store)
     finally:
         store.close()
 

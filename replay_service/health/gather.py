@@ -29,6 +29,7 @@ from replay_service.health.report import (
 from replay_service.health.verdict import Level
 from replay_service.store import RouteStore
 from replay_service.store.index import Row
+from replay_service.store.runs import RunState
 from replay_service.store.summaries import RequestRecord
 
 
@@ -84,12 +85,13 @@ def batch_health(store: RouteStore, run_id: str, request_ids: Sequence[str], wei
 
 def _report(store: RouteStore, run_id: str, scope: Scope, ids: list[str] | None, since: float | None,
             window_s: float | None, weight_version: str | None, missing: int) -> HealthReport:
+    run = store.run_to_read(run_id)  # before the requests whose rows `_FirstPositions` may read
     totals = store.health.totals(run_id, ids, since)
     versions = version_figures(totals.rows, store.health.versions(run_id, ids, since), weight_version)
     agreement = newest_agreement(store, run_id)
     thresholds = thresholds_of(store, run_id)
     figures = judge(totals, scope, thresholds, versions, agreement, missing)
-    firsts = _FirstPositions(store, run_id)
+    firsts = _FirstPositions(store, run)
     limit = store.settings.health_where
     findings = []
     for check, figure in figures.items():
@@ -113,9 +115,9 @@ def _report(store: RouteStore, run_id: str, scope: Scope, ids: list[str] | None,
 class _FirstPositions:
     """First positions of each kind in a request's rows, read once per request (its rows' flags)."""
 
-    def __init__(self, store: RouteStore, run_id: str) -> None:
+    def __init__(self, store: RouteStore, run: RunState) -> None:
         self.store = store
-        self.run_id = run_id
+        self.run = run  # taken before the requests' rows (`RouteStore.read_rows`)
         self._read: dict[str, dict[Flag | None, int]] = {}
 
     def where(self, row: Row, flag: Flag | None) -> Where:
@@ -135,7 +137,7 @@ class _FirstPositions:
         firsts: dict[Flag | None, int] = {}
         step = self.store.settings.max_read_rows
         for start in range(0, record.expected_rows, step):
-            route = self.store.read_rows(self.run_id, record, start, min(start + step, record.expected_rows))
+            route = self.store.read_rows(self.run, record, start, min(start + step, record.expected_rows))
             flags = route.flags
             for f in (*ROW_FLAG_FLAGS, None):
                 if f in firsts:

@@ -50,7 +50,7 @@ from replay_service.store.processes import Processes
 from replay_service.store.reads import RouteRows, RowReader
 from replay_service.store.references import Resolution, Resolver
 from replay_service.store.retention import Removed, delete_run, empty_trash, retention_fields
-from replay_service.store.runs import RunRegistry
+from replay_service.store.runs import RunRegistry, RunState
 from replay_service.store.segment_store import LocalSegments, S3Segments, open_segment_store
 from replay_service.store.summaries import RequestPage, RequestRecord, run_summary
 
@@ -260,6 +260,12 @@ class RouteStore:
         row = self._request(run_id, request_id)
         return RequestRecord.of(row, self.index.version_spans(run_id, [request_id]).get(request_id, []))
 
+    def run_to_read(self, run_id: str) -> RunState:
+        """The run as a read takes it, before the records whose rows it reads (`read_rows` is handed both): a
+        delete after that marks this state deleted, and the read answers RunDeleted instead of reading the records
+        against a run a writer has started again under the same id. NotFound when there is no such run."""
+        return self.registry.require(run_id)
+
     def request_to_read(self, run_id: str, request_id: str) -> RequestRecord:
         """The request's record as a read of its rows takes it (`read_rows`): `request_summary` without the
         weight-version spans, one index query instead of two. NotFound as `request_summary`."""
@@ -287,15 +293,14 @@ class RouteStore:
         a row of it read as GAP). RunDeleted when the run was deleted while it was read (its spans may have gone:
         never GAP rows for that).
         """
-        state = self.registry.require(run_id)  # the run as the request's row is taken, before it may be deleted
-        route = self.read_rows(run_id, self.request_to_read(run_id, request_id), start, end, rule, weight_version)
-        if state.deleted:  # deleted (and maybe started again by a writer) since the row was taken: its spans are gone
-            raise RunDeleted(f"run {run_id!r} was deleted while this read was under way")
-        return route
+        run = self.run_to_read(run_id)
+        return self.read_rows(run, self.request_to_read(run_id, request_id), start, end, rule, weight_version)
 
-    def read_rows(self, run_id: str, request: RequestRecord, start: int = 0, end: int | None = None,
+    def read_rows(self, run: RunState, request: RequestRecord, start: int = 0, end: int | None = None,
                   rule: RecomputeRule = RecomputeRule.FIRST, weight_version: str | None = None) -> RouteRows:
-        """`read_route` of a request whose record the caller holds (`request_to_read`): no second index lookup.
+        """`read_route` of a request whose record the caller holds (`request_to_read`), of the run it took before
+        that record (`run_to_read`): no second index lookup. RunDeleted when that run was deleted since (its spans
+        may have gone: never GAP rows for that, even when a writer has started the run again).
 
         The late CONFLICT flags are looked up when `request` counted some.
         """
@@ -304,7 +309,7 @@ class RouteStore:
                 check_label(weight_version, "weight_version")
             except ValueError as exc:
                 raise InvalidInput(str(exc)) from None
-        state = self.registry.require(run_id)
+        run_id = run.run_id
         if end is None:
             end = request.expected_rows
         if start < 0 or end < start:
@@ -316,8 +321,8 @@ class RouteStore:
         if end - start > on_loop.MAX_ROWS:
             on_loop.refuse(f"{end - start} rows is more than a read on the event loop serves")
         late = self.index.late_flags(run_id, request.request_id, start, end) if request.flagged[Flag.CONFLICT] else {}
-        route = self.reader.route(run_id, request.request_id, state.shape, start, end, late, RecomputeRule(rule),
+        route = self.reader.route(run_id, request.request_id, run.shape, start, end, late, RecomputeRule(rule),
                                   weight_version)
-        if state.deleted:
+        if run.deleted:
             raise RunDeleted(f"run {run_id!r} was deleted while this read was under way")
         return route

@@ -20,6 +20,7 @@ from replay_format.trainer_slice import MissingPolicy, SliceMeta, build_slice
 from replay_service.errors import Conflict, InvalidInput, StrictRefusal
 from replay_service.store import RouteStore
 from replay_service.store.reads import RouteRows
+from replay_service.store.runs import RunState
 from replay_service.store.summaries import RequestRecord
 from replay_service.trainer import layouts
 from replay_service.trainer.gather import Gathered, HeldLayers, RowsRead, gather_rows, held_layers
@@ -43,9 +44,11 @@ class SliceAnswer:
 
 @dataclass(frozen=True)
 class StoredSequence:
-    """One sequence of the micro-batch: what the query names, its request's summary, its tokens and rows."""
+    """One sequence of the micro-batch: what the query names, its run and request as taken before their rows are
+    read (`RouteStore.read_rows`), its tokens and rows."""
 
     ref: SequenceRef
+    run: RunState
     request: RequestRecord
     spec: layouts.SequenceSpec
 
@@ -120,16 +123,17 @@ def stored_sequences(store: RouteStore, refs: tuple[SequenceRef, ...]) -> list[S
     """Each sequence's request and rows, checked against the length rule (`layouts.sequence_spec`)."""
     seqs = []
     for i, ref in enumerate(refs):
+        run = store.run_to_read(ref.run)
         request = store.request_to_read(ref.run, ref.request)
         spec = layouts.sequence_spec(request.expected_rows, ref.start, ref.num_tokens,
                                      f"sequence {i} ({ref.run}/{ref.request})")
-        seqs.append(StoredSequence(ref, request, spec))
+        seqs.append(StoredSequence(ref, run, request, spec))
     return seqs
 
 
 def whole_sequences(store: RouteStore, seqs: list[StoredSequence]) -> dict[int, RouteRows]:
     """Every sequence's rows fed (`[start, start + rows)`), by its index: what every rank of the batch sees alike."""
-    return {i: store.read_rows(s.ref.run, s.request, s.spec.start, s.spec.start + s.spec.rows)
+    return {i: store.read_rows(s.run, s.request, s.spec.start, s.spec.start + s.spec.rows)
             for i, s in enumerate(seqs)}
 
 
@@ -152,7 +156,7 @@ def gather(store: RouteStore, seqs: list[StoredSequence], plan: layouts.TokenPla
         if i in held_rows:
             route, cut = held_rows[i], slice(lo, hi)
         else:
-            route, cut = store.read_rows(ref.run, seq.request, spec.start + lo, spec.start + hi), slice(None)
+            route, cut = store.read_rows(seq.run, seq.request, spec.start + lo, spec.start + hi), slice(None)
         flags, positions = route.flags[cut], route.positions[cut]
         ok = flags == 0
         if strict and not ok.all() and len(flagged) < report_rows:
