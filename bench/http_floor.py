@@ -9,7 +9,7 @@ into a scratch buffer and dropped, so writers posting to it measure the floor of
     with BytesServer(body) as url:
         httpx.Client().get(url).content == body
 
-`UvicornFloor` is the same answer from the service's own HTTP stack with nothing behind it: uvicorn with the
+`uvicorn_floor` is the same answer from the service's own HTTP stack with nothing behind it: uvicorn with the
 service's options (httptools, uvloop, as many worker processes) running a bare ASGI app that reads each request's
 body through `receive`, drops it and answers. Between the two floors and the service, a bench can tell the
 socket's cost from uvicorn's and from the service's own.
@@ -20,17 +20,16 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
-import subprocess
 import sys
+import tempfile
 import threading
-import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import httpx
-
-from tests.support.service import free_port
+from tests.support.service import ServiceProcess
 
 END_OF_HEADERS = b"\r\n\r\n"
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,7 +99,7 @@ class BytesServer:
 
 
 def floor_app() -> Any:
-    """The bare ASGI app `UvicornFloor` runs (uvicorn's factory, called in each worker): every request's body is
+    """The bare ASGI app `uvicorn_floor` runs (uvicorn's factory, called in each worker): every request's body is
     received and dropped, and the answer in the environment sent."""
     body = bytes.fromhex(os.environ[ANSWER_VARIABLE])
     start = {"type": "http.response.start", "status": 200,
@@ -119,45 +118,30 @@ def floor_app() -> Any:
     return app
 
 
-class UvicornFloor:
+@contextmanager
+def uvicorn_floor(body: bytes, content_type: str = "application/octet-stream", workers: int = 1) -> Iterator[str]:
     """uvicorn with the service's HTTP options (its protocol, `ops.connections.PROTOCOL`; uvloop) and `workers`
-    processes, answering every request with `body` (its URL on entry); a child process, stopped on exit."""
-
-    def __init__(self, body: bytes, content_type: str = "application/octet-stream", workers: int = 1) -> None:
-        self.port = free_port()
-        self.command = [sys.executable, "-m", "bench.http_floor", str(self.port), str(workers)]
-        self.env = {**os.environ, ANSWER_VARIABLE: body.hex(), TYPE_VARIABLE: content_type}
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> str:
-        self.process = subprocess.Popen(self.command, env=self.env, cwd=ROOT)
-        url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(url, timeout=5)
-                return url
-            except httpx.TransportError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the uvicorn floor did not start: {self.command}") from None
-                time.sleep(0.1)
-
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 trace: TracebackType | None) -> None:
-        assert self.process is not None
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+    processes, answering every request with `body`; its URL. A child process started, awaited and stopped as the
+    service is (`ServiceProcess`, with this module as the program it runs)."""
+    with tempfile.TemporaryDirectory(prefix="uvicorn-floor-") as scratch, ServiceProcess(
+            Path(scratch) / "data", env={ANSWER_VARIABLE: body.hex(), TYPE_VARIABLE: content_type},
+            program=[sys.executable, "-m", "bench.http_floor"], cwd=ROOT, workers=workers) as floor:
+        yield floor.url
 
 
-if __name__ == "__main__":  # UvicornFloor's child: python -m bench.http_floor PORT WORKERS
+if __name__ == "__main__":  # uvicorn_floor's child, given the command line ServiceProcess gives `serve`
+    import argparse
+
     import uvicorn
 
     from replay_service.ops.connections import PROTOCOL
 
-    uvicorn.run("bench.http_floor:floor_app", factory=True, host="127.0.0.1",
-                port=int(sys.argv[1]), workers=int(sys.argv[2]), http=PROTOCOL, loop="uvloop", log_level="warning",
-                access_log=False)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("command", choices=["serve"])
+    for option in ("--data", "--host", "--log-level"):
+        parser.add_argument(option)
+    for option in ("--port", "--workers"):
+        parser.add_argument(option, type=int)
+    args = parser.parse_args()
+    uvicorn.run("bench.http_floor:floor_app", factory=True, host=args.host, port=args.port, workers=args.workers,
+                http=PROTOCOL, loop="uvloop", log_level=args.log_level, access_log=False)

@@ -54,7 +54,7 @@ import httpx
 import numpy as np
 import pyarrow as pa
 
-from bench.http_floor import BytesServer, UvicornFloor
+from bench.http_floor import BytesServer, uvicorn_floor
 from bench.stopping import exit_on_sigterm
 from replay_format import ARROW_STREAM_MEDIA_TYPE, RunShape
 from replay_format.rows import RowsMeta, build_rows, encode_stream
@@ -188,7 +188,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp, \
             ServiceProcess(Path(tmp) / "data", workers=workers) as proc, \
             BytesServer(b'{"stored":true}', "application/json") as floor_url, \
-            UvicornFloor(b'{"stored":true}', "application/json", workers) as uvicorn_url:
+            uvicorn_floor(b'{"stored":true}', "application/json", workers) as uvicorn_url:
         url = proc.url
         raw_dir = Path(tmp) / "raw"  # beside the data directory: the same filesystem
         for config in configs:
