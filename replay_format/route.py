@@ -34,7 +34,7 @@ from replay_format.core import (
     token_ids,
     writable_view,
 )
-from replay_format.weight_versions import INDEX_TYPE, RecomputeRule, WeightVersions, check_label
+from replay_format.weight_versions import COLUMN_TYPE, RecomputeRule, WeightVersions, check_label
 
 FORMAT = "routing-replay.route"
 # 1.1 added layer_axis (and carries num_hidden_layers, rows.md 2.1); 1.2 the weight_version column and the
@@ -169,13 +169,15 @@ def encode_routes(meta: RouteMeta, routes: Iterable[RequestRoute]) -> Iterator[l
     md = meta.to_metadata()
     columns = meta.column_shape
 
+    schema = rows.rows_schema(columns, md).append(pa.field(rows.VERSION_COLUMN, COLUMN_TYPE))
+
     def batches() -> Iterator[pa.RecordBatch]:
         for route in routes:
-            n = route.num_rows
-            yield rows.build_rows(columns, ([route.request_id], np.zeros(n, np.int32)), route.positions,
-                                  route.experts, route.token_ids, route.flags, md, route.versions())
+            request = ([route.request_id], np.zeros(route.num_rows, np.int32))
+            yield pa.RecordBatch.from_arrays(rows.row_arrays(columns, request, route.positions, route.experts,
+                                                             route.token_ids, route.flags, route.versions()),
+                                             schema=schema)
 
-    schema = rows.rows_schema(columns, md).append(pa.field(rows.VERSION_COLUMN, pa.dictionary(INDEX_TYPE, pa.utf8())))
     return ipc_stream_parts(schema, batches())
 
 

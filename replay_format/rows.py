@@ -30,7 +30,7 @@ from replay_format.core import (
     metadata_int,
     metadata_version,
 )
-from replay_format.weight_versions import INDEX_TYPE as WEIGHT_INDEX_TYPE
+from replay_format.weight_versions import COLUMN_TYPE as WEIGHT_COLUMN_TYPE
 from replay_format.weight_versions import WeightVersions
 
 FORMAT = "routing-replay.rows"
@@ -228,6 +228,18 @@ def build_rows(
         shape, md = meta_or_shape.shape, meta_or_shape.to_metadata()
     else:
         shape, md = meta_or_shape, {"format": FORMAT, "format_version": str(VERSION), **(metadata or {})}
+    arrays = row_arrays(shape, request_ids, positions, experts, token_ids, flags, weight_versions)
+    schema = rows_schema(shape, md)
+    if weight_versions is not None:
+        schema = schema.append(pa.field(VERSION_COLUMN, WEIGHT_COLUMN_TYPE))
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def row_arrays(shape: RunShape, request_ids: RequestIds, positions: np.ndarray, experts: np.ndarray,
+               token_ids: np.ndarray | None = None, flags: np.ndarray | None = None,
+               weight_versions: WeightVersions | None = None) -> list[pa.Array]:
+    """The columns of `build_rows`, in `rows_schema` order, `weight_version` last when given: for a writer that
+    holds its schema already (a route answer's batches share one)."""
     experts = np.ascontiguousarray(experts)
     n = experts.shape[0]
     if experts.dtype != shape.dtype:
@@ -241,13 +253,11 @@ def build_rows(
         pa.FixedSizeListArray.from_arrays(pa.array(experts.reshape(-1), shape.arrow_type), shape.row_width),
         pa.array(np.zeros(n, np.uint16) if flags is None else np.asarray(flags, np.uint16)),
     ]
-    schema = rows_schema(shape, md)
     if weight_versions is not None:
         if weight_versions.num_rows != n:
             raise FormatError(f"{weight_versions.num_rows} weight versions for {n} rows")
         arrays.append(weight_versions.to_arrow())
-        schema = schema.append(pa.field(VERSION_COLUMN, pa.dictionary(WEIGHT_INDEX_TYPE, pa.utf8())))
-    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+    return arrays
 
 
 def encode_stream(batches: list[pa.RecordBatch] | pa.RecordBatch, schema: pa.Schema | None = None) -> bytes:

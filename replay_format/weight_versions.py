@@ -32,6 +32,7 @@ LABEL_MAX = 128
 LABEL_RULE = f"1-{LABEL_MAX} characters of A-Z a-z 0-9 . _ : @ + = - / (no spaces or control characters)"
 _LABEL = re.compile(rf"[A-Za-z0-9._:@+=/-]{{1,{LABEL_MAX}}}")
 INDEX_TYPE = pa.int16()
+COLUMN_TYPE = pa.dictionary(INDEX_TYPE, pa.utf8())  # the `weight_version` column's type
 MAX_LABELS = 2**15 - 1  # distinct labels one batch can name (int16 indices)
 
 
@@ -144,6 +145,8 @@ class WeightVersions:
 
     def to_arrow(self) -> pa.DictionaryArray:
         """The `weight_version` column: dictionary<int16, utf8>, null where unknown."""
+        if not self.labels:  # every row unknown (most answers): no mask to build
+            return pa.nulls(len(self.index), COLUMN_TYPE)
         indices = pa.array(self.index, INDEX_TYPE, mask=self.index == UNKNOWN)
         return pa.DictionaryArray.from_arrays(indices, pa.array(list(self.labels), pa.utf8()))
 

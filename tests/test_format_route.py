@@ -56,6 +56,22 @@ def test_unknown_token_is_null_on_the_wire():
     assert md["layer_axis"] == "moe" and md["num_hidden_layers"] == "6"
 
 
+def test_weight_versions_on_the_wire_null_where_unknown():
+    """One answer, one schema: a route of unknown versions (every row a null, the fast path) beside one that names
+    its versions; each reads back as it was sent."""
+    from replay_format.weight_versions import WeightVersions
+
+    tokens = np.array([5, 6, 7, 8], np.int32)
+    known = _route("b", 0, 4, tokens, seed=1)
+    known.weight_versions = WeightVersions(("v1", "v2"), np.array([0, -1, 1, 1], np.int16))
+    body = _body(RouteMeta("run-1", SHAPE, requests=2, start=0, end=4), [_route("a", 0, 4, tokens), known])
+    table = pa.ipc.open_stream(pa.py_buffer(body)).read_all()
+    assert table.column("weight_version").to_pylist() == [None] * 4 + ["v1", None, "v2", "v2"]
+    _, (unknown, named) = read_routes(body)
+    assert unknown.versions().all_unknown and unknown.versions().per_row() == [None] * 4
+    assert named.versions().per_row() == ["v1", None, "v2", "v2"]
+
+
 def test_a_newer_major_version_is_refused_by_name():
     body = _body(RouteMeta("run-1", SHAPE), [_route("a", 0, 2, np.array([1, 2]))])
     assert read_routes(with_metadata(body, {"format_version": "1.7"}))[0].run_id == "run-1"
