@@ -284,10 +284,6 @@ class IpcParts:
         return out
 
 
-# Arrow's defaults, given: without options pyarrow reads two environment variables (legacy formats) per stream
-_STREAM_OPTIONS = pa.ipc.IpcWriteOptions()
-
-
 def ipc_stream_parts(schema: pa.Schema, batches) -> Iterator[list[memoryview]]:
     """An Arrow IPC stream of `batches` (any iterable, read lazily) as the parts of each batch in turn.
 
@@ -295,7 +291,7 @@ def ipc_stream_parts(schema: pa.Schema, batches) -> Iterator[list[memoryview]]:
     a server streams them as they come, without holding every batch at once.
     """
     sink = IpcParts()
-    writer = pa.ipc.new_stream(sink, schema, options=_STREAM_OPTIONS)
+    writer = pa.ipc.new_stream(sink, schema)
     for batch in batches:
         writer.write_batch(batch)
         yield sink.take()
