@@ -13,8 +13,8 @@ REQUIRE_ALL = os.environ.get("REPLAY_REQUIRE_ALL") == "1"
 # What the fast loop (`bash scripts/test.sh --fast`, i.e. `-m "not slow"`) leaves out: vLLM (engines, or
 # its modules imported), headless Chromium, gloo process grids, sink processes, kill -9 and restart rounds,
 # and the demo run. Keys are test files or `file::test` prefixes; each took seconds to tens of seconds
-# (`--durations`) on the 2-core machine. What is left ran in about a minute until 2026-12-02; on 2026-12-03 it
-# took 70 s quiet (README, Tests).
+# (`--durations`) on the 2-core machine. What is left took 70 s quiet on 2026-12-03, then 35-54 s once the tests'
+# one-off HTTP calls shared one client (README, Tests).
 SLOW = {
     # a second service started with a tokens file (the rest of test_service_auth.py stays in the fast loop)
     "test_service_auth.py::test_the_401_403_matrix": "a service with a tokens file",
