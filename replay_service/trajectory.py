@@ -132,7 +132,7 @@ def read_trajectory(store: RouteStore, run_id: str, turns: Sequence[str], rule: 
     """The turns of run `run_id` as one route by `rule`; InvalidInput, NotFound or Conflict say why not."""
     check_turns(turns, max_turns)
     run = store.run_to_read(run_id)
-    records = [store.request_to_read(run_id, rid) for rid in turns]  # NotFound before any row is read
+    records = [store.request_to_read(run, rid) for rid in turns]  # NotFound before any row is read
     check_growing(records)
     rule = RecomputeRule(rule)
     composer = _Composer(run.shape, records[-1].expected_rows, rule, turns)

@@ -23,7 +23,7 @@ from replay_format.weight_versions import INDEX_TYPE, MAX_LABELS, UNKNOWN, Recom
 from replay_service.api.encode import npy_header, npy_parts
 from replay_service.app import open_store
 from replay_service.settings import ServiceSettings
-from replay_service.trainer.reads import stored_sequences
+from replay_service.trainer.reads import micro_batch_runs, stored_sequences
 from replay_service.trajectory import read_trajectory
 from tests.support.data import many_routes
 
@@ -54,11 +54,12 @@ def test_reads_do_not_look_up_version_spans(tmp_path, monkeypatch):
         route = store.read_route("costs", "a")
         assert np.array_equal(route.experts, rows.experts) and route.weight_versions is not None
         assert [s.to_json() for s in route.weight_versions.spans(route.positions)] == summary["weight_versions"]
-        record = store.request_to_read("costs", "a")
+        record = store.request_to_read(store.run_to_read("costs"), "a")
         assert record.expected_rows == 40 and record.weight_versions is None
         with pytest.raises(ValueError, match="no weight-version spans"):
             record.to_json()
-        assert stored_sequences(store, (SequenceRef("costs", "a"),))[0].spec.rows == 40
+        refs = (SequenceRef("costs", "a"),)
+        assert stored_sequences(store, refs, micro_batch_runs(store, refs))[0].spec.rows == 40
         assert read_trajectory(store, "costs", ["a"], RecomputeRule.FIRST, 8).route.num_rows == 40
     finally:
         store.close()
@@ -101,3 +102,37 @@ def test_a_column_of_no_known_version_reads_as_unknown_rows():
                                               pa.array([f"v{i}" for i in range(MAX_LABELS + 1)]))
     with pytest.raises(FormatError, match="at most"):
         WeightVersions.from_arrow(too_many)
+
+
+def test_each_read_takes_its_run_once(tmp_path, monkeypatch):
+    """A trainer slice looks each run up once, however many of its sequences name it, and a route or trajectory
+    read once: with several workers every lookup is an index query (`Index.shared`). A slice looked each
+    sequence's run up three times (the shape check, the run its rows are read under, the request's record), a
+    route read twice."""
+    from replay_format.trainer_query import MegatronQuery
+    from replay_service.trainer.plans import SliceLimits
+    from replay_service.trainer.reads import read_slice
+
+    store = open_store(ServiceSettings(data_dir=tmp_path / "data", fsync=False))
+    try:
+        rows = _versioned_rows(40)
+        store.ingest(rows)
+        store.finish("costs", "a", 41, "finished")
+        looked_up: list[str] = []
+        get = store.registry.get
+
+        def counted(run_id):
+            looked_up.append(run_id)
+            return get(run_id)
+
+        monkeypatch.setattr(store.registry, "get", counted)
+        query = MegatronQuery(sequences=(SequenceRef("costs", "a"),) * 3)
+        answer = read_slice(store, query, SliceLimits.of(store.settings))
+        assert answer.valid == 3 * 40 and looked_up == ["costs"]
+        looked_up.clear()
+        assert store.read_route("costs", "a").num_rows == 40 and looked_up == ["costs"]
+        looked_up.clear()
+        assert read_trajectory(store, "costs", ["a"], RecomputeRule.FIRST, 8).route.num_rows == 40
+        assert looked_up == ["costs"]
+    finally:
+        store.close()

@@ -266,10 +266,16 @@ class RouteStore:
         against a run a writer has started again under the same id. NotFound when there is no such run."""
         return self.registry.require(run_id)
 
-    def request_to_read(self, run_id: str, request_id: str) -> RequestRecord:
-        """The request's record as a read of its rows takes it (`read_rows`): `request_summary` without the
-        weight-version spans, one index query instead of two. NotFound as `request_summary`."""
-        return RequestRecord.of(self._request(run_id, request_id))
+    def request_to_read(self, run: RunState, request_id: str) -> RequestRecord:
+        """The request's record as a read of its rows takes it (`read_rows`), in the run the read took
+        (`run_to_read`): `request_summary` without the weight-version spans, one index query and no second look at
+        the run. NotFound when the run has no such request, RunDeleted when the run was deleted since."""
+        row = self.index.request(run.run_id, request_id)
+        if row is None:
+            if run.deleted:
+                raise RunDeleted(f"run {run.run_id!r} was deleted while this read was under way")
+            raise NotFound(f"request {request_id!r} not found in run {run.run_id!r}")
+        return RequestRecord.of(row)
 
     def list_requests(self, run_id: str, flag: Flag | None, cursor: str | None, limit: int) -> RequestPage:
         """A page of request summaries after `cursor` by id (those with `flag` only), and the next cursor."""
@@ -294,7 +300,7 @@ class RouteStore:
         never GAP rows for that).
         """
         run = self.run_to_read(run_id)
-        return self.read_rows(run, self.request_to_read(run_id, request_id), start, end, rule, weight_version)
+        return self.read_rows(run, self.request_to_read(run, request_id), start, end, rule, weight_version)
 
     def read_rows(self, run: RunState, request: RequestRecord, start: int = 0, end: int | None = None,
                   rule: RecomputeRule = RecomputeRule.FIRST, weight_version: str | None = None) -> RouteRows:

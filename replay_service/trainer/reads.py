@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from replay_format import ID_RULE, RunShape, flag_names, valid_id
+from replay_format import ID_RULE, flag_names, valid_id
 from replay_format.trainer_query import SequenceRef, TrainerQuery, VersionPolicy, strict_alias
 from replay_format.trainer_slice import MissingPolicy, SliceMeta, build_slice
 from replay_service.errors import Conflict, InvalidInput, StrictRefusal
@@ -69,9 +69,10 @@ def read_slice(store: RouteStore, query: TrainerQuery, limits: SliceLimits) -> S
         for kind, value in (("run id", ref.run), ("request id", ref.request)):
             if not valid_id(value):
                 raise InvalidInput(f"{kind} {value!r} is not a valid id: {ID_RULE}")
-    shape = common_shape(store, refs)
+    runs = micro_batch_runs(store, refs)
+    shape = runs[refs[0].run].shape
     held = held_layers(shape, query.layers)
-    seqs = stored_sequences(store, refs)
+    seqs = stored_sequences(store, refs, runs)
     specs = [s.spec for s in seqs]
     plan = make_plan(specs)
     if plan.num_tokens > limits.max_tokens:
@@ -107,27 +108,32 @@ def missing_policy(missing: MissingPolicy | None, strict: bool | None) -> Missin
     return alias
 
 
-def common_shape(store: RouteStore, refs: tuple[SequenceRef, ...]) -> RunShape:
-    """The one run shape of the micro-batch's runs; Conflict when two differ."""
-    shape = store.run_shape(refs[0].run)
-    for ref in refs[1:]:
-        s = store.run_shape(ref.run)
+def micro_batch_runs(store: RouteStore, refs: tuple[SequenceRef, ...]) -> dict[str, RunState]:
+    """Each run the micro-batch names, taken once (`RouteStore.run_to_read`: before any of its requests), in the
+    order named; NotFound for a missing one, Conflict when one's shape differs from the first run's."""
+    runs: dict[str, RunState] = {}
+    for ref in refs:
+        if ref.run in runs:
+            continue
+        runs[ref.run] = run = store.run_to_read(ref.run)
+        shape, s = runs[refs[0].run].shape, run.shape
         if s != shape:
             raise Conflict(
                 f"run {ref.run!r} records {s.num_moe_layers} x top-{s.top_k} of {s.num_experts} (MoE layers "
                 f"{list(s.moe_layers)}), unlike the micro-batch's first run; one micro-batch needs one model shape")
-    return shape
+    return runs
 
 
-def stored_sequences(store: RouteStore, refs: tuple[SequenceRef, ...]) -> list[StoredSequence]:
-    """Each sequence's request and rows, checked against the length rule (`layouts.sequence_spec`)."""
+def stored_sequences(store: RouteStore, refs: tuple[SequenceRef, ...],
+                     runs: dict[str, RunState]) -> list[StoredSequence]:
+    """Each sequence's request and rows, checked against the length rule (`layouts.sequence_spec`); `runs` are
+    the micro-batch's (`micro_batch_runs`), taken before these requests."""
     seqs = []
     for i, ref in enumerate(refs):
-        run = store.run_to_read(ref.run)
-        request = store.request_to_read(ref.run, ref.request)
+        request = store.request_to_read(runs[ref.run], ref.request)
         spec = layouts.sequence_spec(request.expected_rows, ref.start, ref.num_tokens,
                                      f"sequence {i} ({ref.run}/{ref.request})")
-        seqs.append(StoredSequence(ref, run, request, spec))
+        seqs.append(StoredSequence(ref, runs[ref.run], request, spec))
     return seqs
 
 
