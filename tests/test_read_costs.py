@@ -106,10 +106,11 @@ def test_a_column_of_no_known_version_reads_as_unknown_rows():
 
 def test_each_read_takes_its_run_once(tmp_path, monkeypatch):
     """A trainer slice looks each run up once, however many of its sequences name it, and a route or trajectory
-    read once: with several workers every lookup is an index query (`Index.shared`). A slice looked each
-    sequence's run up three times (the shape check, the run its rows are read under, the request's record), a
-    route read twice."""
+    read or a health report once: with several workers every lookup is an index query (`Index.shared`). A slice
+    looked each sequence's run up three times (the shape check, the run its rows are read under, the request's
+    record), a route read and a health report twice."""
     from replay_format.trainer_query import MegatronQuery
+    from replay_service.health.gather import run_health
     from replay_service.trainer.plans import SliceLimits
     from replay_service.trainer.reads import read_slice
 
@@ -134,5 +135,7 @@ def test_each_read_takes_its_run_once(tmp_path, monkeypatch):
         looked_up.clear()
         assert read_trajectory(store, "costs", ["a"], RecomputeRule.FIRST, 8).route.num_rows == 40
         assert looked_up == ["costs"]
+        looked_up.clear()
+        assert run_health(store, "costs").run_id == "costs" and looked_up == ["costs"]
     finally:
         store.close()

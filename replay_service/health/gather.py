@@ -58,22 +58,22 @@ def newest_agreement(store: RouteStore, run_id: str) -> AgreementPoint | None:
 
 def run_health(store: RouteStore, run_id: str, window_s: float | None = None) -> HealthReport:
     """A run's health over its whole life, or over the requests it wrote in the last `window_s` seconds."""
-    store.run_shape(run_id)
+    run = store.run_to_read(run_id)  # NotFound first; taken before the requests whose rows a finding may read
     since = time.time() - window_s if window_s is not None else None
-    return _report(store, run_id, Scope.RUN, None, since, window_s, None, 0)
+    return _report(store, run, Scope.RUN, None, since, window_s, None, 0)
 
 
 def batch_health(store: RouteStore, run_id: str, request_ids: Sequence[str], weight_version: str | None,
                  max_requests: int) -> HealthReport:
     """A training batch's health: the requests it names (each once), judged against the version it trains."""
-    store.run_shape(run_id)
+    run = store.run_to_read(run_id)  # as in run_health
     if not request_ids:
         raise InvalidInput("a health batch names at least one request")
     if len(request_ids) > max_requests:
         raise InvalidInput(f"{len(request_ids)} requests exceeds max_batch_requests={max_requests}")
     ids = list(dict.fromkeys(request_ids))
     missing = sorted(set(ids) - store.health.known(run_id, ids))
-    report = _report(store, run_id, Scope.BATCH, ids, None, None, weight_version, len(missing))
+    report = _report(store, run, Scope.BATCH, ids, None, None, weight_version, len(missing))
     if not missing:
         return report
     findings = tuple(
@@ -83,9 +83,9 @@ def batch_health(store: RouteStore, run_id: str, request_ids: Sequence[str], wei
                         findings, report.versions, report.agreement, report.thresholds)
 
 
-def _report(store: RouteStore, run_id: str, scope: Scope, ids: list[str] | None, since: float | None,
+def _report(store: RouteStore, run: RunState, scope: Scope, ids: list[str] | None, since: float | None,
             window_s: float | None, weight_version: str | None, missing: int) -> HealthReport:
-    run = store.run_to_read(run_id)  # before the requests whose rows `_FirstPositions` may read
+    run_id = run.run_id
     totals = store.health.totals(run_id, ids, since)
     versions = version_figures(totals.rows, store.health.versions(run_id, ids, since), weight_version)
     agreement = newest_agreement(store, run_id)
