@@ -110,6 +110,24 @@ def test_a_password_is_not_repeated_in_the_refusal():
     assert "s3cret" not in refused.value.message
 
 
+def test_pooled_sessions_ask_the_server_to_notice_a_lost_replica(postgres):
+    """Each pooled session carries the server-side liveness settings (SERVER_LIVENESS; shown end to end by
+    test_replicas.py's cut mid-commit), except where the URL's `options` set one: the operator's value wins."""
+    from replay_service.store.index_backends.postgres import SERVER_LIVENESS, PostgresBackend
+
+    def settings(url: str) -> dict[str, str]:
+        backend = PostgresBackend(url)
+        try:
+            rows = backend.query("SELECT name, setting FROM pg_settings WHERE name = ANY(?)", (list(SERVER_LIVENESS),))
+        finally:
+            backend.pool.close()
+        return {row["name"]: row["setting"] for row in rows}
+
+    url = postgres.new_database()
+    assert settings(url) == SERVER_LIVENESS
+    assert settings(f"{url}?options=-c%20tcp_keepalives_idle%3D42") == {**SERVER_LIVENESS, "tcp_keepalives_idle": "42"}
+
+
 def expected_load(experts: list[np.ndarray], layers: int = 48, num_experts: int = 128) -> np.ndarray:
     """Expert counts of clean rows `(n, layers, top_k)`: what GET /expert-load must answer."""
     load = np.zeros((layers, num_experts), np.int64)

@@ -19,10 +19,13 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -297,6 +300,52 @@ def test_three_replicas_survive_a_kill_and_a_network_cut(tmp_path):
             service.stop()
         if s3 is not None:
             s3.stop()
+        if cluster is not None:
+            cluster.close()
+        island.close()
+
+
+HOLDER = """
+import sys
+from replay_service.store.index_backends.postgres import PostgresBackend
+tx = PostgresBackend(sys.argv[1]).begin()
+tx.lock_runs([sys.argv[2]])  # as a commit leader does, before its batches' rows
+print("locked", flush=True)
+sys.stdin.read()  # alive and idle in its transaction until the test closes stdin
+"""
+
+
+def test_a_replica_cut_off_mid_commit_does_not_hold_its_runs_lock(tmp_path):
+    """A replica cut off the network while its transaction holds a run's lock (commit.py: lock_runs, then the
+    batches' rows) must not stall every other replica's commits of that run for as long as its session lives at the
+    server: the server ends that session well inside the cut. Before SERVER_LIVENESS the session stayed idle in
+    transaction with the lock for the whole cut (in a real network, until the server's 2-hour keepalive)."""
+    island = Island()
+    cluster: Cluster | None = None
+    holder = None
+    try:
+        island.open()
+        assert island.storage is not None
+        cluster = Cluster([island.storage.outer], [f"{island.storage.inner}/32"])
+        url = cluster.new_database()
+        holder = subprocess.Popen(
+            ["ip", "netns", "exec", island.name, sys.executable, "-c", HOLDER,
+             url.replace("@127.0.0.1:", f"@{island.storage.outer}:"), RUN],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        island.cut()
+        began = time.monotonic()
+        with psycopg.connect(url, autocommit=True) as other:  # another replica's commit of the same run
+            other.execute("SET lock_timeout = '120s'")  # a bound against a hang, not a timing assertion
+            with other.transaction():
+                other.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (RUN,))
+            waited = time.monotonic() - began
+        assert holder.poll() is None  # the holder lives on, still cut off: the server let its lock go
+        print(f"\nanother replica took the run's lock {waited:.1f} s into the cut")
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
         if cluster is not None:
             cluster.close()
         island.close()

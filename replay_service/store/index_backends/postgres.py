@@ -17,11 +17,16 @@ psycopg_pool reconnects in the background with exponential backoff (it can wait 
 outage), so such a call also tries one direct connection: when the server answers again, the pool is
 replaced by a fresh one at once and the call goes on, instead of serving 503s until the backoff ends.
 
+A lost replica: one cut off the network while its transaction holds run locks would keep them at the server,
+blocking every other replica's commits of those runs, until the server notices; each pooled session asks the
+server to notice within ~20 s (SERVER_LIVENESS), as libpq's settings (LIVENESS) do on the replica's side.
+
 The schema version is the one row of `schema_version`.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -60,6 +65,16 @@ PROBE_TIMEOUT_S = 2  # the direct connection tried when the pool has none: is th
 # (tcp_user_timeout, ms) or an idle wait with 3 probes unanswered after 10 s + 3 x 3 s (keepalives) ends it.
 LIVENESS = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 3, "keepalives_count": 3,
             "tcp_user_timeout": 10_000}
+# The same liveness on the server's side of each pooled connection (session settings). A replica cut off while its
+# transaction holds a run's advisory lock (commit.py, lock_runs) leaves its session at the server idle in
+# transaction: the server waits for a next statement that never comes, and with the kernel's keepalive (2 hours) it
+# keeps the lock that long, every other replica's commit of that run waiting on it. With these the server ends such
+# a session, and its transaction and locks, ~20 s into the cut. Set only where the server has them at their default:
+# postgresql.conf, ALTER ROLE/DATABASE and `options` in REPLAY_INDEX_URL win.
+SERVER_LIVENESS = {"tcp_keepalives_idle": "10", "tcp_keepalives_interval": "3", "tcp_keepalives_count": "3",
+                   "tcp_user_timeout": "10000"}
+_SET_SERVER_LIVENESS = ("SELECT set_config(s.name, s.value, false) FROM jsonb_each_text(%s::jsonb) AS s(name, value)"
+                        " JOIN pg_settings AS p ON p.name = s.name WHERE p.source = 'default'")
 
 
 @lru_cache(maxsize=512)
@@ -85,6 +100,11 @@ def translated(exc: psycopg.Error) -> Exception:
 
 def _translating() -> AbstractContextManager[None]:
     return translating(psycopg.Error, translated)  # type: ignore[arg-type]
+
+
+def _server_liveness(conn: psycopg.Connection[Any]) -> None:
+    """A new pooled connection's server-side liveness settings (SERVER_LIVENESS), in one round trip."""
+    conn.execute(_SET_SERVER_LIVENESS, (json.dumps(SERVER_LIVENESS),))
 
 
 class PostgresTransaction:
@@ -170,6 +190,7 @@ class PostgresBackend:
     def _new_pool(self) -> ConnectionPool:
         return ConnectionPool(self.url, min_size=1, max_size=POOL_MAX, open=True,
                               check=ConnectionPool.check_connection, timeout=POOL_WAIT_S,
+                              configure=_server_liveness,
                               kwargs={"autocommit": True, "row_factory": dict_row,
                                       "connect_timeout": CONNECT_TIMEOUT_S})
 
