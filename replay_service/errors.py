@@ -23,6 +23,11 @@ class NotFound(ServiceError):
 class RunDeleted(NotFound):
     """A run deleted while a read or a write of it was under way (store/retention.py): nothing of it is served."""
 
+    @classmethod
+    def during_read(cls, run_id: str) -> RunDeleted:
+        """The error a read answers when its run was deleted after the read took it."""
+        return cls(f"run {run_id!r} was deleted while this read was under way")
+
 
 class InvalidInput(ServiceError):
     """A parameter or body that is well-formed but not acceptable (a bad range, an unknown format name, ...)."""

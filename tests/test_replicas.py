@@ -103,6 +103,12 @@ class Ledger:
                 raise AssertionError(f"only {len(self.acked)} of {count} batches acknowledged: {self.problems}")
 
 
+def over_storage_link(index_url: str, island: Island) -> str:
+    """The index URL as a replica inside `island` reaches the server: over its storage link, not loopback."""
+    assert island.storage is not None
+    return index_url.replace("@127.0.0.1:", f"@{island.storage.outer}:")
+
+
 def ingest(http: httpx.Client, url: str, body: bytes) -> httpx.Response:
     return http.post(f"{url}/v1/ingest", content=body, headers=ARROW)
 
@@ -138,7 +144,7 @@ def test_three_replicas_survive_a_kill_and_a_network_cut(tmp_path):
         # C reaches PostgreSQL over its storage link; no liveness options in its URL: the service's defaults
         # (postgres.py LIVENESS) must end connections the cut leaves stalled, or C hangs instead of answering 503
         env = {"REPLAY_INDEX_URL": index_url, **s3.env(bucket)}
-        c_index = index_url.replace("@127.0.0.1:", f"@{island.storage.outer}:")
+        c_index = over_storage_link(index_url, island)
         a = ServiceProcess(tmp_path / "a", env=env)
         b = ServiceProcess(tmp_path / "b", env=env)
         c = ServiceProcess(tmp_path / "c", env={**env, "REPLAY_INDEX_URL": c_index}, host=island.client.inner,
@@ -330,7 +336,7 @@ def test_a_replica_cut_off_mid_commit_does_not_hold_its_runs_lock(tmp_path):
         url = cluster.new_database()
         holder = subprocess.Popen(
             ["ip", "netns", "exec", island.name, sys.executable, "-c", HOLDER,
-             url.replace("@127.0.0.1:", f"@{island.storage.outer}:"), RUN],
+             over_storage_link(url, island), RUN],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
         island.cut()

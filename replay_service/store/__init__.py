@@ -250,6 +250,9 @@ class RouteStore:
 
     def _request(self, run_id: str, request_id: str) -> Row:
         self.registry.require(run_id)
+        return self._request_row(run_id, request_id)
+
+    def _request_row(self, run_id: str, request_id: str) -> Row:
         row = self.index.request(run_id, request_id)
         if row is None:
             raise NotFound(f"request {request_id!r} not found in run {run_id!r}")
@@ -270,12 +273,12 @@ class RouteStore:
         """The request's record as a read of its rows takes it (`read_rows`), in the run the read took
         (`run_to_read`): `request_summary` without the weight-version spans, one index query and no second look at
         the run. NotFound when the run has no such request, RunDeleted when the run was deleted since."""
-        row = self.index.request(run.run_id, request_id)
-        if row is None:
+        try:
+            return RequestRecord.of(self._request_row(run.run_id, request_id))
+        except NotFound:
             if run.deleted:
-                raise RunDeleted(f"run {run.run_id!r} was deleted while this read was under way")
-            raise NotFound(f"request {request_id!r} not found in run {run.run_id!r}")
-        return RequestRecord.of(row)
+                raise RunDeleted.during_read(run.run_id) from None
+            raise
 
     def list_requests(self, run_id: str, flag: Flag | None, cursor: str | None, limit: int) -> RequestPage:
         """A page of request summaries after `cursor` by id (those with `flag` only), and the next cursor."""
@@ -330,5 +333,5 @@ class RouteStore:
         route = self.reader.route(run_id, request.request_id, run.shape, start, end, late, RecomputeRule(rule),
                                   weight_version)
         if run.deleted:
-            raise RunDeleted(f"run {run_id!r} was deleted while this read was under way")
+            raise RunDeleted.during_read(run_id)
         return route

@@ -208,7 +208,7 @@ class SegmentCache:
             known = self._damaged.get(rel_path)
             deleted = _run_of(rel_path) in self._deleted
         if deleted and self._stat(rel_path) is None:
-            raise RunDeleted(f"run {_run_of(rel_path)!r} was deleted while this read was under way")
+            raise RunDeleted.during_read(_run_of(rel_path))
         if known is not None and known[0] == self._stat(rel_path):
             raise DamagedSegment(known[1], rel_path)
         stat = self._stat(rel_path)
@@ -221,7 +221,7 @@ class SegmentCache:
                 # unlinked between the check above and the open, or its run deleted and created again since the
                 # read took the path (`revive_run`): not damage. The index is asked outside the lock, on this rare path.
                 if deleted or self._unnamed(rel_path):
-                    raise RunDeleted(f"run {_run_of(rel_path)!r} was deleted while this read was under way") from None
+                    raise RunDeleted.during_read(_run_of(rel_path)) from None
             with self._lock:
                 exc.newly_found = rel_path not in self._damaged
                 self._damaged[rel_path] = (stat, exc.message)
