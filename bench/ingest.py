@@ -18,6 +18,11 @@ The uvicorn floor, also in the same rounds: the same bodies to uvicorn with the 
 many workers, running a bare app that receives each body through ASGI and drops it: what the service's HTTP
 stack costs before the service does anything.
 
+Where the CPU went, in the service's rounds: CPU per batch of the service's processes (from /proc) and of the
+writers (this process), and the bound they set on this machine: were every core busy all the round, a batch
+could take no less than (service + writers) / cores, which caps the ratio to raw at raw's time per batch over
+that (the "CPU bound" column); "cores busy" is how much of that the round used.
+
 Request bodies are encoded BEFORE the timed region: a sender encodes on its own machine, and here the client
 shares the service's cores, so only sending, the service's work and receiving the answer are timed.
 
@@ -38,6 +43,7 @@ import argparse
 import base64
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -113,6 +119,50 @@ def post_parts(urls: list[str], parts: list[list[tuple[str, bytes, dict]]]) -> f
     return elapsed
 
 
+def process_cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of the live processes `pids` so far (/proc/PID/stat)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (stat fields 14 and 15)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """User + system CPU seconds of this process (every thread: the writers, while they send)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+@dataclass
+class CpuPerBatch:
+    """Where one round's CPU went, per batch: the service's processes and the writers (this process)."""
+
+    service_s: float
+    writers_s: float
+    wall_s: float
+
+    def bound_ratio(self, raw_s: float, cores: int) -> float:
+        """The most a round with this CPU per batch could reach against raw's `raw_s` per batch, every core busy."""
+        return raw_s / ((self.service_s + self.writers_s) / cores)
+
+    def busy(self, cores: int) -> float:
+        """The share of the cores' time the round used."""
+        return (self.service_s + self.writers_s) / (cores * self.wall_s)
+
+
+def measured_post(url: str, jobs: list[tuple[str, bytes, dict]], writers: int, pids: list[int]) -> tuple[float,
+                                                                                                       CpuPerBatch]:
+    """`post_all`, with the CPU per batch of the service's processes `pids` and of the writers."""
+    service, own = process_cpu_s(pids), own_cpu_s()
+    elapsed = post_all(url, jobs, writers)
+    n = len(jobs)
+    return elapsed, CpuPerBatch((process_cpu_s(pids) - service) / n, (own_cpu_s() - own) / n, elapsed / n)
+
+
 def raw_write(folder: Path, batches: list[pa.RecordBatch]) -> float:
     """Write each batch as an Arrow IPC file, fsync it and its folder (one process); seconds elapsed."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -179,6 +229,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=0, help="the service's worker processes (0: one per core)")
     args = parser.parse_args()
     workers = worker_count(args.workers)
+    cores = len(os.sched_getaffinity(0))
 
     configs = [Config("8192-row batches, 1 writer", 8192, 1, args.small_tokens),
                Config("8192-row batches, 4 writers", 8192, 4, args.small_tokens),
@@ -199,14 +250,20 @@ def main() -> None:
                                 config.writers)
             post_all(url, warmup, config.writers)
             post_all(uvicorn_url, warmup, config.writers)
-            ours, raw, floor, bare = [], [], [], []
+            ours, raw, floor, bare, cpu, bounds = [], [], [], [], [], []
+            pids = [proc.proc.pid, *proc.children()]
             for r in range(args.rounds):
                 jobs = arrow_jobs(batches, f"bench-{config.batch_rows}-{config.writers}-{r}", config.writers)
-                ours.append(config.tokens / post_all(url, jobs, config.writers))
-                raw.append(config.tokens / raw_write(raw_dir, record_batches))
+                elapsed, used = measured_post(url, jobs, config.writers, pids)
+                ours.append(config.tokens / elapsed)
+                raw_s = raw_write(raw_dir, record_batches)
+                raw.append(config.tokens / raw_s)
+                cpu.append(used)
+                bounds.append(used.bound_ratio(raw_s / len(jobs), cores))
                 floor.append(config.tokens / post_all(floor_url, jobs, config.writers))
                 bare.append(config.tokens / post_all(uvicorn_url, jobs, config.writers))
-            results[config.name] = {"ours": ours, "raw": raw, "floor": floor, "uvicorn": bare,
+            results[config.name] = {"ours": ours, "raw": raw, "floor": floor, "uvicorn": bare, "cpu": cpu,
+                                    "bounds": bounds,
                                     "ratios": [o / w for o, w in zip(ours, raw)],
                                     "floor_ratios": [f / w for f, w in zip(floor, raw)],
                                     "uvicorn_ratios": [b / w for b, w in zip(bare, raw)]}
@@ -244,6 +301,16 @@ def main() -> None:
         print(f"  {config.name:<30} {fmt(res['ours']):<30} {fmt(res['raw']):<30} {med:.2f} ({lo:.2f}-{hi:.2f})"
               f"{'':<5} {fmt(res['floor']):<30} {floor_med:.2f} ({floor_lo:.2f}-{floor_hi:.2f})"
               f"{'':<5} {fmt(res['uvicorn']):<30} {bare_med:.2f} ({bare_lo:.2f}-{bare_hi:.2f})")
+    print(f"  where the CPU went in our rounds, per batch (medians): service processes, writers, the ratio to raw "
+          f"that bounds on {cores} cores, and how busy the cores were")
+    for config in configs:
+        res = results[config.name]
+        service = statistics.median(c.service_s for c in res["cpu"]) * 1e3
+        writers_ms = statistics.median(c.writers_s for c in res["cpu"]) * 1e3
+        bound_med, bound_lo, bound_hi = summary(res["bounds"])
+        busy = statistics.median(c.busy(cores) for c in res["cpu"])
+        print(f"  {config.name:<30} service {service:5.1f} ms, writers {writers_ms:5.1f} ms; CPU bound "
+              f"{bound_med:.2f} of raw ({bound_lo:.2f}-{bound_hi:.2f}); cores busy {busy:.0%}")
     print(f"  base64 json, requests of {per_request} tokens, 2 writers: {json_tps / 1e6:.3f} M tok/s; "
           f"32768-row arrow / base64-json: {large_tps / json_tps:.1f}x")
     figures = {name: {"ours_tokens_per_s": round(statistics.median(r["ours"])),
@@ -252,7 +319,10 @@ def main() -> None:
                       "ratio": round(statistics.median(r["ratios"]), 2),
                       "floor_ratio": round(statistics.median(r["floor_ratios"]), 2),
                       "uvicorn_tokens_per_s": round(statistics.median(r["uvicorn"])),
-                      "uvicorn_ratio": round(statistics.median(r["uvicorn_ratios"]), 2)} for name, r in results.items()}
+                      "uvicorn_ratio": round(statistics.median(r["uvicorn_ratios"]), 2),
+                      "service_cpu_ms_per_batch": round(statistics.median(c.service_s for c in r["cpu"]) * 1e3, 2),
+                      "writers_cpu_ms_per_batch": round(statistics.median(c.writers_s for c in r["cpu"]) * 1e3, 2),
+                      "cpu_bound_ratio": round(statistics.median(r["bounds"]), 2)} for name, r in results.items()}
     print(json.dumps({"workers": workers, **figures, "json_tokens_per_s": round(json_tps),
                       "arrow_vs_json": round(large_tps / json_tps, 1)}))
 

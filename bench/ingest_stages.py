@@ -1,0 +1,147 @@
+"""CPU of each ingest stage, in one thread, without HTTP: where a batch's service CPU goes (bench/ingest.py's
+"where the CPU went" says how much there is).
+
+The same batches as `bench/ingest.py` (48 x top-8 uint8 rows, requests of 1024 tokens) go through the stages of
+`replay_service/ingest/pipeline.py` one by one, on a store opened as `serve` opens it (fsync on), each timed with
+`time.thread_time` (this thread's CPU: waits on the disk are not counted):
+
+    decode (the body to Rows) -> check (flags, hashes, expert load: checks/kernels.py) -> duplicate lookup
+    -> STALE check -> segment (image, CRC, O_DIRECT write, fsync) -> commit (index, folder fsync)
+
+and, beside them, the check's compiled kernel alone (`check_rows`) and a pass that only hashes the rows' words and
+one that only counts the expert load, the two parts of its work that every row needs.
+
+    python bench/ingest_stages.py [--rows 8192 32768] [--batches 16] [--rounds 3]
+
+Prints medians over every batch of every round, per batch and per row; the last line is JSON. Asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+ROOT = str(Path(__file__).resolve().parent.parent)
+if ROOT not in sys.path:  # `python bench/ingest_stages.py` from anywhere
+    sys.path.insert(0, ROOT)
+
+import numba
+import numpy as np
+
+from bench.ingest import SHAPE, arrow_jobs, make_batches
+from bench.stopping import exit_on_sigterm
+from replay_format import ARROW_STREAM_MEDIA_TYPE
+from replay_service.app import open_store
+from replay_service.checks.check import check, check_stale
+from replay_service.checks.kernels import check_rows
+from replay_service.ingest.decode import decode_batch
+from replay_service.ingest.pipeline import IngestPipeline
+from replay_service.ops.demo import bulk_routes
+from replay_service.settings import ServiceSettings
+
+T = TypeVar("T")
+STAGES = ("decode", "check", "duplicate lookup", "STALE check", "segment", "commit")
+
+
+@numba.njit(nogil=True, cache=True)
+def _hash_words(words):  # pragma: no cover - compiled; the FNV-1a of check_rows, nothing else
+    out = np.empty(words.shape[0], np.uint64)
+    for r in range(words.shape[0]):
+        h = np.uint64(0xCBF29CE484222325)
+        for w in range(words.shape[1]):
+            h = (h ^ words[r, w]) * np.uint64(0x100000001B3)
+        out[r] = h
+    return out
+
+
+@numba.njit(nogil=True, cache=True)
+def _count_load(experts, num_moe_layers, top_k, load):  # pragma: no cover - compiled; check_rows' load, alone
+    for r in range(experts.shape[0]):
+        for layer in range(num_moe_layers):
+            base = layer * top_k
+            for j in range(top_k):
+                load[layer, experts[r, base + j]] += 1
+
+
+def cpu_of(call: Callable[..., T], *args: Any) -> tuple[float, T]:
+    """This thread's CPU seconds for `call(*args)`, and what it returned."""
+    started = time.thread_time()
+    result = call(*args)
+    return time.thread_time() - started, result
+
+
+def stage_times(rows_per_batch: int, batches: int, rounds: int, tmp: Path) -> dict[str, list[float]]:
+    """CPU seconds per batch of every stage, over `rounds` runs of `batches` batches."""
+    ids = bulk_routes(rows_per_batch * batches, 0)
+    planned = make_batches(ids, rows_per_batch, 1024)
+    times: dict[str, list[float]] = {name: [] for name in (*STAGES, "kernel", "kernel: hash", "kernel: load")}
+    store = open_store(ServiceSettings(data_dir=tmp / f"data-{rows_per_batch}"))
+    try:
+        pipeline = store.pipeline
+        assert isinstance(pipeline, IngestPipeline)
+        shape = SHAPE
+        for r in range(rounds):
+            for _, body, _ in arrow_jobs(planned, f"stages-{rows_per_batch}-{r}", 1):
+                spent, rows = cpu_of(decode_batch, ARROW_STREAM_MEDIA_TYPE, body)
+                times["decode"].append(spent)
+                run = pipeline.runs.for_batch(rows.meta)
+                spent, checked = cpu_of(check, rows, run.shape)
+                times["check"].append(spent)
+                spent, duplicate = cpu_of(pipeline.committer.find_duplicate, checked)
+                times["duplicate lookup"].append(spent)
+                assert duplicate is None
+                times["STALE check"].append(cpu_of(check_stale, checked, pipeline.recent)[0])
+                spent, segment = cpu_of(pipeline.segments.write, checked)
+                times["segment"].append(spent)
+                times["commit"].append(cpu_of(pipeline.committer.commit, segment, run)[0])
+
+                experts = rows.experts.reshape(rows.num_rows, -1)
+                load = np.zeros((shape.num_moe_layers, shape.num_experts), np.int64)
+                skip = np.zeros(rows.num_rows, np.bool_)
+                times["kernel"].append(cpu_of(check_rows, experts, shape.num_moe_layers, shape.top_k,
+                                              shape.num_experts, skip, load)[0])
+                words = np.ascontiguousarray(experts).view(np.uint64)
+                times["kernel: hash"].append(cpu_of(_hash_words, words)[0])
+                times["kernel: load"].append(cpu_of(_count_load, experts, shape.num_moe_layers, shape.top_k, load)[0])
+    finally:
+        store.close()
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[8192, 32768], help="rows per batch")
+    parser.add_argument("--batches", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    words = np.zeros((1, SHAPE.num_moe_layers), np.uint64)
+    _hash_words(words)  # compiled before anything is timed
+    _count_load(np.zeros((1, SHAPE.row_width), np.uint8), SHAPE.num_moe_layers, SHAPE.top_k,
+                np.zeros((SHAPE.num_moe_layers, SHAPE.num_experts), np.int64))
+    figures = {}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+        for rows in args.rows:
+            times = stage_times(rows, args.batches, args.rounds, Path(tmp))
+            medians = {name: statistics.median(values) for name, values in times.items()}
+            total = sum(medians[name] for name in STAGES)
+            print(f"{rows}-row batches of {SHAPE.num_moe_layers} x top-{SHAPE.top_k} uint8 rows, CPU of this thread "
+                  f"(medians of {len(times['decode'])} batches): {total * 1e3:.2f} ms per batch, "
+                  f"{total / rows * 1e9:.0f} ns per row")
+            for name, value in medians.items():
+                share = f"{value / total:4.0%}" if name in STAGES else "    "
+                print(f"  {name:<18} {value * 1e3:7.2f} ms  {value / rows * 1e9:5.0f} ns/row  {share}")
+            figures[rows] = {name: round(value / rows * 1e9, 1) for name, value in medians.items()}
+    print(json.dumps({"ns_per_row": figures}))
+
+
+if __name__ == "__main__":
+    exit_on_sigterm()
+    main()
