@@ -23,9 +23,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import numpy as np
@@ -40,6 +42,8 @@ from tests.support.postgres import Cluster, binaries
 from tests.support.s3 import MotoS3
 from tests.support.service import ServiceProcess
 from tests.test_index_postgres import expected_load
+
+T = TypeVar("T")
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or binaries() is None,
                                 reason="needs root, iproute2 and PostgreSQL (network namespaces, a real cluster)")
@@ -111,6 +115,14 @@ def over_storage_link(index_url: str, island: Island) -> str:
 
 def ingest(http: httpx.Client, url: str, body: bytes) -> httpx.Response:
     return http.post(f"{url}/v1/ingest", content=body, headers=ARROW)
+
+
+def answered(service: ServiceProcess, call: Callable[[], T]) -> T:
+    """`call()`, a request to `service`; a timeout fails the test with the service's thread stacks (where it hung)."""
+    try:
+        return call()
+    except httpx.TimeoutException as exc:
+        pytest.fail(f"{service.url} did not answer ({exc!r}); its threads:\n{service.thread_stacks()[-8000:]}")
 
 
 def test_three_replicas_survive_a_kill_and_a_network_cut(tmp_path):
@@ -238,12 +250,11 @@ def test_three_replicas_survive_a_kill_and_a_network_cut(tmp_path):
             refused_read = refused_ingest = None
             for _ in range(40):  # until C notices (its stalled connections time out), a bound against a hang
                 if not refused_read:
-                    refused_read = _refused_or_right(
-                        http.get(f"{c.url}/v1/runs/{RUN}/requests/{known.request}/routes", params={"strict": "true"}),
-                        known)
+                    refused_read = _refused_or_right(answered(c, lambda: http.get(
+                        f"{c.url}/v1/runs/{RUN}/requests/{known.request}/routes", params={"strict": "true"})), known)
                     mark(f"read {'503' if refused_read else '200'}")
                 if not refused_ingest:
-                    refused_ingest = _refused_or_right(ingest(http, c.url, probe.body), None)
+                    refused_ingest = _refused_or_right(answered(c, lambda: ingest(http, c.url, probe.body)), None)
                     mark(f"ingest {'503' if refused_ingest else '200'}")
                 if refused_read and refused_ingest:
                     break
@@ -255,7 +266,7 @@ def test_three_replicas_survive_a_kill_and_a_network_cut(tmp_path):
             island.restore()
             back = None
             for _ in range(120):  # the same process serves again once the link is back (no restart)
-                back = ingest(http, c.url, probe.body)
+                back = answered(c, lambda: ingest(http, c.url, probe.body))
                 if back.status_code != 503:
                     break
                 time.sleep(0.5)

@@ -46,11 +46,6 @@ def pinned(url: str, workers: int) -> dict[int, httpx.Client]:
     raise AssertionError(f"only {len(found)} of {workers} workers answered 200 new connections")
 
 
-def worker_pids(service: ServiceProcess) -> set[int]:
-    """The service's worker processes (its children running the app; not multiprocessing's resource tracker)."""
-    return {pid for pid, cmdline in service.children().items() if b"spawn_main" in cmdline}
-
-
 def alive(pid: int) -> bool:
     """Whether a process runs (a zombie, dead but not yet reaped by whoever adopted it, does not)."""
     try:
@@ -100,7 +95,7 @@ def test_round_trips_retries_and_metrics_across_workers(tmp_path):
         assert seen_a["replay_rows_ingested_total"] == 12 * ROWS
         assert seen_a['replay_ingest_batches_total{outcome="stored"}'] == 12
         assert seen_a['replay_ingest_batches_total{outcome="duplicate"}'] == 12
-        assert {a, b} == worker_pids(service)
+        assert {a, b} == service.worker_pids()
 
         # a run deleted through one worker is gone for the other, which knew it: the next batch starts a fresh run
         assert http_a.delete("/v1/runs/w2").status_code == 200
@@ -198,7 +193,7 @@ def read_back(url: str, run: str, acked: dict[str, np.ndarray]) -> None:
 
 def test_kill_9_of_a_worker_under_8_writers_loses_no_acknowledged_batch(tmp_path):
     with ServiceProcess(tmp_path / "data", workers=2) as service:
-        before = worker_pids(service)
+        before = service.worker_pids()
         assert len(before) == 2
         with Writers(service.url, "kill-worker") as writers:
             writers.wait_for(40)
@@ -208,11 +203,11 @@ def test_kill_9_of_a_worker_under_8_writers_loses_no_acknowledged_batch(tmp_path
         assert not writers.errors, writers.errors
         # uvicorn's supervisor notices the death and spawns a new worker: seconds under a loaded machine's CI
         deadline = time.monotonic() + 60
-        after = worker_pids(service)
+        after = service.worker_pids()
         while victim in after or len(after) < 2:
             assert time.monotonic() < deadline, f"no replacement worker: {after}"
             time.sleep(0.2)
-            after = worker_pids(service)
+            after = service.worker_pids()
         read_back(service.url, "kill-worker", writers.acked)
 
 
@@ -220,7 +215,7 @@ def test_kill_9_of_the_service_and_a_shutdown_under_writers_lose_nothing(tmp_pat
     service = ServiceProcess(tmp_path / "data", workers=2).start()
     with Writers(service.url, "kill-service") as writers:
         writers.wait_for(30)
-        workers = worker_pids(service)
+        workers = service.worker_pids()
         service.kill9()
         deadline = time.monotonic() + 10
         while any(alive(pid) for pid in workers):  # none outlives the parent
@@ -249,7 +244,7 @@ def test_workers_on_postgresql_and_a_bucket(tmp_path, postgres, moto_s3):
         assert np.array_equal(ReplayClient(service.url, http=http_b).get_route("pg", "one-0").experts, experts)
         with Writers(service.url, "pg-kill") as writers:
             writers.wait_for(20)
-            os.kill(min(worker_pids(service)), signal.SIGKILL)
+            os.kill(min(service.worker_pids()), signal.SIGKILL)
             writers.wait_for(len(writers.acked) + 40)
         assert not writers.errors, writers.errors
         read_back(service.url, "pg-kill", writers.acked)
@@ -260,4 +255,22 @@ def test_the_worker_count_is_a_setting(tmp_path, workers):
     """`--workers 0` (the default) is one per core this process may use; a number is that many."""
     with ServiceProcess(tmp_path / "data", workers=workers) as service:
         count = workers or len(os.sched_getaffinity(0))
-        assert len(worker_pids(service)) == (count if count > 1 else 0)  # one worker is the process itself
+        assert len(service.worker_pids()) == (count if count > 1 else 0)  # one worker is the process itself
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_service_serves_on(tmp_path, workers):
+    """`kill -USR1` of each worker, or of the one process (ops/stacks.py): each writes its threads' stacks to the log,
+    and nothing stops (before, SIGUSR1's default action ended the process: the service or a worker was gone)."""
+    with ServiceProcess(tmp_path / "data", workers=workers) as service:
+        before = service.worker_pids()
+        stacks = service.thread_stacks()
+        assert service.proc is not None and service.proc.poll() is None, stacks[-2000:]
+        assert "(most recent call first)" in stacks, stacks[-3000:]
+        if before:  # a dump per worker: each main thread's stack starts in spawn_main
+            assert stacks.count(" in spawn_main") == len(before), stacks[-3000:]
+        else:  # the one process: its main thread runs `serve`
+            assert "replay_service/ops/cli.py" in stacks, stacks[-3000:]
+        assert service.worker_pids() == before  # no worker died and was replaced
+        pids = {httpx.get(f"{service.url}/healthz", timeout=30).json()["pid"] for _ in range(20)}
+        assert pids <= (before or {service.proc.pid})

@@ -95,6 +95,9 @@ def serve(
     options: dict[str, Any] = dict(host=host, port=port, log_level=log_level, http=PROTOCOL, loop="uvloop",
                    timeout_keep_alive=settings.keep_alive_timeout_s, limit_concurrency=settings.max_connections)
     if count == 1:
+        from replay_service.ops.stacks import dump_stacks_on_signal
+
+        dump_stacks_on_signal()  # `kill -USR1 PID`: every thread's stack to the log (each worker registers its own)
         uvicorn.run(create_app(settings, store), **options)
         return
     store.close()  # checked and swept alone; each worker opens its own (ops/workers.py)

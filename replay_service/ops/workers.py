@@ -45,6 +45,7 @@ from fastapi import FastAPI
 
 from replay_service.app import create_app
 from replay_service.metrics import MULTIPROCESS_DIR
+from replay_service.ops.stacks import dump_stacks_on_signal
 from replay_service.settings import ServiceSettings
 from replay_service.store import Processes
 
@@ -88,5 +89,6 @@ def die_with_parent(parent: int) -> None:
 def worker_app() -> FastAPI:
     """The app of one worker (uvicorn's factory, called in the worker): the parent's settings, a shared store."""
     die_with_parent(int(os.environ[PARENT_VARIABLE]))
+    dump_stacks_on_signal()
     settings = ServiceSettings.model_validate_json(os.environ[SETTINGS_VARIABLE])
     return create_app(settings, processes=Processes.WORKER)

@@ -138,6 +138,25 @@ class ServiceProcess:
                 out[int(pid)] = cmdline
         return out
 
+    def worker_pids(self) -> set[int]:
+        """The service's worker processes (its children running the app; not multiprocessing's resource tracker)."""
+        return {pid for pid, cmdline in self.children().items() if b"spawn_main" in cmdline}
+
+    def thread_stacks(self, wait_s: float = 0.5) -> str:
+        """Every thread's stack in the serving processes (each worker, or the one process), as they wrote them to
+        the log on SIGUSR1 (replay_service/ops/stacks.py): what a test prints when the service hangs."""
+        assert self.proc is not None
+        start = self.log_path.stat().st_size
+        for pid in sorted(self.worker_pids()) or [self.proc.pid]:
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                continue
+            time.sleep(wait_s)  # one at a time: the processes share the log, and each writes at once
+        with open(self.log_path, "rb") as log:
+            log.seek(start)
+            return log.read().decode(errors="replace")
+
     def kill9(self) -> None:
         if self.proc and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
