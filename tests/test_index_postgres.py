@@ -8,6 +8,8 @@ contract suite runs on it too: `REPLAY_TEST_INDEX=postgresql pytest tests/<files
 from __future__ import annotations
 
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -126,6 +128,49 @@ def test_pooled_sessions_ask_the_server_to_notice_a_lost_replica(postgres):
     url = postgres.new_database()
     assert settings(url) == SERVER_LIVENESS
     assert settings(f"{url}?options=-c%20tcp_keepalives_idle%3D42") == {**SERVER_LIVENESS, "tcp_keepalives_idle": "42"}
+
+
+def test_a_run_lookup_does_not_wait_behind_another_runs_index_read(postgres):
+    """On a shared index every run lookup reads the run's row (store/runs.py). One that waits on the server, here held
+    inside its read of run `slow` as a slow or cut-off server holds it, no longer holds the registry's lock: another
+    run's lookup and a batch's (`for_batch`) go on meanwhile. Before, they queued behind it, and a replica cut off
+    its index answered its 503s one pool wait after another (~7 s each, in turn)."""
+    from replay_service.store.runs import RunRegistry
+
+    shape = RunShape(num_moe_layers=2, top_k=2, num_experts=8)
+    index = Index(postgres.new_database())
+    release = threading.Event()
+    try:
+        for run in ("slow", "other"):
+            index.register_run(run, shape, "test", time.time())
+        registry = RunRegistry(index)
+        entered = threading.Event()
+        server_read = index.run
+
+        def held_read(run_id: str):
+            if run_id == "slow":
+                entered.set()
+                release.wait(120)
+            return server_read(run_id)
+
+        index.run = held_read  # type: ignore[method-assign]
+        with ThreadPoolExecutor(3) as pool:
+            slow = pool.submit(registry.get, "slow")
+            assert entered.wait(30)
+            other = pool.submit(registry.get, "other")
+            batch = pool.submit(registry.for_batch, RowsMeta("other", "w0", 0, shape))
+            try:
+                done = [f.result(timeout=30) for f in (other, batch)]  # a hang guard: before, both waited for `slow`
+            except TimeoutError:
+                done = []
+            finally:
+                release.set()
+            assert [state.run_id for state in done] == ["other", "other"]
+            assert done[0] is done[1]  # one state per run: its commit lock is one
+            assert slow.result(timeout=60).run_id == "slow"
+    finally:
+        release.set()
+        index.close()
 
 
 def expected_load(experts: list[np.ndarray], layers: int = 48, num_experts: int = 128) -> np.ndarray:

@@ -119,6 +119,9 @@ def test_a_read_that_would_wait_is_refused_on_the_loop_and_served_once_hot(store
         assert np.array_equal(bounded.experts_3d(), sent["long"][: on_loop.MAX_ROWS])
 
         registering = store.registry._lock  # held while a thread registers a run (a transaction)
+        with registering, on_loop.on_event_loop():  # a run this process keeps needs no lock (store/runs.py)
+            assert np.array_equal(store.read_route(RUN, "short").experts, in_thread.experts)
+        store.registry.forget(RUN)  # as a run seen for the first time: its row is applied under the lock
         with registering:
             with pytest.raises(on_loop.WouldWait, match="being registered"), on_loop.on_event_loop():
                 store.read_route(RUN, "short")

@@ -15,6 +15,11 @@ a run deleted on another replica is gone here at once (the next batch of its id 
 on one process), and a layer count learnt elsewhere is this replica's shape from its next lookup. The
 `RunState` object of a run is kept while its row is the same run (same `created_at`), so the in-process
 commit lock and the `deleted` mark stay one per run.
+
+The registry's lock guards its map of states and the writes that create a run or learn its layer count, never
+an index read: a lookup reads the run's row first and takes the lock only to apply it. On a shared index a lookup
+is a round trip to the server, and one that waits (a slow server, or one cut off: up to the pool's wait and a
+probe, `index_backends/postgres.py`) delays only its own call, not every other lookup of the replica behind it.
 """
 
 from __future__ import annotations
@@ -53,9 +58,13 @@ class RunRegistry:
 
     def get(self, run_id: str) -> RunState | None:
         """The run, or None when it does not exist."""
+        state = self._runs.get(run_id)
+        if state is not None and not self.index.shared:  # kept: only this process writes the index
+            return state
+        row = self.index.run(run_id)  # read with no lock held (module docstring)
         on_loop.acquire(self._lock, f"run {run_id!r} is being registered")
         try:
-            return self._current(run_id)
+            return self._apply(run_id, row)
         finally:
             self._lock.release()
 
@@ -71,6 +80,10 @@ class RunRegistry:
 
         A run whose layer count is only derived learns the batch's (module docstring).
         """
+        state = self.get(meta.run_id)
+        if (state is not None and same_rows(state.shape, meta.shape)
+                and same_model(state.shape, meta.shape, meta.run_id) == state.shape.num_hidden_layers):
+            return state  # the run as it is: nothing to create or learn, and no lock held while the index was read
         with self._lock:
             state = self._current(meta.run_id)
             if state is None and self.index.register_run(meta.run_id, meta.shape, meta.source.value, time.time()):
@@ -114,8 +127,11 @@ class RunRegistry:
         return self._reload(run_id)
 
     def _reload(self, run_id: str) -> RunState | None:
-        """The run as its row is now (`_lock` held): the kept state updated, a new one for a new run, None if gone."""
-        row = self.index.run(run_id)
+        """The run as its row is now (`_lock` held, by a batch that creates the run or learns its layer count)."""
+        return self._apply(run_id, self.index.run(run_id))
+
+    def _apply(self, run_id: str, row: Row | None) -> RunState | None:
+        """The run as `row` says (`_lock` held): the kept state updated, a new one for a new run, None if gone."""
         kept = self._runs.get(run_id)
         if row is None:
             if kept is not None:  # deleted by another replica: a read under way here answers RunDeleted
