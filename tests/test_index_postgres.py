@@ -173,6 +173,57 @@ def test_a_run_lookup_does_not_wait_behind_another_runs_index_read(postgres):
         index.close()
 
 
+def test_a_row_read_before_a_change_does_not_undo_it(postgres):
+    """Lookups read without the registry's lock, so a row read before a run was created or widened may arrive after
+    (store/runs.py): applied then, a stale "no such run" would mark the new run's state deleted under its first batch,
+    and a stale layer count would narrow the run's reads again. Reads are applied in the order they started."""
+    from replay_service.store.runs import RunRegistry
+
+    narrow = RunShape(num_moe_layers=2, top_k=2, num_experts=8, moe_layers=(0, 1))  # its layer count derived: 2
+    wide = RunShape(num_moe_layers=2, top_k=2, num_experts=8, moe_layers=(0, 1), num_hidden_layers=4)
+    index = Index(postgres.new_database())
+    release = threading.Event()
+    try:
+        index.register_run("grows", narrow, "test", time.time())
+        registry = RunRegistry(index)
+        registry.get("grows")  # kept, with the derived count
+        read_once = threading.Event()
+        read_done = threading.Event()
+        server_read = index.run
+
+        def stale_read(run_id: str):
+            row = server_read(run_id)  # the row as it is now, handed back only later
+            if not read_once.is_set():
+                read_once.set()
+                read_done.set()
+                release.wait(120)
+            return row
+
+        index.run = stale_read  # type: ignore[method-assign]
+        with ThreadPoolExecutor(2) as pool:
+            # a read of a run that does not exist yet, and one of `grows` before it widens: both held after reading
+            new_run = pool.submit(registry.get, "new")
+            assert read_done.wait(30)
+            state = registry.for_batch(RowsMeta("new", "w0", 0, narrow))  # created meanwhile
+            release.set()
+            assert new_run.result(timeout=60) is state  # the later read's state, not "gone"
+            assert not state.deleted and registry.get("new") is state
+
+            read_once.clear()
+            read_done.clear()
+            release.clear()
+            old_grows = pool.submit(registry.get, "grows")
+            assert read_done.wait(30)
+            widened = registry.for_batch(RowsMeta("grows", "w0", 0, wide))  # learns 4 layers meanwhile
+            assert widened.shape.num_hidden_layers == 4
+            release.set()
+            assert old_grows.result(timeout=60).shape.num_hidden_layers == 4  # not narrowed back to 2
+            assert widened.shape.num_hidden_layers == 4
+    finally:
+        release.set()
+        index.close()
+
+
 def expected_load(experts: list[np.ndarray], layers: int = 48, num_experts: int = 128) -> np.ndarray:
     """Expert counts of clean rows `(n, layers, top_k)`: what GET /expert-load must answer."""
     load = np.zeros((layers, num_experts), np.int64)

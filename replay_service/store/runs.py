@@ -20,11 +20,15 @@ The registry's lock guards its map of states and the writes that create a run or
 an index read: a lookup reads the run's row first and takes the lock only to apply it. On a shared index a lookup
 is a round trip to the server, and one that waits (a slow server, or one cut off: up to the pool's wait and a
 probe, `index_backends/postgres.py`) delays only its own call, not every other lookup of the replica behind it.
+Reads are numbered as they start, and a read is applied only if no later-numbered one was applied before it: a
+row read before a run was created, deleted or widened never undoes what a later read or this process's own
+write applied (it answers with the kept state instead).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import threading
 import time
@@ -55,16 +59,19 @@ class RunRegistry:
         self.index = index
         self._runs: dict[str, RunState] = {}
         self._lock = threading.Lock()
+        self._reads = itertools.count()  # numbers each read of a run's row as it starts (`next` is atomic)
+        self._applied: dict[str, int] = {}  # per run: the number of the read (or write) its kept state reflects
 
     def get(self, run_id: str) -> RunState | None:
         """The run, or None when it does not exist."""
         state = self._runs.get(run_id)
         if state is not None and not self.index.shared:  # kept: only this process writes the index
             return state
-        row = self.index.run(run_id)  # read with no lock held (module docstring)
+        read = next(self._reads)
+        row = self.index.run(run_id)  # with no lock held (module docstring)
         on_loop.acquire(self._lock, f"run {run_id!r} is being registered")
         try:
-            return self._apply(run_id, row)
+            return self._apply(run_id, row, read)
         finally:
             self._lock.release()
 
@@ -106,6 +113,7 @@ class RunRegistry:
                     return state
                 if self.index.learn_num_hidden_layers(meta.run_id, hidden, have.num_hidden_layers):
                     state.shape = dataclasses.replace(have, num_hidden_layers=hidden)
+                    self._applied[meta.run_id] = next(self._reads)  # newer than any read under way
                     return state
                 # Another replica learnt a count (or deleted the run) meanwhile: decide again on its row.
                 fresh = self._reload(meta.run_id)
@@ -118,6 +126,7 @@ class RunRegistry:
         """Drop a deleted run's state: the next batch of this id creates a fresh run."""
         with self._lock:
             self._runs.pop(run_id, None)
+            self._applied[run_id] = next(self._reads)  # a read under way does not bring it back
 
     def _current(self, run_id: str) -> RunState | None:
         """The kept state (only this process writes the index), else the run's row read again (`_lock` held)."""
@@ -128,11 +137,16 @@ class RunRegistry:
 
     def _reload(self, run_id: str) -> RunState | None:
         """The run as its row is now (`_lock` held, by a batch that creates the run or learns its layer count)."""
-        return self._apply(run_id, self.index.run(run_id))
+        read = next(self._reads)
+        return self._apply(run_id, self.index.run(run_id), read)
 
-    def _apply(self, run_id: str, row: Row | None) -> RunState | None:
-        """The run as `row` says (`_lock` held): the kept state updated, a new one for a new run, None if gone."""
+    def _apply(self, run_id: str, row: Row | None, read: int) -> RunState | None:
+        """The run as `row` (read number `read`) says (`_lock` held): the kept state updated, a new one for a new
+        run, None if gone; the kept state as it is when a later read was applied already (module docstring)."""
         kept = self._runs.get(run_id)
+        if read < self._applied.get(run_id, -1):
+            return kept
+        self._applied[run_id] = read
         if row is None:
             if kept is not None:  # deleted by another replica: a read under way here answers RunDeleted
                 kept.deleted = True
