@@ -41,7 +41,7 @@ from bench.stopping import exit_on_sigterm
 from replay_format import ARROW_STREAM_MEDIA_TYPE
 from replay_service.app import open_store
 from replay_service.checks.check import check, check_stale
-from replay_service.checks.kernels import check_rows
+from replay_service.checks.kernels import _FNV_OFFSET, _FNV_PRIME, check_rows
 from replay_service.ingest.decode import decode_batch
 from replay_service.ingest.pipeline import IngestPipeline
 from replay_service.ops.demo import bulk_routes
@@ -55,9 +55,9 @@ STAGES = ("decode", "check", "duplicate lookup", "STALE check", "segment", "comm
 def _hash_words(words):  # pragma: no cover - compiled; the FNV-1a of check_rows, nothing else
     out = np.empty(words.shape[0], np.uint64)
     for r in range(words.shape[0]):
-        h = np.uint64(0xCBF29CE484222325)
+        h = _FNV_OFFSET
         for w in range(words.shape[1]):
-            h = (h ^ words[r, w]) * np.uint64(0x100000001B3)
+            h = (h ^ words[r, w]) * _FNV_PRIME
         out[r] = h
     return out
 

@@ -64,8 +64,8 @@ class RunRegistry:
 
     def get(self, run_id: str) -> RunState | None:
         """The run, or None when it does not exist."""
-        state = self._runs.get(run_id)
-        if state is not None and not self.index.shared:  # kept: only this process writes the index
+        state = self._kept(run_id)
+        if state is not None:
             return state
         read = next(self._reads)
         row = self.index.run(run_id)  # with no lock held (module docstring)
@@ -128,12 +128,14 @@ class RunRegistry:
             self._runs.pop(run_id, None)
             self._applied[run_id] = next(self._reads)  # a read under way does not bring it back
 
+    def _kept(self, run_id: str) -> RunState | None:
+        """The kept state where it needs no read (only this process writes the index), else None."""
+        state = self._runs.get(run_id)
+        return state if state is not None and not self.index.shared else None
+
     def _current(self, run_id: str) -> RunState | None:
         """The kept state (only this process writes the index), else the run's row read again (`_lock` held)."""
-        state = self._runs.get(run_id)
-        if state is not None and not self.index.shared:
-            return state
-        return self._reload(run_id)
+        return self._kept(run_id) or self._reload(run_id)
 
     def _reload(self, run_id: str) -> RunState | None:
         """The run as its row is now (`_lock` held, by a batch that creates the run or learns its layer count)."""
