@@ -5,6 +5,9 @@ without a debugger or a restart: the process that serves (`serve --workers 1`, o
 registers Python's `faulthandler` for SIGUSR1, whose handler runs in C and prints even while a thread is blocked
 inside a C call (a socket read, a database driver). The process keeps serving. With several workers, signal the
 workers (`pgrep -P PARENT`): uvicorn's supervisor takes SIGUSR1 for itself and ignores it.
+
+faulthandler prints at most 100 frames of a thread, newest first, and marks a cut with `  ...`: a worker still in
+its start-up (the lifespan runs deep inside the middleware stack) can show its stack cut before its first frames.
 """
 
 from __future__ import annotations

@@ -110,12 +110,29 @@ class ServiceProcess:
                 log = self.log_path.read_text()[-3000:]
                 raise RuntimeError(f"service exited with {self.proc.returncode}; log: {log}")
             try:
-                if calls.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
-                    return self
+                answer = calls.get(f"{self.url}/healthz", timeout=1.0)
             except httpx.HTTPError:
                 time.sleep(0.05)
+                continue
+            if answer.status_code == 200 and self._every_worker_serves(answer.json()["pid"], deadline):
+                return self
         self.stop()
         raise RuntimeError(f"service did not come up in {timeout}s; log: {self.log_path.read_text()[-3000:]}")
+
+    def _every_worker_serves(self, first: int, deadline: float) -> bool:
+        """Wait until each worker has answered /healthz once (on a new connection each time; the kernel hands a
+        connection to any worker), so a test never meets a worker still in its start-up. One worker answering
+        is not enough: a worker in its lifespan start-up has a stack deeper than faulthandler prints (100
+        frames), and a test that signals or kills it meets a process that is not yet what it tests."""
+        answered = {first}
+        while time.monotonic() < deadline:
+            if self.worker_pids() <= answered:
+                return True
+            try:
+                answered.add(calls.get(f"{self.url}/healthz", timeout=1.0).json()["pid"])
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        return False
 
     def _place(self) -> None:  # in the child, before exec
         if self.cpus:
@@ -142,20 +159,33 @@ class ServiceProcess:
         """The service's worker processes (its children running the app; not multiprocessing's resource tracker)."""
         return {pid for pid, cmdline in self.children().items() if b"spawn_main" in cmdline}
 
-    def thread_stacks(self, wait_s: float = 0.5) -> str:
+    def thread_stacks(self, wait_s: float = 10.0) -> str:
         """Every thread's stack in the serving processes (each worker, or the one process), as they wrote them to
         the log on SIGUSR1 (replay_service/ops/stacks.py): what a test prints when the service hangs."""
         assert self.proc is not None
         start = self.log_path.stat().st_size
         for pid in sorted(self.worker_pids()) or [self.proc.pid]:
+            before = self.log_path.stat().st_size
             try:
                 os.kill(pid, signal.SIGUSR1)
             except ProcessLookupError:
                 continue
-            time.sleep(wait_s)  # one at a time: the processes share the log, and each writes at once
+            self._until_the_log_rests(before, time.monotonic() + wait_s)  # one at a time: they share the log
         with open(self.log_path, "rb") as log:
             log.seek(start)
             return log.read().decode(errors="replace")
+
+    def _until_the_log_rests(self, size: int, deadline: float) -> None:
+        """Wait until the log has grown past `size` and then not grown for 0.2 s (a dump is written in one go by
+        the signal handler, but only once its process is scheduled), or until the deadline."""
+        last, quiet_since = size, time.monotonic()
+        while time.monotonic() < deadline:
+            now = self.log_path.stat().st_size
+            if now != last:
+                last, quiet_since = now, time.monotonic()
+            elif now > size and time.monotonic() - quiet_since >= 0.2:
+                return
+            time.sleep(0.02)
 
     def kill9(self) -> None:
         if self.proc and self.proc.poll() is None:
