@@ -25,56 +25,31 @@ slower through GIL hand-offs).
 Rows are dropped only when the spill directory is over `max_spill_bytes`; that
 is counted and logged as an error. Otherwise the sender logs little: the counters
 (`SenderStats`) in one summary line every `summary_interval_s` when they changed, and
-one at close. Settings and counters: `capture.sender_config`. (Just over 400 lines on
-purpose: the two threads share one lock, queue and spill list; split, the locking would
-be spread over modules.)
+one at close. Settings and counters: `capture.sender_config`; the items and the batcher's making of them:
+`capture.sender_items`; the spill folder: `capture.sender_spill`. The two threads share one condition, which
+guards the pending list, the queue and the spill folder's list.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from capture.row_chunk import RequestIndex, RowChunk
 from capture.sender_config import SenderConfig, SenderStats
-from replay_format import ARROW_STREAM_MEDIA_TYPE, JSON_MEDIA_TYPE, FormatError
-from replay_format.request_notes import Finish, FinishStatus, Reference, references_body, references_path
-from replay_format.rows import RowsMeta, build_rows, encode_stream
-from replay_format.spill import SUFFIX, ItemKind, SpillHeader, created_ns, decode_item, encode_item, item_name
-
-# What waits to be batched, in order: rows, a request's end, or prefix-cache references.
-_Pending = RowChunk | Finish | list[Reference]
+from capture.sender_items import Item, ItemMaker, Pending
+from capture.sender_spill import SpillFolder
+from replay_format import ARROW_STREAM_MEDIA_TYPE, JSON_MEDIA_TYPE
+from replay_format.request_notes import Finish, FinishStatus, Reference
+from replay_format.spill import ItemKind
 
 log = logging.getLogger("routing_replay.sender")
-
-
-@dataclass
-class _Item:
-    """One thing to post, in order: a row batch or a finish call (its header is what a spill file says)."""
-
-    header: SpillHeader
-    payload: bytes
-    created_ns: int = field(default_factory=time.time_ns)  # spill files sort by it: creation order
-
-    @property
-    def kind(self) -> ItemKind:
-        return self.header.kind
-
-    @property
-    def seq(self) -> int:
-        return self.header.seq
-
-    @property
-    def rows(self) -> int:
-        return self.header.rows
 
 
 class RouteSender:
@@ -83,8 +58,8 @@ class RouteSender:
     def __init__(self, config: SenderConfig, http: httpx.Client | None = None) -> None:
         self.config = config
         self.stats = SenderStats()
-        self.spill_dir = Path(config.spill_dir)
-        self.spill_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Condition()
+        self.spill = SpillFolder(Path(config.spill_dir), config.max_spill_bytes, self._lock)
         # The writer's name on every call: a load balancer in front of replicas keeps a writer on one replica by it
         # (docs/scale_out.md, "Spreading writers"); the service reads the writer from the body, never from here.
         headers = {"x-replay-writer": f"{config.run_id}/{config.writer_id}"}
@@ -92,23 +67,13 @@ class RouteSender:
             headers["authorization"] = f"Bearer {config.token}"
         self.http = http or httpx.Client(base_url=config.url.rstrip("/"), timeout=config.request_timeout_s,
                                          headers=headers)
-        self._seq = 0
-        # References wait for this writer's first row batch: the run exists by then (a GRPO group's
-        # samples hit each other's blocks in the very first step), and the service resolves them either way.
-        self._held_references: list[Reference] = []
-        self._made_batch = False
-        self._pending: list[_Pending] = []  # submitted, not yet batched
+        self._items = ItemMaker(config)  # the batcher thread's
+        self._pending: list[Pending] = []  # submitted, not yet batched
         self._pending_rows = 0
-        self._queue: deque[_Item] = deque()
+        self._queue: deque[Item] = deque()
         self._queue_bytes = 0
-        self._spilled: deque[Path] = deque(sorted(self.spill_dir.glob("*" + SUFFIX), key=_spill_order))
-        self._spill_bytes = sum(p.stat().st_size for p in self._spilled)
-        self._lock = threading.Condition()
-        # One spill at a time: close() spills the in-flight item while the network thread may be spilling it too
-        # (its delivery failed); both would write the same .tmp file and the second rename would find it gone.
-        self._spilling = threading.Lock()
         self._closing = False
-        self._current: _Item | None = None  # being delivered
+        self._current: Item | None = None  # being delivered
         self._down = False  # the last delivery attempt failed: new batches go to disk
         self._summary_at = time.monotonic()
         self._summarised = self.stats.as_dict()
@@ -162,7 +127,7 @@ class RouteSender:
 
     # ---- batcher -------------------------------------------------------------
 
-    def _take_pending(self) -> list[_Pending]:
+    def _take_pending(self) -> list[Pending]:
         with self._lock:
             taken, self._pending, self._pending_rows = self._pending, [], 0
             return taken
@@ -180,60 +145,17 @@ class RouteSender:
             taken = self._take_pending()
             if taken or time.monotonic() - last_flush >= self.config.flush_interval_s:
                 last_flush = time.monotonic()
-            for item in self._items(taken, closing):
+            for item in self._items.items(taken, closing):
                 self._enqueue(item)
             if closing and not taken:
                 with self._lock:
                     if not self._pending:
                         return
 
-    def _items(self, taken: list[_Pending], closing: bool = False):
-        """Pending entries to items in order: consecutive rows merge into batches of <= batch_rows.
-
-        References go after the rows taken with them (once this writer made a batch, or at close).
-        """
-        chunks: list[RowChunk] = []
-        for entry in taken:
-            if isinstance(entry, RowChunk):
-                chunks.append(entry)
-                if sum(c.num_rows for c in chunks) >= self.config.batch_rows:
-                    yield self._batch_item(chunks)
-                    chunks = []
-                continue
-            if not isinstance(entry, Finish):  # references
-                self._held_references += entry
-                continue
-            if chunks:
-                yield self._batch_item(chunks)
-                chunks = []
-            header = SpillHeader(ItemKind.FINISH, self._next_seq(), path=entry.path(self.config.run_id))
-            yield _Item(header, entry.body())
-        if chunks:
-            yield self._batch_item(chunks)
-        if self._held_references and (self._made_batch or closing):
-            held, self._held_references = self._held_references, []
-            yield _Item(SpillHeader(ItemKind.REFERENCES, self._next_seq(), path=references_path(self.config.run_id)),
-                        references_body(held))
-
-    def _next_seq(self) -> int:
-        seq = self._seq
-        self._seq += 1
-        return seq
-
-    def _batch_item(self, chunks: list[RowChunk]) -> _Item:
-        self._made_batch = True
-        cfg = self.config
-        rows = RowChunk.merged(chunks)
-        seq = self._next_seq()
-        meta = RowsMeta(cfg.run_id, cfg.writer_id, seq, cfg.shape, source=cfg.source)
-        batch = build_rows(meta, rows.requests.to_arrow(), rows.positions, rows.experts, token_ids=rows.token_ids,
-                           flags=rows.flags, weight_versions=rows.versions)
-        return _Item(SpillHeader(ItemKind.BATCH, seq, rows=rows.num_rows), encode_stream(batch))
-
-    def _enqueue(self, item: _Item) -> None:
+    def _enqueue(self, item: Item) -> None:
         with self._lock:
             fits = self._queue_bytes + len(item.payload) <= self.config.max_queue_bytes
-            if fits and not self._spilled and not self._down:
+            if fits and not self.spill and not self._down:
                 self._queue.append(item)
                 self._queue_bytes += len(item.payload)
                 self._lock.notify_all()
@@ -242,65 +164,30 @@ class RouteSender:
 
     # ---- spill ---------------------------------------------------------------
 
-    def _spill(self, item: _Item) -> None:
-        cfg = self.config
-        if self._spill_bytes + len(item.payload) > cfg.max_spill_bytes:
+    def _spill(self, item: Item) -> None:
+        """Put `item` in the spill folder, or drop it (counted, logged) when the folder is over its budget."""
+        if not self.spill.fits(len(item.payload)):
             self.stats.dropped_batches += 1
             self.stats.dropped_rows += item.rows
             log.error(
                 "routing-replay: DROPPED %s seq %d (%d rows): spill directory %s is over its %d-byte budget "
-                "and the service at %s is not taking data", item.kind.value, item.seq, item.rows, self.spill_dir,
-                cfg.max_spill_bytes, cfg.url,
+                "and the service at %s is not taking data", item.kind.value, item.seq, item.rows, self.spill.path,
+                self.spill.max_bytes, self.config.url,
             )
             return
-        name = item_name(item.created_ns, cfg.writer_id, item.seq)
-        with self._spilling:
-            if (self.spill_dir / name).exists():
-                return  # already spilled (a copy of the in-flight item at close)
-            data = encode_item(item.header, item.payload)
-            tmp = self.spill_dir / (name + ".tmp")
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.spill_dir / name)
-            self._count_spilled(self.spill_dir / name, item, len(data))
-
-    def _count_spilled(self, path: Path, item: _Item, size: int) -> None:
-        """A spilled item joins the drain queue and the spill budget."""
-        with self._lock:
-            self._spilled.append(path)
-            self._spilled = deque(sorted(self._spilled, key=_spill_order))
-            self._spill_bytes += size
-            self.stats.spilled_batches += item.kind == ItemKind.BATCH
-            self._lock.notify_all()
-
-    @staticmethod
-    def _read_spilled(path: Path) -> _Item:
-        header, payload = decode_item(path.read_bytes())
-        return _Item(header, payload, created_ns(path.name))
-
-    def _set_aside(self, path: Path, error: FormatError) -> None:
-        """A spill file that cannot be read (damaged, or from a newer version): kept as `.bad`, skipped."""
-        log.error("routing-replay: spill file %s cannot be read (%s); kept as %s.bad and skipped",
-                  path, error, path.name)
-        self._spilled.remove(path)
-        self._spill_bytes -= path.stat().st_size
-        path.rename(path.with_name(path.name + ".bad"))
+        if self.spill.write(item, self.config.writer_id):
+            with self._lock:
+                self.stats.spilled_batches += item.kind == ItemKind.BATCH
 
     # ---- network -------------------------------------------------------------
 
-    def _next_item(self) -> tuple[_Item, Path | None] | None:
+    def _next_item(self) -> tuple[Item, Path | None] | None:
         with self._lock:
             while True:
-                if self._spilled:
-                    path = self._spilled[0]
-                    try:
-                        self._current = self._read_spilled(path)
-                    except FormatError as exc:
-                        self._set_aside(path, exc)
-                        continue
-                    return self._current, path
+                spilled = self.spill.oldest()
+                if spilled is not None:
+                    self._current = spilled[0]
+                    return spilled
                 if self._queue:
                     item = self._queue.popleft()
                     self._queue_bytes -= len(item.payload)
@@ -324,19 +211,17 @@ class RouteSender:
                 return
             with self._lock:
                 if spilled_from is not None:
-                    self._spilled.remove(spilled_from)
-                    self._spill_bytes -= spilled_from.stat().st_size
-                    spilled_from.unlink()
+                    self.spill.remove(spilled_from)
                     self.stats.drained_batches += item.kind == ItemKind.BATCH
                 self._current = None
                 self._lock.notify_all()
 
-    def _post(self, item: _Item) -> httpx.Response:
+    def _post(self, item: Item) -> httpx.Response:
         if item.kind == ItemKind.BATCH:
             return self.http.post("/v1/ingest", content=item.payload, headers={"content-type": ARROW_STREAM_MEDIA_TYPE})
         return self.http.post(item.header.path, content=item.payload, headers={"content-type": JSON_MEDIA_TYPE})
 
-    def _deliver(self, item: _Item) -> None:
+    def _deliver(self, item: Item) -> None:
         """Post until acknowledged; 4xx is final (logged, counted), anything else retries."""
         delay = self.config.backoff_initial_s
         while True:
@@ -385,7 +270,7 @@ class RouteSender:
         deadline = time.monotonic() + timeout
         with self._lock:
             self._lock.notify_all()
-            while self._pending or self._queue or self._spilled or self._current is not None:
+            while self._pending or self._queue or self.spill or self._current is not None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
@@ -409,7 +294,7 @@ class RouteSender:
             for item in moving:  # the in-flight one too: if it also lands, the service stores it once
                 self._spill(item)
             log.warning("routing-replay: close() timed out; %d items left in %s for the next start",
-                        len(self._spilled), self.spill_dir)
+                        len(self.spill), self.spill.path)
         self._network.join(1.0)
         self._log_summary(periodic=False)
         return done
@@ -430,9 +315,6 @@ class RouteSender:
 class _GiveUp(Exception):
     pass
 
-
-def _spill_order(path: Path) -> str:
-    return path.name
 
 
 __all__ = ["RouteSender", "SenderConfig", "SenderStats"]

@@ -15,7 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from capture.sender import RouteSender, SenderConfig, _Item
+from capture.sender import RouteSender, SenderConfig
+from capture.sender_items import Item
 from replay_client.client import ReplayClient
 from replay_format import FormatError, FormatVersion
 from replay_format.spill import ItemKind, SpillHeader, created_ns, decode_item, encode_item, item_name
@@ -275,7 +276,7 @@ def test_two_spills_of_one_item_at_once_leave_one_file(tmp_path):
     errors: list[BaseException] = []
     try:
         for seq in range(40):
-            item = _Item(SpillHeader(ItemKind.BATCH, seq, rows=1), b"x" * (1 << 18))
+            item = Item(SpillHeader(ItemKind.BATCH, seq, rows=1), b"x" * (1 << 18))
             both = threading.Barrier(2)
 
             def spill_it(item=item, both=both):
