@@ -44,8 +44,8 @@ class SpillFolder:
         return self._bytes + size <= self.max_bytes
 
     def write(self, item: Item, writer_id: str) -> bool:
-        """Write `item` as a file (fsynced, then renamed into place) and queue it for draining; False when the
-        folder holds it already (a copy of the in-flight item at close), and nothing is written."""
+        """Write `item` as a file (fsynced, renamed into place, the folder fsynced) and queue it for draining;
+        False when the folder holds it already (a copy of the in-flight item at close), and nothing is written."""
         name = item_name(item.created_ns, writer_id, item.seq)
         with self._writing:
             if (self.path / name).exists():
@@ -57,6 +57,7 @@ class SpillFolder:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path / name)
+            _fsync_folder(self.path)  # the rename too survives a crash of the machine, not only of the process
             with self._lock:
                 self._files.append(self.path / name)
                 self._files = deque(sorted(self._files, key=_spill_order))
@@ -91,3 +92,11 @@ class SpillFolder:
 
 def _spill_order(path: Path) -> str:
     return path.name
+
+
+def _fsync_folder(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import stat
 import threading
 import time
 
@@ -17,6 +19,7 @@ import pytest
 
 from capture.sender import RouteSender, SenderConfig
 from capture.sender_items import Item
+from capture.sender_spill import SpillFolder
 from replay_client.client import ReplayClient
 from replay_format import FormatError, FormatVersion
 from replay_format.spill import ItemKind, SpillHeader, created_ns, decode_item, encode_item, item_name
@@ -296,3 +299,20 @@ def test_two_spills_of_one_item_at_once_leave_one_file(tmp_path):
         assert sender.stats.spilled_batches == 40
     finally:
         sender.close(0.1)
+
+
+def test_a_spilled_item_is_fsynced_and_so_is_its_rename(tmp_path, monkeypatch):
+    """The spill is durable across a crash of the machine: the item's bytes are fsynced, and after the rename
+    that puts it in place, the folder too (before, only the bytes: the new name could be lost with the machine)."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append("folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    folder = SpillFolder(tmp_path / "spill", 1 << 20, threading.Condition())
+    assert folder.write(Item(SpillHeader(ItemKind.BATCH, 0, rows=1), b"x" * 100), "w0")
+    assert synced == ["file", "folder"]
+    assert len(folder) == 1 and SpillFolder(tmp_path / "spill", 1 << 20, threading.Condition()).oldest() is not None
