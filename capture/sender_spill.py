@@ -57,7 +57,7 @@ class SpillFolder:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path / name)
-            _fsync_folder(self.path)  # the rename too survives a crash of the machine, not only of the process
+            fsync_folder(self.path)  # the rename too survives a crash of the machine, not only of the process
             with self._lock:
                 self._files.append(self.path / name)
                 self._files = deque(sorted(self._files, key=_spill_order))
@@ -94,7 +94,8 @@ def _spill_order(path: Path) -> str:
     return path.name
 
 
-def _fsync_folder(path: Path) -> None:
+def fsync_folder(path: Path) -> None:
+    """Make the names in folder `path` durable (what a rename into it changed), as fsync makes a file's bytes."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

@@ -20,6 +20,7 @@ import pytest
 from capture.sender import RouteSender, SenderConfig
 from capture.sender_items import Item
 from capture.sender_spill import SpillFolder
+from capture.vllm.sink import spill_root
 from replay_client.client import ReplayClient
 from replay_format import FormatError, FormatVersion
 from replay_format.spill import ItemKind, SpillHeader, created_ns, decode_item, encode_item, item_name
@@ -301,18 +302,41 @@ def test_two_spills_of_one_item_at_once_leave_one_file(tmp_path):
         sender.close(0.1)
 
 
-def test_a_spilled_item_is_fsynced_and_so_is_its_rename(tmp_path, monkeypatch):
-    """The spill is durable across a crash of the machine: the item's bytes are fsynced, and after the rename
-    that puts it in place, the folder too (before, only the bytes: the new name could be lost with the machine)."""
+def _record_fsyncs(monkeypatch) -> list[str]:
+    """What each os.fsync from now on syncs: "file", or the folder's path (os.fsync still runs)."""
     synced: list[str] = []
     real_fsync = os.fsync
 
     def recording_fsync(fd: int) -> None:
-        synced.append("folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        synced.append(os.readlink(f"/proc/self/fd/{fd}") if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
         real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", recording_fsync)
+    return synced
+
+
+def test_a_spilled_item_is_fsynced_and_so_is_its_rename(tmp_path, monkeypatch):
+    """The spill is durable across a crash of the machine: the item's bytes are fsynced, and after the rename
+    that puts it in place, the folder too (before, only the bytes: the new name could be lost with the machine)."""
+    synced = _record_fsyncs(monkeypatch)
     folder = SpillFolder(tmp_path / "spill", 1 << 20, threading.Condition())
     assert folder.write(Item(SpillHeader(ItemKind.BATCH, 0, rows=1), b"x" * 100), "w0")
-    assert synced == ["file", "folder"]
+    assert synced == ["file", str(tmp_path / "spill")]
     assert len(folder) == 1 and SpillFolder(tmp_path / "spill", 1 << 20, threading.Condition()).oldest() is not None
+
+
+def test_items_adopted_from_a_stopped_writer_are_moved_durably(tmp_path, monkeypatch):
+    """`spill_root.adopt` renames a stopped writer's items into the new writer's folder, fsyncs that folder, and
+    only then removes the old one (before, no fsync: a crash of the machine could lose the moves)."""
+    root = tmp_path / "root"
+    os.close(spill_root.claim(root, "dead"))  # its lock is free again: the writer has stopped
+    SpillFolder(root / "dead", 1 << 20, threading.Condition()).write(
+        Item(SpillHeader(ItemKind.BATCH, 0, rows=1), b"x" * 100), "dead")
+    live = spill_root.claim(root, "live")
+    synced = _record_fsyncs(monkeypatch)
+    try:
+        assert spill_root.adopt(root, root / "live") == 1
+    finally:
+        os.close(live)
+    assert synced == [str(root / "live")] and not (root / "dead").exists()
+    assert len(SpillFolder(root / "live", 1 << 20, threading.Condition())) == 1
