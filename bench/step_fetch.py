@@ -9,6 +9,7 @@ array. Printed per service (one worker, then one per core):
 - the wall time until the last rank holds its array, rows delivered per second of it, per-rank p50 / p99;
 - bytes on the wire (the slices' rows, summed over ranks) against the step's rows (TP ranks get the same rows);
 - the service's peak memory (VmHWM, summed over its processes);
+- how the ranks' connections split between the workers (the kernel hands each to one; README, "What the floors say");
 
 beside, in the same run, two baselines: the same N slices fetched one after another by one client (one
 process), and one process copying the step's rows out of the memory-mapped segment files (the machine's limit).
@@ -56,11 +57,17 @@ def rank_query(rank: int, ranks: int, sequences: list, convention: str | None) -
     return sequences[dp * per:(dp + 1) * per], options
 
 
+def serving_pid(client: ReplayClient) -> int:
+    """The worker holding this client's connection for large answers (the one `megatron_batch` uses)."""
+    return int(json.loads(bytes(client._transport.fetch_bulk("GET", "/healthz", accept="application/json")))["pid"])
+
+
 def _rank(url: str, rank: int, ranks: int, sequences: list, convention: str | None, rounds: int,
-          barrier, results) -> None:
+          barrier, results, workers) -> None:
     seqs, options = rank_query(rank, ranks, sequences, convention)
     with ReplayClient(url) as client:
         client.megatron_batch(seqs, packing="thd", **options)  # warm: its connection, the service's caches
+        workers.put(serving_pid(client))
         for round_ in range(rounds):
             barrier.wait()
             started = time.monotonic()
@@ -70,15 +77,20 @@ def _rank(url: str, rank: int, ranks: int, sequences: list, convention: str | No
             del batch
 
 
-def all_at_once(url: str, ranks: int, sequences: list, convention: str | None, rounds: int) -> list[dict]:
-    """Each round: every rank's fetch, all released by one barrier. Per round: wall, per-rank times, rows, bytes."""
+def all_at_once(url: str, ranks: int, sequences: list, convention: str | None,
+                rounds: int) -> tuple[list[dict], list[int]]:
+    """Each round: every rank's fetch, all released by one barrier. Per round: wall, per-rank times, rows, bytes;
+    and how many ranks' connections each worker holds, most first."""
     ctx = mp.get_context("fork")
     barrier = ctx.Barrier(ranks)
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(url, r, ranks, sequences, convention, rounds, barrier, results))
+    workers = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(url, r, ranks, sequences, convention, rounds, barrier, results, workers))
              for r in range(ranks)]
     for p in procs:
         p.start()
+    pids = [workers.get(timeout=600) for _ in range(ranks)]
+    split = sorted((pids.count(pid) for pid in set(pids)), reverse=True)
     got = [results.get(timeout=600) for _ in range(ranks * rounds)]
     for p in procs:
         p.join()
@@ -88,7 +100,7 @@ def all_at_once(url: str, ranks: int, sequences: list, convention: str | None, r
         out.append({"wall": max(g[3] for g in mine) - min(g[2] for g in mine),
                     "each": sorted(g[3] - g[2] for g in mine),
                     "rows": sum(g[4] for g in mine), "bytes": sum(g[5] for g in mine)})
-    return out
+    return out, split
 
 
 def one_client_in_turn(url: str, ranks: int, sequences: list, convention: str | None) -> tuple[float, int]:
@@ -152,7 +164,7 @@ def main() -> None:
                             for _ in range(args.rounds)]
                     turn_s = statistics.median(t for t, _ in turn)
                     turn_rate = turn[0][1] / turn_s
-                    rounds = all_at_once(service.url, ranks, sequences, args.convention, args.rounds)
+                    rounds, split = all_at_once(service.url, ranks, sequences, args.convention, args.rounds)
                     wall = statistics.median(r["wall"] for r in rounds)
                     each = [e for r in rounds for e in r["each"]]
                     rate = rounds[0]["rows"] / wall
@@ -162,13 +174,15 @@ def main() -> None:
                                    "p99_s": round(p99, 3), "one_client_rows_per_s": round(turn_rate),
                                    "vs_one_client": round(rate / turn_rate, 2), "vs_files": round(rate / files_rate, 3),
                                    "wire_over_step": round(rounds[0]["bytes"] / step_bytes, 2),
-                                   "service_peak_mb": round(peak_memory(service) / 1e6)}
+                                   "service_peak_mb": round(peak_memory(service) / 1e6),
+                                   "connections_per_worker": split}
                     r = report[key]
                     print(f"  {count} worker{'s' if count > 1 else ' '} {ranks:3d} ranks at once: last rank after "
                           f"{wall:.2f} s, {rate / 1e6:.2f} M rows/s (per rank p50 {p50:.2f} s, p99 {p99:.2f} s); "
                           f"one client in turn {turn_rate / 1e6:.2f} M rows/s -> ratio {r['vs_one_client']:.2f}; "
                           f"of the file read {r['vs_files']:.3f}; wire {r['wire_over_step']:.2f} x the step; "
-                          f"service peak {r['service_peak_mb']} MB")
+                          f"service peak {r['service_peak_mb']} MB; connections per worker "
+                          f"{':'.join(map(str, split))}")
     print(json.dumps(report))
 
 
