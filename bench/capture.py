@@ -11,9 +11,11 @@ runner, decode steps of the tests' toy model (8 sequences, 2 layers, top-2 of 8)
 `--model small` (16 sequences, 8 layers, top-4 of 32), outside the engine: the fixed
 per-step cost without the engine's noise, each step timed (median and quartiles of
 `--steps` x `--repeats` steps), then per part (`step_profile.py`).
+Spill (`--only spill`): the sender's spill of one step's batch (`SpillFolder.write`: the file written and fsynced,
+renamed, the folder fsynced), beside the same write without the folder's fsync, alternated, in `BENCH_TMP`.
 Medians of several repeats; prints figures, asserts nothing (shared, noisy machines).
 
-    python bench/capture.py [--tokens 8192] [--layers 48] [--repeats 7] [--only vllm-step]
+    python bench/capture.py [--tokens 8192] [--layers 48] [--repeats 7] [--only vllm-step|spill]
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -138,7 +141,6 @@ def bench_recorder(tokens: int, layers: int, repeats: int) -> dict:
 
 
 def bench_enqueue(tokens: int, layers: int, repeats: int) -> tuple[float, dict]:
-    from pathlib import Path
 
     from capture.sender import RouteSender, SenderConfig
     from tests.support.service import ServiceProcess
@@ -181,7 +183,6 @@ class _MoERunner:
 
 def bench_vllm_step(steps: int, blocks: int) -> dict:
     """us per decode step of the plugin's hooks outside the engine (module docstring), median of blocks."""
-    from pathlib import Path
 
     from tests.support.service import ServiceProcess
 
@@ -249,14 +250,48 @@ def _hook_step(url: str, tmp, label: str, seqs: int, layers: int, k: int, expert
             "parts": profile.report(steps), "seqs": seqs, "layers": layers}
 
 
+def bench_spill(tokens: int, layers: int, repeats: int, items: int = 20) -> dict[str, list[float]]:
+    """Seconds per `SpillFolder.write` of a `tokens`-row batch, with the folder's fsync and without, per repeat."""
+    import threading
+
+    import capture.sender_spill as spill
+    from capture.sender_items import Item
+    from replay_format.spill import ItemKind, SpillHeader
+
+    payload = np.random.default_rng(0).integers(0, 128, tokens * layers * K, dtype=np.uint8).tobytes()
+    real = spill.fsync_folder
+    out: dict[str, list[float]] = {"with the folder's fsync": [], "without it": []}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+        for repeat in range(repeats):
+            for label in list(out)[:: 1 if repeat % 2 == 0 else -1]:  # each first in every other repeat
+                spill.fsync_folder = real if label == "with the folder's fsync" else (lambda path: None)
+                folder = spill.SpillFolder(Path(tmp) / f"{repeat}-{len(out[label])}", 1 << 40, threading.Condition())
+                started = time.perf_counter()
+                for seq in range(items):
+                    folder.write(Item(SpillHeader(ItemKind.BATCH, seq, rows=tokens), payload), "bench")
+                out[label].append((time.perf_counter() - started) / items)
+    spill.fsync_folder = real
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--only", choices=("vllm-step",), help="run one section")
+    ap.add_argument("--only", choices=("vllm-step", "spill"), help="run one section")
     ap.add_argument("--steps", type=int, default=500, help="vllm-step: steps per timed block")
     args = ap.parse_args()
+    if args.only == "spill":
+        print(f"the sender's spill of one {args.tokens}-row batch ({args.tokens * args.layers * K / 1e6:.1f} MB), "
+              f"medians of {args.repeats} x 20 writes, alternated")
+        results = bench_spill(args.tokens, args.layers, args.repeats)
+        for label, secs in results.items():
+            print(f"  {label:<24} {1e3 * statistics.median(secs):7.2f} ms a batch (min {1e3 * min(secs):.2f}, max "
+                  f"{1e3 * max(secs):.2f})")
+        with_, without = (statistics.median(v) for v in results.values())
+        print(f"  ratio {with_ / without:.2f}")
+        return
     if args.only != "vllm-step":
         main_sections(args)
     print("vLLM plugin hooks per decode step outside the engine (stand-in runner, real sink and service)")
