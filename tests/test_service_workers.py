@@ -274,3 +274,25 @@ def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_service_serves_on
         assert service.worker_pids() == before  # no worker died and was replaced
         pids = {httpx.get(f"{service.url}/healthz", timeout=30).json()["pid"] for _ in range(20)}
         assert pids <= (before or {service.proc.pid})
+
+
+def test_sigusr1_during_a_workers_start_up_waits_for_its_handler_and_ends_nothing(tmp_path):
+    """A worker signalled before its app has registered the stack dump (the first moments of its start) gets the
+    signal once it has, and serves on: the parent holds SIGUSR1 blocked, its workers start so, and each unblocks it
+    after registering (ops/workers.py). Before, SIGUSR1's default action ended the worker and uvicorn started
+    another: the first pid seen was gone."""
+    service = ServiceProcess(tmp_path / "data", workers=2)
+    starting = threading.Thread(target=service.start)
+    starting.start()
+    deadline = time.monotonic() + 30
+    while service.proc is None or not service.worker_pids():
+        assert time.monotonic() < deadline, "no worker started"
+        time.sleep(0.001)
+    first = min(service.worker_pids())
+    os.kill(first, signal.SIGUSR1)  # the worker has only just been spawned: Python is still starting
+    starting.join()
+    try:
+        assert first in service.worker_pids(), service.log_path.read_text()[-3000:]
+        assert "(most recent call first)" in service.log_path.read_text()
+    finally:
+        service.stop()

@@ -45,7 +45,7 @@ from fastapi import FastAPI
 
 from replay_service.app import create_app
 from replay_service.metrics import MULTIPROCESS_DIR
-from replay_service.ops.stacks import dump_stacks_on_signal
+from replay_service.ops.stacks import dump_stacks_on_signal, hold_stacks_signal
 from replay_service.settings import ServiceSettings
 from replay_service.store import Processes
 
@@ -72,6 +72,7 @@ def run_workers(settings: ServiceSettings, workers: int, serve: Callable[..., No
     os.environ[MULTIPROCESS_DIR] = metrics_dir
     os.environ[SETTINGS_VARIABLE] = worker_settings(settings, workers).model_dump_json()
     os.environ[PARENT_VARIABLE] = str(os.getpid())
+    hold_stacks_signal()  # the workers start with it blocked; each unblocks it once it dumps stacks (ops/stacks.py)
     try:
         serve(f"{__name__}:worker_app", factory=True, workers=workers, **options)
     finally:
