@@ -141,7 +141,6 @@ def bench_recorder(tokens: int, layers: int, repeats: int) -> dict:
 
 
 def bench_enqueue(tokens: int, layers: int, repeats: int) -> tuple[float, dict]:
-
     from capture.sender import RouteSender, SenderConfig
     from tests.support.service import ServiceProcess
 
@@ -183,7 +182,6 @@ class _MoERunner:
 
 def bench_vllm_step(steps: int, blocks: int) -> dict:
     """us per decode step of the plugin's hooks outside the engine (module docstring), median of blocks."""
-
     from tests.support.service import ServiceProcess
 
     torch.set_num_threads(1)
