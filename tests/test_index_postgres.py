@@ -322,6 +322,47 @@ def test_a_batch_in_flight_when_another_replica_deletes_its_run(tmp_path, postgr
         b.close()
 
 
+def test_once_the_index_is_found_gone_calls_ask_the_server_instead_of_waiting_on_the_pool(monkeypatch):
+    """The first call of an outage waits the pool's POOL_WAIT_S, then finds the server gone (IndexUnreachable). From
+    then on a call asks the server directly before it waits on the pool: refused at once, it answers
+    IndexUnreachable at once; once the server is back the first call goes on at once on a fresh pool. Before, every
+    call of the outage waited out the pool's wait, and so did the first call after it (the pool backing off).
+    The later waits are an hour here: a call that waits on the pool does not answer within the test."""
+    from replay_service.store.index_backends import postgres
+    from tests.support.postgres import Cluster
+
+    def answer(call):  # what `call` answers or raises, or "no answer" while it still waits (a daemon thread)
+        box: list = []
+
+        def run() -> None:
+            try:
+                box.append(call())
+            except Exception as exc:  # noqa: BLE001 - the answer under test
+                box.append(exc)
+
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        worker.join(60)
+        return box[0] if box else "no answer"
+
+    cluster = Cluster()  # its own: stopping it must not touch the session's
+    try:
+        monkeypatch.setattr(postgres, "POOL_WAIT_S", 1)
+        backend = postgres.PostgresBackend(cluster.url())
+        assert backend.query("SELECT 1 AS one") == [{"one": 1}]
+        cluster.stop()
+        assert isinstance(answer(lambda: backend.query("SELECT 1 AS one")), IndexUnreachable)  # one pool wait
+        monkeypatch.setattr(postgres, "POOL_WAIT_S", 3600)
+        backend.pool.timeout = 3600
+        for _ in range(3):
+            assert isinstance(answer(lambda: backend.query("SELECT 1 AS one")), IndexUnreachable)
+        cluster.start()
+        assert answer(lambda: backend.query("SELECT 1 AS one")) == [{"one": 1}]
+        assert answer(lambda: backend.query("SELECT 2 AS two")) == [{"two": 2}]
+    finally:
+        cluster.close()
+
+
 def test_a_replica_that_loses_its_index_answers_503_and_recovers(tmp_path):
     """The PostgreSQL server stops under a serving replica: reads and ingests answer 503 naming the index (never
     rows without it); once the server is back on its port the same process serves again, without a restart."""

@@ -12,10 +12,12 @@ is made explicit:
 - a segment row needs its run row (a foreign key: a batch of a run deleted meanwhile fails with RunDeleted);
 - schema creation and migration run under one advisory lock, so replicas starting together do it once.
 
-A lost server: a call that gets no pooled connection within POOL_WAIT_S answers IndexUnreachable (a 503).
-psycopg_pool reconnects in the background with exponential backoff (it can wait minutes after a long
-outage), so such a call also tries one direct connection: when the server answers again, the pool is
-replaced by a fresh one at once and the call goes on, instead of serving 503s until the backoff ends.
+A lost server: a call that gets no pooled connection within POOL_WAIT_S tries one direct connection. Refused, it
+answers IndexUnreachable (a 503), and the backend then knows the server gone: each later call tries the direct
+connection first, so it answers its 503 at once instead of waiting out POOL_WAIT_S again. psycopg_pool reconnects
+in the background with exponential backoff (it can wait minutes after a long outage), so when the direct connection
+is answered again, the pool is replaced by a fresh one at once and the call goes on, instead of serving 503s until
+the backoff ends.
 
 A lost replica: one cut off the network while its transaction holds run locks would keep them at the server,
 blocking every other replica's commits of those runs, until the server notices; each pooled session asks the
@@ -186,6 +188,7 @@ class PostgresBackend:
         self.pool = self._new_pool()
         self._swap = threading.Lock()
         self._local = threading.local()
+        self._gone = False  # a call found the server gone: the next ones ask it directly before the pool
 
     def _new_pool(self) -> ConnectionPool:
         return ConnectionPool(self.url, min_size=1, max_size=POOL_MAX, open=True,
@@ -197,6 +200,8 @@ class PostgresBackend:
     def _getconn(self) -> tuple[ConnectionPool, psycopg.Connection[Any]]:
         """A pooled connection and its pool; after a lost server, a fresh pool once the server answers again."""
         pool = self.pool
+        if self._gone:  # known gone: ask the server now rather than wait out the pool's backoff
+            pool = self._reopened(pool)
         try:
             return pool, pool.getconn()
         except PoolClosed:  # replaced by another thread meanwhile
@@ -204,18 +209,24 @@ class PostgresBackend:
             with _translating():
                 return pool, pool.getconn()
         except PoolTimeout:
-            try:  # is the server back while the pool is still backing off?
-                psycopg.connect(self.url, connect_timeout=PROBE_TIMEOUT_S).close()
-            except psycopg.Error:
-                raise IndexUnreachable("the index database (REPLAY_INDEX_URL) cannot be reached: nothing of this "
-                                       "call was stored; retry") from None
+            pool = self._reopened(pool)
+        with _translating():
+            return pool, pool.getconn()
+
+    def _reopened(self, pool: ConnectionPool) -> ConnectionPool:
+        """A fresh pool in place of `pool` when the server answers one direct connection; IndexUnreachable when not."""
+        try:
+            psycopg.connect(self.url, connect_timeout=PROBE_TIMEOUT_S).close()
+        except psycopg.Error:
+            self._gone = True
+            raise IndexUnreachable("the index database (REPLAY_INDEX_URL) cannot be reached: nothing of this "
+                                   "call was stored; retry") from None
         with self._swap:
             if self.pool is pool:  # the first caller to see the server back replaces the pool
                 self.pool = self._new_pool()
                 threading.Thread(target=pool.close, name="index-pool-close", daemon=True).start()
-            pool = self.pool
-        with _translating():
-            return pool, pool.getconn()
+            self._gone = False
+            return self.pool
 
     def _tx(self) -> PostgresTransaction | None:
         return getattr(self._local, "tx", None)
