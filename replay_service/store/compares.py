@@ -22,7 +22,7 @@ from replay_service.errors import NotFound
 from replay_service.store.durable import write_file
 from replay_service.store.index import Index, IndexTransaction
 from replay_service.store.index_backends import Dialect
-from replay_service.store.segment_store import S3Segments
+from replay_service.store.segment_store import Freed, S3Segments
 
 
 def schema(d: Dialect) -> str:
@@ -86,17 +86,17 @@ class CompareStore:
         """Delete a run's comparison rows inside `tx` (retention.py removes their files after it commits)."""
         return tx.execute(DELETE_BY_RUN, (run_id,)).rowcount
 
-    def delete_objects(self, run_id: str) -> tuple[int, int]:
-        """Delete a run's comparison objects from the bucket (after its rows' commit); (bytes, objects) removed.
+    def delete_objects(self, run_id: str) -> Freed:
+        """Delete a run's comparison objects from the bucket (after its rows' commit); what that freed.
 
-        Local files go to the trash with the run's folders instead (retention.py): (0, 0) here.
+        Local files go to the trash with the run's folders instead (retention.py): nothing here.
         """
         if self.bucket is None:
-            return 0, 0
+            return Freed()
         objects = self.bucket.other_objects(f"{run_id}/compares/", ".npz")
         for obj in objects:
             self.bucket.delete(obj.path)
-        return sum(o.size for o in objects), len(objects)
+        return Freed.of(objects)
 
     def list(self, run_id: str) -> list[dict]:
         """The stored answers of a run's comparisons, newest first."""

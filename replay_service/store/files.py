@@ -37,7 +37,7 @@ from replay_service.errors import DamagedSegment, IndexNeedsRebuild, RunDeleted
 from replay_service.store import on_loop
 from replay_service.store.durable import TMP_SUFFIX, fsync_dir
 from replay_service.store.integrity import open_segment
-from replay_service.store.segment_store import SEGMENT_SUFFIX, LocalSegments, SegmentStore
+from replay_service.store.segment_store import SEGMENT_SUFFIX, FileStamp, LocalSegments, SegmentStore
 
 log = logging.getLogger("replay_service")
 
@@ -126,6 +126,14 @@ def quarantine_segment(path: Path, target: Path) -> Path:
     return target
 
 
+@dataclass(frozen=True)
+class _Damage:
+    """A segment found damaged: the file as it was then (None: missing), and why."""
+
+    stamp: FileStamp | None
+    why: str
+
+
 def _run_of(rel_path: str) -> str:
     """The run a segment path (relative to the segment root) belongs to."""
     return rel_path.split("/", 1)[0]
@@ -162,7 +170,7 @@ class SegmentCache:
         self.max_heap_bytes = max_heap_bytes
         self._heap: dict[str, int] = {}  # path -> heap_bytes of the open segments that hold any
         self._open: OrderedDict[str, pa.RecordBatch] = OrderedDict()
-        self._damaged: dict[str, tuple[tuple[int, int] | None, str]] = {}  # path -> (file stat when found, why)
+        self._damaged: dict[str, _Damage] = {}  # path -> the file when found damaged, and why
         self._deleted: set[str] = set()  # runs deleted (retention.py): a missing segment of one is not damage
         self._lock = threading.Lock()
 
@@ -185,7 +193,7 @@ class SegmentCache:
         with self._lock:
             self._deleted.discard(run_id)
 
-    def _stat(self, rel_path: str) -> tuple[int, int] | None:
+    def _stat(self, rel_path: str) -> FileStamp | None:
         return self.store.stat(rel_path)
 
     def _unnamed(self, rel_path: str) -> bool:
@@ -209,8 +217,8 @@ class SegmentCache:
             deleted = _run_of(rel_path) in self._deleted
         if deleted and self._stat(rel_path) is None:
             raise RunDeleted.during_read(_run_of(rel_path))
-        if known is not None and known[0] == self._stat(rel_path):
-            raise DamagedSegment(known[1], rel_path)
+        if known is not None and known.stamp == self._stat(rel_path):
+            raise DamagedSegment(known.why, rel_path)
         stat = self._stat(rel_path)
         try:
             batch = open_segment(self.store, rel_path)
@@ -224,7 +232,7 @@ class SegmentCache:
                     raise RunDeleted.during_read(_run_of(rel_path)) from None
             with self._lock:
                 exc.newly_found = rel_path not in self._damaged
-                self._damaged[rel_path] = (stat, exc.message)
+                self._damaged[rel_path] = _Damage(stat, exc.message)
             if exc.newly_found:
                 log.error("%s", exc.message)
             raise

@@ -45,7 +45,7 @@ from pathlib import Path
 
 from replay_format.request_notes import Reference
 from replay_service.store.durable import fsync_dir
-from replay_service.store.segment_store import S3Segments, SegmentStore, StoredObject
+from replay_service.store.segment_store import Freed, S3Segments, SegmentStore, StoredObject
 
 JOURNAL_NAME = "journal.jsonl"
 JOURNAL_DIR = "journal"  # under a run's prefix in an object store: one object per event
@@ -82,12 +82,12 @@ class RunJournal:
         """A run's events in the order appended (reindex)."""
         return read_journal(self.root / run_id / JOURNAL_NAME)
 
-    def delete_run(self, run_id: str) -> tuple[int, int]:
-        """Delete a run's journal where it is not in its local run folder; (bytes, objects) removed.
+    def delete_run(self, run_id: str) -> Freed:
+        """Delete a run's journal where it is not in its local run folder; what that freed.
 
         The file goes with the run's folder, which retention.py moves to the trash whole.
         """
-        return 0, 0
+        return Freed()
 
     def _write(self, run_id: str, t: int, line: bytes) -> None:
         path = self.root / run_id / JOURNAL_NAME
@@ -129,11 +129,11 @@ class BucketJournal(RunJournal):
                 continue  # deleted since listed (its run is being deleted)
         return events
 
-    def delete_run(self, run_id: str) -> tuple[int, int]:
+    def delete_run(self, run_id: str) -> Freed:
         objects = self._objects(run_id)
         for obj in objects:
             self.segments.delete(obj.path)
-        return sum(o.size for o in objects), len(objects)
+        return Freed.of(objects)
 
 
 def open_journal(segments: SegmentStore, segments_root: Path, fsync: bool = True) -> RunJournal:

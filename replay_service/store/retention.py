@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from replay_service.errors import NotFound
-from replay_service.store.segment_store import LocalSegments, SegmentStore
+from replay_service.store.segment_store import Freed, LocalSegments, SegmentStore
 
 if TYPE_CHECKING:
     from replay_service.store import RouteStore
@@ -93,19 +93,16 @@ def delete_run(store: RouteStore, run_id: str, reason: str = "requested") -> Rem
         except BaseException:
             state.deleted = False
             raise
-        object_bytes, objects = store.segments.delete_run(run_id)  # an object store's; local ones go to the trash
-        journal_bytes, journal_objects = store.journal.delete_run(run_id)  # likewise (journal.py)
-        compare_bytes, compare_objects = store.compares.delete_objects(run_id)  # likewise (compares.py)
-        object_bytes = object_bytes + journal_bytes + compare_bytes
-        objects = objects + journal_objects + compare_objects
+        objects = (store.segments.delete_run(run_id)  # an object store's; local ones go to the trash
+                   + store.journal.delete_run(run_id)  # likewise (journal.py)
+                   + store.compares.delete_objects(run_id))  # likewise (compares.py)
         trash = store.root / TRASH_DIR / uuid.uuid4().hex
         moved = [_to_trash(folder, trash) for folder in (store.segments_root / run_id, store.compares.root / run_id)]
     store.registry.forget(run_id)
-    size, files = _remove(trash)
-    size, files = size + object_bytes, files + objects
-    removed = Removed(run_id, rows, size, files, reason)
-    log.warning("deleted run %r (%s): %d index rows, %d files, %d bytes%s", run_id, reason, rows, files, size,
-                "" if any(moved) or objects else " (it had no files)")
+    freed = _remove(trash) + objects
+    removed = Removed(run_id, rows, freed.bytes, freed.files, reason)
+    log.warning("deleted run %r (%s): %d index rows, %d files, %d bytes%s", run_id, reason, rows, freed.files,
+                freed.bytes, "" if any(moved) or objects.files else " (it had no files)")
     return removed
 
 
@@ -118,15 +115,15 @@ def _to_trash(folder: Path, trash: Path) -> bool:
     return True
 
 
-def _remove(folder: Path) -> tuple[int, int]:
-    """Remove a folder; the bytes and files it held."""
+def _remove(folder: Path) -> Freed:
+    """Remove a folder; what it held."""
     size = files = 0
     for path in folder.rglob("*"):
         if path.is_file():
             size += path.stat().st_size
             files += 1
     shutil.rmtree(folder, ignore_errors=True)
-    return size, files
+    return Freed(size, files)
 
 
 def empty_trash(data_dir: Path) -> None:

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import pyarrow as pa
@@ -56,6 +57,29 @@ class StoredObject:
     path: str
     size: int
     mtime: float
+
+
+class FileStamp(NamedTuple):
+    """A segment's last modification (ns) and size: a changed file is a new one (files.py)."""
+
+    mtime_ns: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Freed:
+    """What removing a run's objects or files freed: their bytes and how many."""
+
+    bytes: int = 0
+    files: int = 0
+
+    def __add__(self, other: Freed) -> Freed:
+        return Freed(self.bytes + other.bytes, self.files + other.files)
+
+    @classmethod
+    def of(cls, objects: list[StoredObject]) -> Freed:
+        """What the listed objects held."""
+        return cls(sum(o.size for o in objects), len(objects))
 
 
 class SegmentStore(ABC):
@@ -82,8 +106,8 @@ class SegmentStore(ABC):
         return None
 
     @abstractmethod
-    def stat(self, rel: str) -> tuple[int, int] | None:
-        """(mtime ns, size) of a segment, None when it does not exist: a changed file is a new one (files.py)."""
+    def stat(self, rel: str) -> FileStamp | None:
+        """A segment's stamp, None when it does not exist: a changed file is a new one (files.py)."""
 
     @abstractmethod
     def objects(self, run_id: str | None = None) -> list[StoredObject]:
@@ -100,12 +124,12 @@ class SegmentStore(ABC):
         """
         return {}
 
-    def delete_run(self, run_id: str) -> tuple[int, int]:
-        """Delete a run's segments where they are not in its local run folder; (bytes, objects) removed.
+    def delete_run(self, run_id: str) -> Freed:
+        """Delete a run's segments where they are not in its local run folder; what that freed.
 
         A local store's segments are in that folder, which retention.py moves to the trash whole (journal too).
         """
-        return 0, 0
+        return Freed()
 
     def check(self) -> None:
         """SegmentStoreUnreachable when the store cannot be listed and written (start-up)."""
@@ -130,12 +154,12 @@ class LocalSegments(SegmentStore):
     def open_batch(self, rel: str) -> pa.RecordBatch:
         return pa.ipc.open_file(pa.memory_map(str(self.root / rel), "r")).get_batch(0)
 
-    def stat(self, rel: str) -> tuple[int, int] | None:
+    def stat(self, rel: str) -> FileStamp | None:
         try:
             st = os.stat(self.root / rel)
         except FileNotFoundError:
             return None
-        return st.st_mtime_ns, st.st_size
+        return FileStamp(st.st_mtime_ns, st.st_size)
 
     def objects(self, run_id: str | None = None) -> list[StoredObject]:
         base = self.root / run_id if run_id is not None else self.root
@@ -320,12 +344,12 @@ class S3Segments(SegmentStore):
                 self._offsets.popitem(last=False)
         return offsets, source
 
-    def stat(self, rel: str) -> tuple[int, int] | None:
+    def stat(self, rel: str) -> FileStamp | None:
         with self._reaching(f"looking up {rel}"):
             info = self.fs.get_file_info(self._key(rel))
         if info.type != pafs.FileType.File:
             return None
-        return (info.mtime_ns or 0), info.size
+        return FileStamp(info.mtime_ns or 0, info.size)
 
     def objects(self, run_id: str | None = None) -> list[StoredObject]:
         base = self.base if run_id is None else self._key(run_id)
@@ -359,12 +383,12 @@ class S3Segments(SegmentStore):
         with self._reaching(f"reading {rel}"), self.fs.open_input_stream(self._key(rel)) as source:
             return source.read()
 
-    def delete_run(self, run_id: str) -> tuple[int, int]:
+    def delete_run(self, run_id: str) -> Freed:
         objects = self.objects(run_id)
         self._forget_rows(run_id + "/")  # (a single discarded segment was never read: nothing kept of it)
         for obj in objects:
             self.delete(obj.path)
-        return sum(o.size for o in objects), len(objects)
+        return Freed.of(objects)
 
     def ping(self) -> None:
         with self._reaching("a health check"):
