@@ -56,8 +56,8 @@ def test_spec_decode_rejected_rows_dropped_and_finish_length():
     frame = _frame(["a-0000abcd", "b-0000abcd"], [0, 4, 5], [9, 10, 11, 12, 3], drafts=[3, 0], sampled=[2, 1])
     keep = book.keep_mask(frame)
     assert keep.tolist() == [True, True, False, False, True]
-    names, index, keep = book.row_ids(frame, keep)
-    assert [names[i] for i in index] == ["a", "a", "b"]
+    kept = book.row_ids(frame, keep)
+    assert [kept.requests.names[i] for i in kept.requests.index] == ["a", "a", "b"]
     assert book.finish("a-0000abcd") == Finish("a", 12, FinishStatus.FINISHED)  # positions 9,10 kept -> T = 12
     assert book.finish("b-0000abcd", 7, "aborted") == Finish("b", 7, FinishStatus.ABORTED)
     assert book.finish("never-seen") is None
@@ -96,8 +96,9 @@ def test_spec_counts_from_the_engine_and_a_missing_sampler_count():
 def test_bad_request_id_rows_dropped_not_sent():
     book = StepBook()
     frame = _frame(["bad id/x-0000abcd", "ok-0000abcd"], [0, 2, 3], [0, 1, 0])
-    names, index, keep = book.row_ids(frame, np.ones(3, bool))
-    assert [names[i] for i in index] == ["ok"] and keep.tolist() == [False, False, True]
+    kept = book.row_ids(frame, np.ones(3, bool))
+    assert [kept.requests.names[i] for i in kept.requests.index] == ["ok"]
+    assert kept.keep.tolist() == [False, False, True]
     assert book.finish("bad id/x-0000abcd") is None
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from capture.row_chunk import RequestIndex
 from capture.vllm.log import log
 from replay_format import valid_id
 from replay_format.request_notes import Finish, FinishStatus, Reference
@@ -62,6 +63,14 @@ class RequestState:
     max_position: int = -1
     rows_sent: int = 0
     storable: bool = True  # the service's id rule, checked once per request
+
+
+@dataclass(frozen=True)
+class KeptRows:
+    """A step's rows the sink sends: which of the step's rows, and their request ids (external, one per kept row)."""
+
+    requests: RequestIndex
+    keep: np.ndarray  # bool [the step's rows]
 
 
 @dataclass
@@ -96,8 +105,8 @@ class StepBook:
             self.dropped_rejected += end - start - valid
         return keep
 
-    def row_ids(self, frame: StepFrame, keep: np.ndarray) -> tuple[list[str], np.ndarray, np.ndarray]:
-        """(external id per request of the step, index into it per kept row, keep mask).
+    def row_ids(self, frame: StepFrame, keep: np.ndarray) -> KeptRows:
+        """The step's rows to send: `keep` less the rows of ids the service cannot store, and their request ids.
 
         Rows of ids the service cannot store are removed from the mask. Vectorised: it
         runs every step, so nothing here loops over rows.
@@ -110,7 +119,8 @@ class StepBook:
                 if count:
                     st.max_position = max(st.max_position, top)
                     st.rows_sent += count
-            return [st.external for st in states], np.repeat(np.arange(len(states), dtype=np.int32), counts), keep
+            index = np.repeat(np.arange(len(states), dtype=np.int32), counts)
+            return KeptRows(RequestIndex([st.external for st in states], index), keep)
         keep = keep.copy()
         for i, st in enumerate(states):
             if not st.storable:
@@ -130,7 +140,7 @@ class StepBook:
                 st = states[i]
                 st.max_position = max(st.max_position, int(top))
                 st.rows_sent += int(kept[i])
-        return [st.external for st in states], index, keep
+        return KeptRows(RequestIndex([st.external for st in states], index), keep)
 
     def reference(self, hit: Reference) -> Reference | None:
         """A prefix-cache hit (engine ids) in stored ids; None when either id cannot be stored.

@@ -33,7 +33,6 @@ from pathlib import Path
 
 import numpy as np
 
-from capture.row_chunk import RequestIndex
 from capture.sender import RouteSender, SenderConfig
 from capture.vllm.config import ENV_SINK_TOKEN
 from capture.vllm.finish_notes import live_writers, read_notes
@@ -166,11 +165,11 @@ class Sink:
 
     def _rows(self, frame: StepFrame) -> None:
         keep = self.book.keep_mask(frame)
-        names, index, keep = self.book.row_ids(frame, keep)
-        if not index.size:
+        kept = self.book.row_ids(frame, keep)
+        if not kept.requests.index.size:
             return
-        sel = np.flatnonzero(keep)
-        self.sender.submit(RequestIndex(names, index), positions=frame.positions[sel], experts=frame.experts[sel],
+        sel = np.flatnonzero(kept.keep)
+        self.sender.submit(kept.requests, positions=frame.positions[sel], experts=frame.experts[sel],
                            token_ids=frame.token_ids[sel], flags=frame.flags[sel], weight_version=frame.weight_version)
 
 
