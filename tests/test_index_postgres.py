@@ -316,7 +316,7 @@ def test_a_batch_in_flight_when_another_replica_deletes_its_run(tmp_path, postgr
         assert b.ingest(rows(1, 0, fresh)).stored
         assert a.read_route("race", "r").experts.tobytes() == b.read_route("race", "r").experts.tobytes()
         assert b.read_route("race", "r").experts.tobytes() == fresh.reshape(8, -1).tobytes()
-        assert a.run_summary("race")["rows"] == 8
+        assert a.run_summary("race").rows == 8
     finally:
         a.close()
         b.close()

@@ -133,7 +133,7 @@ def test_an_index_written_before_the_rename_is_migrated(tmp_path):
         conn.execute("ALTER TABLE runs RENAME COLUMN num_moe_layers TO num_layers")
         conn.execute("PRAGMA user_version = 0")
     again = open_store(ServiceSettings(data_dir=data, fsync=False))
-    assert again.run_summary("run")["num_moe_layers"] == SHAPE.num_moe_layers
+    assert again.run_summary("run").shape.num_moe_layers == SHAPE.num_moe_layers
     assert again.ingest(_rows(1, np.arange(4, 8), ex)).stored
     assert again.read_route("run", "a").num_rows == 8
     again.close()

@@ -195,13 +195,13 @@ def test_an_index_without_num_hidden_layers_reads_it_as_derived(tmp_path):
     ex = routes(np.random.default_rng(6), 3, shape)
     table, md = read_stream(encode_stream(build_rows(RowsMeta("old", "w", 0, shape), ["a"] * 3, np.arange(3), ex)))
     store.ingest(read_rows(table, RowsMeta.from_metadata(md)))
-    assert store.run_summary("old")["num_hidden_layers"] == 9
+    assert store.run_summary("old").shape.num_hidden_layers == 9
     store.close()
     with sqlite3.connect(data / "index.sqlite") as conn:  # as the previous release left it
         conn.execute("ALTER TABLE runs DROP COLUMN num_hidden_layers")
         conn.execute("PRAGMA user_version = 1")
     again = open_store(ServiceSettings(data_dir=data, fsync=False))
-    assert again.run_summary("old")["num_hidden_layers"] == 6  # unknown: max(moe_layers) + 1
+    assert again.run_summary("old").shape.num_hidden_layers == 6  # unknown: max(moe_layers) + 1
     assert again.run_shape("old").num_hidden_layers == 6
     assert again.read_route("old", "a").num_rows == 3
     again.close()

@@ -14,12 +14,12 @@ router = APIRouter(prefix="/v1", tags=["runs"], responses=ERRORS)
 
 @router.get("/runs", summary="All runs with counts per flag, bytes, age and pin", response_model=RunList)
 def list_runs(store: Store) -> dict:
-    return {"runs": store.runs()}
+    return {"runs": [run.to_json() for run in store.runs()]}
 
 
 @router.get("/runs/{run}", summary="One run: shape, requests, rows, counts per flag", response_model=RunSummary)
 def run_summary(run: RunId, store: Store) -> dict:
-    return store.run_summary(run)
+    return store.run_summary(run).to_json()
 
 
 @router.delete("/runs/{run}", summary="Delete a run's rows and files (safe beside reads and writes of it)",
@@ -31,12 +31,12 @@ async def delete_run(run: RunId, store: Store) -> dict:
 
 @router.put("/runs/{run}/pin", summary="Pin a run: retention never deletes it", response_model=RunSummary)
 def pin_run(run: RunId, store: Store) -> dict:
-    return store.pin(run, True)
+    return store.pin(run, True).to_json()
 
 
 @router.delete("/runs/{run}/pin", summary="Unpin a run: retention may delete it again", response_model=RunSummary)
 def unpin_run(run: RunId, store: Store) -> dict:
-    return store.pin(run, False)
+    return store.pin(run, False).to_json()
 
 
 @router.get("/runs/{run}/expert-load", summary="Tokens routed to each expert, per MoE layer (clean rows)",

@@ -81,7 +81,7 @@ def serve(
         from replay_service.ops.demo import load_demo
 
         summary = load_demo(store)
-        typer.echo(f"demo run {summary['run_id']!r}: {summary['requests']} requests, {summary['rows']} rows")
+        typer.echo(f"demo run {summary.run_id!r}: {summary.requests} requests, {summary.rows} rows")
     from replay_service.ops.workers import run_workers, worker_count
 
     count = worker_count(settings.workers)

@@ -12,6 +12,7 @@ from replay_format.compare import build_compare_body
 from replay_format.rows import Rows, RowsMeta
 from replay_service.compare.comparison import run_compare
 from replay_service.store import RequestStatus, RouteStore
+from replay_service.store.summaries import RunRecord
 
 DEMO_RUN = "demo"
 DEMO_SHAPE = RunShape(num_moe_layers=48, top_k=8, num_experts=128)
@@ -58,7 +59,7 @@ def _incoming(parts: list[dict], seq: int) -> Rows:
     )
 
 
-def load_demo(store: RouteStore, seed: int = 7) -> dict:
+def load_demo(store: RouteStore, seed: int = 7) -> RunRecord:
     """Store the demo run (once: it is idempotent) and return its run summary."""
     rng = np.random.default_rng(seed)
     finished: dict[str, int] = {}

@@ -49,10 +49,10 @@ from replay_service.store.journal import open_journal
 from replay_service.store.processes import Processes
 from replay_service.store.reads import RouteRows, RowReader
 from replay_service.store.references import Resolution, Resolver
-from replay_service.store.retention import Removed, delete_run, empty_trash, retention_fields
+from replay_service.store.retention import Removed, delete_run, empty_trash
 from replay_service.store.runs import RunRegistry, RunState
 from replay_service.store.segment_store import LocalSegments, S3Segments, open_segment_store
-from replay_service.store.summaries import RequestPage, RequestRecord, run_summary
+from replay_service.store.summaries import RequestPage, RequestRecord, RunRecord
 
 __all__ = ["Processes", "RequestStatus", "RouteRows", "RouteStore", "index_target"]
 
@@ -214,29 +214,31 @@ class RouteStore:
         """How many runs exist (cheap: no summaries)."""
         return self.index.count_runs()
 
-    def runs(self) -> list[dict]:
+    def runs(self) -> list[RunRecord]:
         """Every run's summary, by run id."""
-        return [{**run_summary(run, self.index.run_aggregate(run["run_id"]), self.index.count_references(run["run_id"]),
-                               self.index.run_versions(run["run_id"])), **retention_fields(run)}
-                for run in self.index.runs()]
+        return [self._run_record(run) for run in self.index.runs()]
 
     def delete_run(self, run_id: str) -> Removed:
         """Delete a run's rows and files, safely beside reads and writes (retention.py); NotFound when none."""
         return delete_run(self, run_id)
 
-    def pin(self, run_id: str, pinned: bool) -> dict:
+    def pin(self, run_id: str, pinned: bool) -> RunRecord:
         """Pin (retention never deletes it) or unpin a run; its summary. NotFound when it does not exist."""
         if not self.index.set_pinned(run_id, pinned):
             raise NotFound(f"run {run_id!r} not found")
         return self.run_summary(run_id)
 
-    def run_summary(self, run_id: str) -> dict:
-        """One run's summary (api.models.RunSummary fields)."""
+    def run_summary(self, run_id: str) -> RunRecord:
+        """One run's summary."""
         run = self.index.run(run_id)
         if run is None:
             raise NotFound(f"run {run_id!r} not found")
-        return {**run_summary(run, self.index.run_aggregate(run_id), self.index.count_references(run_id),
-                              self.index.run_versions(run_id)), **retention_fields(run)}
+        return self._run_record(run)
+
+    def _run_record(self, run: Row) -> RunRecord:
+        run_id = run["run_id"]
+        return RunRecord.of(run, self.index.run_aggregate(run_id), self.index.count_references(run_id),
+                            self.index.run_versions(run_id))
 
     def expert_load(self, run_id: str) -> tuple[RunShape, np.ndarray]:
         """A run's shape and its served clean rows' expert counts `(num_moe_layers, num_experts)`."""

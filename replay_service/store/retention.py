@@ -71,11 +71,6 @@ def last_write(run: Row) -> float:
     return run["last_write"] if run["last_write"] is not None else run["created_at"]
 
 
-def retention_fields(run: Row) -> dict:
-    """A `runs` row's retention state as RunSummary fields."""
-    return {"pinned": bool(run["pinned"]), "last_write": last_write(run)}
-
-
 def delete_run(store: RouteStore, run_id: str, reason: str = "requested") -> Removed:
     """Delete a run's index rows and files, safely beside reads and writes (module docstring); NotFound if none."""
     state = store.registry.require(run_id)

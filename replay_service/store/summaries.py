@@ -1,8 +1,8 @@
 """Index rows as the records the API answers with (`api/models.py`: RunSummary, RequestSummary).
 
-Fields and their meaning are the API's; the models there document them. A request's summary is a
-typed record (`RequestRecord`) that domain code reads by attribute; its JSON object is made at the
-API edge (`to_json`).
+Fields and their meaning are the API's; the models there document them. A run's and a request's summary
+are typed records (`RunRecord`, `RequestRecord`) that domain code reads by attribute; their JSON objects
+are made at the API edge (`to_json`).
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from replay_format import Flag
+from replay_format import Flag, RunShape
 from replay_format.weight_versions import VersionSpan
 from replay_service.store.index import COUNTED_FLAGS, RequestStatus, Row, count_column
+from replay_service.store.retention import last_write
 from replay_service.store.runs import shape_of
 
 
@@ -108,40 +109,73 @@ def bytes_per_id(segment_bytes: int, stored_rows: int, row_width: int) -> float 
     return segment_bytes / (stored_rows * row_width) if stored_rows > 0 else None
 
 
-def version_rows(rows: int, per_version: Mapping[str, int]) -> list[dict[str, Any]]:
-    """A run's served rows per weight version, by version (`Index.run_versions`), then those of no known version
-    under `null` (where there are any: rows stored before versions existed, or by a writer that sends none)."""
-    out: list[dict[str, Any]] = [{"version": v, "rows": n} for v, n in sorted(per_version.items())]
-    unknown = rows - sum(per_version.values())
-    if unknown > 0:
-        out.append({"version": None, "rows": unknown})
-    return out
+@dataclass(frozen=True)
+class RunRecord:
+    """One run's summary: its shape, counts and retention state (api.models.RunSummary documents each field)."""
 
+    run_id: str
+    shape: RunShape
+    source: str | None
+    created_at: float
+    requests: int
+    requests_ended: int
+    rows: int  # rows served, referenced ones included
+    referenced_rows: int
+    references: int
+    bytes: int  # of segment files
+    flagged: Mapping[Flag, int]  # rows per counted flag, and GAP
+    per_version: Mapping[str, int]  # rows served per known weight version (`Index.run_versions`)
+    recomputed: int
+    pinned: bool
+    last_write: float  # its last stored batch, or its creation (retention's age)
 
-def run_summary(run: Row, totals: Row, references: int, per_version: Mapping[str, int] | None = None) -> dict:
-    """A `runs` row, the sums over its requests (`Index.run_aggregate`), its reference count and its rows per
-    weight version (`Index.run_versions`) as a RunSummary."""
-    shape = shape_of(run)
-    flagged = {str(f.name): totals[count_column(f)] for f in COUNTED_FLAGS}
-    flagged[str(Flag.GAP.name)] = totals["gap"]
-    return {
-        "run_id": run["run_id"],
-        "num_moe_layers": run["num_moe_layers"],
-        "top_k": run["top_k"],
-        "num_experts": run["num_experts"],
-        "moe_layers": list(shape.moe_layers),
-        "num_hidden_layers": shape.num_hidden_layers,
-        "dtype": str(shape.dtype),
-        "source": run["source"],
-        "created_at": run["created_at"],
-        "requests": totals["requests"],
-        "requests_ended": totals["ended"],
-        "rows": totals["rows"],
-        "referenced_rows": totals["referenced_rows"],
-        "references": references,
-        "bytes": run["bytes"],
-        "bytes_per_id": bytes_per_id(run["bytes"], totals["rows"] - totals["referenced_rows"], shape.row_width),
-        "flagged": flagged,
-        "weight_versions": version_rows(totals["rows"], per_version or {}),
-        "recomputed": totals["recomputed"],
-    }
+    @classmethod
+    def of(cls, run: Row, totals: Row, references: int, per_version: Mapping[str, int]) -> RunRecord:
+        """The record of a `runs` row, the sums over its requests (`Index.run_aggregate`), its reference count and
+        its rows per weight version (`Index.run_versions`)."""
+        flagged = {f: totals[count_column(f)] for f in COUNTED_FLAGS}
+        flagged[Flag.GAP] = totals["gap"]
+        return cls(run["run_id"], shape_of(run), run["source"], run["created_at"], totals["requests"],
+                   totals["ended"], totals["rows"], totals["referenced_rows"], references, run["bytes"], flagged,
+                   dict(per_version), totals["recomputed"], bool(run["pinned"]), last_write(run))
+
+    @property
+    def bytes_per_id(self) -> float | None:
+        """Segment bytes per stored id (rows stored by this run, not through references); None before any row."""
+        return bytes_per_id(self.bytes, self.rows - self.referenced_rows, self.shape.row_width)
+
+    def weight_versions(self) -> list[dict[str, Any]]:
+        """Rows per weight version, by version, then those of no known version under `null` (where there are any:
+        rows stored before versions existed, or by a writer that sends none)."""
+        out: list[dict[str, Any]] = [{"version": v, "rows": n} for v, n in sorted(self.per_version.items())]
+        unknown = self.rows - sum(self.per_version.values())
+        if unknown > 0:
+            out.append({"version": None, "rows": unknown})
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        """The RunSummary object the API answers with."""
+        shape = self.shape
+        return {
+            "run_id": self.run_id,
+            "num_moe_layers": shape.num_moe_layers,
+            "top_k": shape.top_k,
+            "num_experts": shape.num_experts,
+            "moe_layers": list(shape.moe_layers),
+            "num_hidden_layers": shape.num_hidden_layers,
+            "dtype": str(shape.dtype),
+            "source": self.source,
+            "created_at": self.created_at,
+            "requests": self.requests,
+            "requests_ended": self.requests_ended,
+            "rows": self.rows,
+            "referenced_rows": self.referenced_rows,
+            "references": self.references,
+            "bytes": self.bytes,
+            "bytes_per_id": self.bytes_per_id,
+            "flagged": {str(f.name): n for f, n in self.flagged.items()},
+            "weight_versions": self.weight_versions(),
+            "recomputed": self.recomputed,
+            "pinned": self.pinned,
+            "last_write": self.last_write,
+        }
