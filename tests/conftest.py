@@ -47,6 +47,7 @@ SLOW = {
     "test_service_references.py::test_kill_9": "a kill -9 and restart round",
     "test_service_integrity.py::test_index_loss": "three service starts and a reindex",
     "test_service_integrity.py::test_stray_segment": "a service restart",
+    "test_service_integrity.py::test_reindex_takes": "two service starts and a reindex",
     "test_web_view.py": "headless Chromium",
     "test_service_workers.py": "services of several worker processes, killed and restarted under writers (~90 s)",
     "test_web_health.py": "headless Chromium and a service with 200 comparisons",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -115,6 +116,33 @@ def test_index_loss_is_refused_then_rebuilt_identically(tmp_path):
                       seq=0)
         assert again.get("duplicate") is True  # digests were restored: a retry is still a retry
     assert _segments(data, run) == files
+
+
+def test_reindex_takes_the_event_after_a_torn_journal_line_and_names_a_line_it_cannot_read(tmp_path):
+    """A crash mid-append leaves a torn journal line, and the writer's retry appends the same event right after the
+    torn bytes (O_APPEND): reindex takes that event (before, the whole line was skipped: the run's references were
+    lost). A line of a newer journal major is not replayed: reindex rebuilds the rest and names it, exit status 1
+    (before, it was replayed as if this release understood it)."""
+    data = tmp_path / "data"
+    run = "integrity-journal"
+    with ServiceProcess(data) as service:
+        _fill(service.url, run)
+        before = _snapshot(service.url, run)
+    journal = data / "runs" / run / "journal.jsonl"
+    lines = journal.read_bytes().splitlines(keepends=True)
+    assert b'"references"' in lines[-1]
+    torn = lines[-1][: len(lines[-1]) // 2]  # the append the crash cut short; the retry's line follows it
+    newer = b'{"format_version":"2.0","t":%d,"event":"end","request_id":"d","num_tokens":99,"status":"aborted"}\n'
+    journal.write_bytes(b"".join(lines[:-1]) + torn + lines[-1] + newer % (time.time_ns(),))
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{data / 'index.sqlite'}{suffix}").unlink()
+
+    done = _cli("reindex", "--data", str(data))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"NOT INDEXED runs/{run}/journal.jsonl line {len(lines) + 1}" in done.stderr
+    assert "format_version 2.0 is newer than this reader knows" in done.stderr
+    with ServiceProcess(data) as service:
+        assert _snapshot(service.url, run) == before  # c's reference kept; d not ended by the line not understood
 
 
 def test_stray_segment_is_quarantined_not_deleted(tmp_path):

@@ -40,7 +40,7 @@ import pyarrow as pa
 
 from replay_format import FormatError
 from replay_format.core import decode_metadata
-from replay_format.request_notes import Reference
+from replay_format.journal import JournalEvent, ReferencesAdded, RequestEnded, RunCreated
 from replay_format.rows import read_rows
 from replay_format.segment import SegmentMeta
 from replay_service.buffers import BufferPool
@@ -54,7 +54,7 @@ from replay_service.store.files import QUARANTINE_DIR, SegmentCache, quarantine_
 from replay_service.store.health import HealthTables
 from replay_service.store.index import Index, RequestStatus
 from replay_service.store.integrity import open_segment
-from replay_service.store.journal import JOURNAL_NAME, BucketJournal, open_journal, read_journal
+from replay_service.store.journal import BucketJournal, open_journal, read_journal
 from replay_service.store.reads import RowReader
 from replay_service.store.references import Resolver
 from replay_service.store.runs import RunRegistry
@@ -73,7 +73,8 @@ class ReindexReport:
     rows: int = 0
     duplicates: list[str] = field(default_factory=list)  # segments repeating a stored (run, writer, seq): not indexed
     damaged: list[tuple[str, str]] = field(default_factory=list)  # (segment, why): not indexed
-    unusable: list[tuple[str, str]] = field(default_factory=list)  # (segment, why): written before 2.2, or refused
+    # (segment or journal line, why): a segment written before 2.2 or refused; a journal line not understood
+    unusable: list[tuple[str, str]] = field(default_factory=list)
     events: int = 0  # journal events replayed
     restored: list[str] = field(default_factory=list)  # quarantined segments taken back
     old_index: Path | None = None  # where the replaced index was kept
@@ -91,7 +92,7 @@ class _Item:
     t: int
     order: tuple
     segment: tuple[str, SegmentMeta, int] | None = None  # (path, meta, size)
-    event: dict | None = None
+    event: JournalEvent | None = None
 
 
 def restore_quarantine(data_dir: Path) -> list[str]:
@@ -147,10 +148,11 @@ def reindex(data_dir: Path, settings: ServiceSettings | None = None, restore: bo
         runs = scan(segments, report, progress)
         journal = open_journal(segments, root, fsync=False)
         for run_id, items in runs.items():
-            events = journal.events(run_id)
+            lines = journal.events(run_id)
             if isinstance(journal, BucketJournal):  # and what was appended locally before journals moved to buckets
-                events += read_journal(root / run_id / JOURNAL_NAME)
-            items += [_Item(e["t"], (1, n), event=e) for n, e in enumerate(events)]
+                lines += read_journal(root, run_id)
+            report.unusable += [(bad.where, bad.why) for bad in lines.bad]
+            items += [_Item(e.t, (1, n), event=e.event) for n, e in enumerate(lines.entries)]
             items.sort(key=lambda item: (item.t, item.order))
         if target is not None:
             _rebuild_into(target, segments, runs, settings, report, progress)
@@ -235,7 +237,7 @@ class _Rebuild:
     def run(self, run_id: str, items: list[_Item]) -> None:
         """Rebuild one run from its items (sorted by time)."""
         created_at: float | None = None
-        waiting: list[dict] = []  # events met before the run's first segment (its run row) was committed
+        waiting: list[JournalEvent] = []  # events met before the run's first segment (its run row) was committed
         for item in items:
             if item.segment is not None:
                 self._segment(*item.segment)
@@ -243,8 +245,8 @@ class _Rebuild:
                     self._event(run_id, event)
                 waiting = []
             elif item.event is not None:
-                if item.event.get("event") == "run":
-                    created_at = float(item.event["created_at"])
+                if isinstance(item.event, RunCreated):
+                    created_at = item.event.created_at
                 elif self.registry.get(run_id) is None:
                     waiting.append(item.event)
                 else:
@@ -280,14 +282,12 @@ class _Rebuild:
         else:
             self.report.duplicates.append(rel)
 
-    def _event(self, run_id: str, event: dict) -> None:
+    def _event(self, run_id: str, event: JournalEvent) -> None:
         self.report.events += 1
-        kind = event.get("event")
-        if kind == "end":
+        if isinstance(event, RequestEnded):
             with self.index.transaction() as tx:
-                tx.set_final(run_id, event["request_id"], int(event["num_tokens"]), RequestStatus(event["status"]))
-        elif kind == "references":
+                tx.set_final(run_id, event.request_id, event.num_tokens, RequestStatus(event.status.value))
+        elif isinstance(event, ReferencesAdded):
             run = self.registry.require(run_id)
-            refs = [Reference(r[0], int(r[1]), int(r[2]), r[3]) for r in event["references"]]
             with run.lock, self.index.transaction() as tx:
-                Resolver(tx, self.committer.reader, run_id, run.shape).add(refs)
+                Resolver(tx, self.committer.reader, run_id, run.shape).add(list(event.references))

@@ -2,17 +2,12 @@
 
 Segments carry every row and its batch's identity (segment.md). Three things reach only the
 index: a run's creation time, request ends (`finish`, and route uploads that finish or extend a request)
-and prefix-cache references. Each is appended, after its index transaction committed, as one JSON line to
-`<data>/runs/<run_id>/journal.jsonl`:
-
-    {"t": NS, "event": "run", "created_at": SECONDS}
-    {"t": NS, "event": "end", "request_id": R, "num_tokens": T, "status": "finished"|"aborted"}
-    {"t": NS, "event": "references", "references": [[R, START, END, SOURCE], ...]}
-
-`t` is when it was appended (ns since the epoch): reindex merges a run's journal with its segments by time.
+and prefix-cache references. Each is appended, after its index transaction committed, as one JSON line
+(`replay_format/journal.md`, versioned) to `<data>/runs/<run_id>/journal.jsonl`. Its `t` is when it was appended
+(ns since the epoch): reindex merges a run's journal with its segments by time.
 Every acknowledged call appends, a repeat too (replaying one is a no-op), so a crash between the index
 commit and the append loses nothing a writer's retry does not append again. Lines are fsynced with the
-service's `fsync` setting; a torn last line (a crash mid-append) is skipped on reading.
+service's `fsync` setting; a torn line (a crash mid-append) is skipped on reading (journal.md).
 
 Where the journal lives follows the segments, so that whatever holds the segments holds everything reindex needs
 (and a replica's journal is never only on its own disk):
@@ -36,14 +31,23 @@ so it must not live only in it.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 import uuid
 from pathlib import Path
 
-from replay_format.request_notes import Reference
+from replay_format.journal import (
+    JournalEntry,
+    JournalEvent,
+    JournalLines,
+    ReferencesAdded,
+    RequestEnded,
+    RunCreated,
+    encode_entry,
+    parse_journal,
+)
+from replay_format.request_notes import FinishStatus, Reference
 from replay_service.store.durable import fsync_dir
 from replay_service.store.segment_store import Freed, S3Segments, SegmentStore, StoredObject
 
@@ -62,25 +66,23 @@ class RunJournal:
 
     def run_created(self, run_id: str, created_at: float) -> None:
         """A run's creation time (its summary's `created_at`)."""
-        self._append(run_id, {"event": "run", "created_at": created_at})
+        self._append(run_id, RunCreated(created_at))
 
     def request_end(self, run_id: str, request_id: str, num_tokens: int, status: str) -> None:
         """A request's end as the index now records it (a later end of the same request replaces it)."""
-        self._append(run_id, {"event": "end", "request_id": request_id, "num_tokens": num_tokens,
-                              "status": str(status)})
+        self._append(run_id, RequestEnded(request_id, num_tokens, FinishStatus(str(status))))
 
     def references(self, run_id: str, references: list[Reference]) -> None:
         """Prefix-cache references received (known ones too: replaying them is a no-op)."""
-        self._append(run_id, {"event": "references",
-                              "references": [[r.request_id, r.start, r.end, r.source_request_id] for r in references]})
+        self._append(run_id, ReferencesAdded(tuple(references)))
 
-    def _append(self, run_id: str, event: dict) -> None:
+    def _append(self, run_id: str, event: JournalEvent) -> None:
         t = time.time_ns()
-        self._write(run_id, t, (json.dumps({"t": t, **event}, separators=(",", ":")) + "\n").encode())
+        self._write(run_id, t, encode_entry(JournalEntry(t, event)))
 
-    def events(self, run_id: str) -> list[dict]:
-        """A run's events in the order appended (reindex)."""
-        return read_journal(self.root / run_id / JOURNAL_NAME)
+    def events(self, run_id: str) -> JournalLines:
+        """A run's events in the order appended, and the lines refused (reindex)."""
+        return read_journal(self.root, run_id)
 
     def delete_run(self, run_id: str) -> Freed:
         """Delete a run's journal where it is not in its local run folder; what that freed.
@@ -120,14 +122,14 @@ class BucketJournal(RunJournal):
     def _objects(self, run_id: str) -> list[StoredObject]:
         return self.segments.other_objects(f"{run_id}/{JOURNAL_DIR}", JOURNAL_SUFFIX)
 
-    def events(self, run_id: str) -> list[dict]:
-        events: list[dict] = []
+    def events(self, run_id: str) -> JournalLines:
+        lines = JournalLines([], [])
         for obj in self._objects(run_id):  # sorted by name: by time appended
             try:
-                events += parse_journal(self.segments.read_bytes(obj.path))
+                lines += parse_journal(self.segments.read_bytes(obj.path), obj.path)
             except FileNotFoundError:
                 continue  # deleted since listed (its run is being deleted)
-        return events
+        return lines
 
     def delete_run(self, run_id: str) -> Freed:
         objects = self._objects(run_id)
@@ -143,19 +145,7 @@ def open_journal(segments: SegmentStore, segments_root: Path, fsync: bool = True
     return RunJournal(segments_root, fsync=fsync)
 
 
-def read_journal(path: Path) -> list[dict]:
-    """A journal file's events in the order appended; a line that does not parse (a torn last append) is skipped."""
-    return parse_journal(path.read_bytes()) if path.exists() else []
-
-
-def parse_journal(data: bytes) -> list[dict]:
-    """The events of journal lines; a line that does not parse (a torn last append) is skipped."""
-    events: list[dict] = []
-    for line in data.splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(event, dict) and isinstance(event.get("t"), int):
-            events.append(event)
-    return events
+def read_journal(root: Path, run_id: str) -> JournalLines:
+    """A run's journal file under a local segment root (journal.md); nothing when it has none."""
+    path = root / run_id / JOURNAL_NAME
+    return parse_journal(path.read_bytes(), f"{run_id}/{JOURNAL_NAME}") if path.exists() else JournalLines([], [])
