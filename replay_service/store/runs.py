@@ -22,7 +22,9 @@ is a round trip to the server, and one that waits (a slow server, or one cut off
 probe, `index_backends/postgres.py`) delays only its own call, not every other lookup of the replica behind it.
 Reads are numbered as they start, and a read is applied only if no later-numbered one was applied before it: a
 row read before a run was created, deleted or widened never undoes what a later read or this process's own
-write applied (it answers with the kept state instead).
+write applied (it answers with the kept state instead). The number applied last is kept per run id only while a
+read that started before it may still be under way: lookups of ids that name no run (a 404 each) leave nothing
+behind once their reads are done.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from replay_format.rows import RowsMeta
 from replay_service.errors import Conflict, NotFound, RunDeleted
 from replay_service.store import on_loop
 from replay_service.store.index import Index, Row
+
+PRUNE_AT = 4096  # run ids with a read number kept, above which those no read under way needs are dropped
 
 
 @dataclass
@@ -61,19 +65,28 @@ class RunRegistry:
         self._lock = threading.Lock()
         self._reads = itertools.count()  # numbers each read of a run's row as it starts (`next` is atomic)
         self._applied: dict[str, int] = {}  # per run: the number of the read (or write) its kept state reflects
+        self._prune_at = PRUNE_AT
+        self._under_way: set[int] = set()  # numbers of `get`'s reads started and not yet applied
+        self._under_way_lock = threading.Lock()  # guards `_under_way` only: never held across a read
 
     def get(self, run_id: str) -> RunState | None:
         """The run, or None when it does not exist."""
         state = self._kept(run_id)
         if state is not None:
             return state
-        read = next(self._reads)
-        row = self.index.run(run_id)  # with no lock held (module docstring)
-        on_loop.acquire(self._lock, f"run {run_id!r} is being registered")
+        with self._under_way_lock:
+            read = next(self._reads)
+            self._under_way.add(read)
         try:
-            return self._apply(run_id, row, read)
+            row = self.index.run(run_id)  # with no lock held (module docstring)
+            on_loop.acquire(self._lock, f"run {run_id!r} is being registered")
+            try:
+                return self._apply(run_id, row, read)
+            finally:
+                self._lock.release()
         finally:
-            self._lock.release()
+            with self._under_way_lock:
+                self._under_way.discard(read)
 
     def require(self, run_id: str) -> RunState:
         """The run; NotFound when it does not exist."""
@@ -149,6 +162,8 @@ class RunRegistry:
         if read < self._applied.get(run_id, -1):
             return kept
         self._applied[run_id] = read
+        if len(self._applied) > self._prune_at:
+            self._prune()
         if row is None:
             if kept is not None:  # deleted by another replica: a read under way here answers RunDeleted
                 kept.deleted = True
@@ -163,6 +178,14 @@ class RunRegistry:
         state = RunState(run_id, shape, row["created_at"])
         self._runs[run_id] = state
         return state
+
+    def _prune(self) -> None:
+        """Drop the read numbers no read under way needs (`_lock` held): a number matters only to a read that
+        started before it and is not applied yet; every later read is numbered above it."""
+        with self._under_way_lock:
+            oldest = min(self._under_way, default=None)
+        self._applied = {} if oldest is None else {r: n for r, n in self._applied.items() if n > oldest}
+        self._prune_at = max(PRUNE_AT, 2 * len(self._applied))  # a read held up keeps more: prune again later
 
 
 def shape_of(run: Row) -> RunShape:
