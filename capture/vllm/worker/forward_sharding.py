@@ -68,36 +68,66 @@ class Parallel:
     def from_vllm(cls) -> Parallel:
         from vllm.distributed import parallel_state as ps
 
-        def grp(getter):
-            try:
-                g = getter()
-            except (AssertionError, AttributeError):
-                return 1, 0, None
-            return g.world_size, g.rank_in_group, g.device_group
+        tp = _Group.of(ps.get_tp_group)
+        pcp = _Group.of(ps.get_pcp_group) if hasattr(ps, "get_pcp_group") else _Group()
+        dp = _Group.of(ps.get_dp_group)
+        return cls(tp.size, tp.rank, pcp.size, pcp.rank, dp.size, dp.rank, tp.group, pcp.group, dp.group)
 
-        tp = grp(ps.get_tp_group)
-        pcp = grp(getattr(ps, "get_pcp_group", lambda: None)) if hasattr(ps, "get_pcp_group") else (1, 0, None)
-        dp = grp(ps.get_dp_group)
-        return cls(tp[0], tp[1], pcp[0], pcp[1], dp[0], dp[1], tp[2], pcp[2], dp[2])
+
+@dataclass(frozen=True)
+class _Group:
+    """One of vLLM's parallel groups as this rank sees it: its size, this rank in it, its device group."""
+
+    size: int = 1
+    rank: int = 0
+    group: object = None
+
+    @classmethod
+    def of(cls, getter) -> _Group:
+        """The group `getter` answers; a group of one where vLLM has not set it up."""
+        try:
+            g = getter()
+        except (AssertionError, AttributeError):
+            return cls()
+        return cls(g.world_size, g.rank_in_group, g.device_group)
 
 
 class ShardingError(RuntimeError):
     """This vLLM configuration puts rows where the capture cannot restore them."""
 
 
-def _moe_flags(runner) -> tuple[bool, bool, bool, int]:
-    """(naive dispatch, sequence parallel, all2all kernels, pcp_size) of one MoE layer."""
-    cfg = runner.moe_config
-    sp = bool(getattr(cfg, "is_sequence_parallel", False))
-    naive = bool(getattr(runner, "do_naive_dispatch_combine", False))
-    a2a = bool(getattr(getattr(cfg, "moe_parallel_config", None), "use_all2all_kernels", False))
-    return naive, sp, a2a, int(getattr(cfg, "pcp_size", 1) or 1)
+@dataclass(frozen=True)
+class MoeLayout:
+    """How one MoE layer's router gets its rows: what vLLM's runner and MoE config say."""
+
+    naive: bool  # naive DP dispatch: the router sees every DP rank's rows, concatenated
+    sp: bool  # sequence parallel
+    a2a: bool  # all2all kernels
+    pcp_size: int
+
+    @classmethod
+    def of(cls, runner) -> MoeLayout:
+        """The layout of `runner`'s layer."""
+        cfg = runner.moe_config
+        return cls(naive=bool(getattr(runner, "do_naive_dispatch_combine", False)),
+                   sp=bool(getattr(cfg, "is_sequence_parallel", False)),
+                   a2a=bool(getattr(getattr(cfg, "moe_parallel_config", None), "use_all2all_kernels", False)),
+                   pcp_size=int(getattr(cfg, "pcp_size", 1) or 1))
+
+    @property
+    def pcp_gathered(self) -> bool:
+        """The router sees the PCP group's rows gathered (with padding)."""
+        return self.pcp_size > 1 and not self.a2a
+
+    @property
+    def local(self) -> bool:
+        """The router sees exactly this DP rank's batch (no dispatch, SP or PCP gather)."""
+        return not self.naive and not (self.sp and self.a2a) and not self.pcp_gathered
 
 
 def routes_local_batch(runner) -> bool:
     """True when this MoE layer's router sees exactly this DP rank's batch (no dispatch, SP or PCP gather)."""
-    naive, sp, a2a, pcp_size = _moe_flags(runner)
-    return not naive and not (sp and a2a) and not (pcp_size > 1 and not a2a)
+    return MoeLayout.of(runner).local
 
 
 def dispatch_sizes(ctx) -> tuple[int, ...]:
@@ -126,13 +156,12 @@ def pcp_restore_index_from(ctx):
 
 def sharding_for(runner, ctx, par: Parallel, num_tokens: int, num_rows: int) -> RowSharding:
     """The sharding of this MoE layer's `topk_ids` (`num_rows` rows on this rank) for this step."""
-    naive, sp, a2a, pcp_size = _moe_flags(runner)
-    pcp_active = pcp_size > 1 and not a2a
-    p = pcp_size if pcp_active else 1
-    prank = par.pcp_rank if pcp_active else 0
-    if naive:
+    layout = MoeLayout.of(runner)
+    p = layout.pcp_size if layout.pcp_gathered else 1
+    prank = par.pcp_rank if layout.pcp_gathered else 0
+    if layout.naive:
         sizes = dispatch_sizes(ctx)
-        if sp:  # EP group = DP x TP, DP-major: fold each DP rank's TP pieces
+        if layout.sp:  # EP group = DP x TP, DP-major: fold each DP rank's TP pieces
             if len(sizes) != par.dp_size * par.tp_size:
                 raise ShardingError(
                     f"routing-replay: {len(sizes)} dispatch sizes for DP {par.dp_size} x TP {par.tp_size}")
@@ -142,7 +171,7 @@ def sharding_for(runner, ctx, par: Parallel, num_tokens: int, num_rows: int) -> 
             return RowSharding(per_dp[par.dp_rank], Strategy.NAIVE_DP, per_dp, par.dp_rank)
         real = num_tokens if p > 1 else sizes[par.dp_rank]
         return RowSharding(real, Strategy.NAIVE_DP, sizes, par.dp_rank, pcp_size=p, pcp_rank=prank)
-    if sp and a2a:
+    if layout.sp and layout.a2a:
         if p > 1:
             raise ShardingError("routing-replay: sequence-parallel MoE combined with PCP is not supported")
         # The SP shard: each TP rank holds ceil(n_pad / tp) rows; n_pad is this DP rank's padded batch.
@@ -155,16 +184,15 @@ def sharding_for(runner, ctx, par: Parallel, num_tokens: int, num_rows: int) -> 
 def restore(topk_ids: torch.Tensor, runner, ctx, par: Parallel, num_tokens: int, *, local_padding=None,
             pcp_restore_index=None) -> torch.Tensor:
     """This DP rank's `[num_tokens, K]` rows in scheduler order (identical on every TP/PCP rank)."""
-    naive, sp, a2a, pcp_size = _moe_flags(runner)
-    pcp_active = pcp_size > 1 and not a2a
-    if pcp_active:
+    layout = MoeLayout.of(runner)
+    if layout.pcp_gathered:
         mask = local_padding if local_padding is not None else getattr(ctx, "is_padding", None)
         idx = pcp_restore_index if pcp_restore_index is not None else pcp_restore_index_from(ctx)
         sharding = sharding_for(runner, ctx, par, num_tokens, topk_ids.shape[0])
         rows = restore_rows(topk_ids, sharding, tp_group=par.tp_group, pcp_group=par.pcp_group,
                             pcp_padding=mask, pcp_restore_index=idx)
         return rows[:num_tokens]
-    if not naive and not (sp and a2a):  # the common path (and all of CPU): this rank routed the whole batch
+    if layout.local:  # the common path (and all of CPU): this rank routed the whole batch
         return topk_ids[:num_tokens]
     sharding = sharding_for(runner, ctx, par, num_tokens, topk_ids.shape[0])
     if sharding.strategy == Strategy.LOCAL:
@@ -187,8 +215,7 @@ def pcp_mask_fixed_upstream() -> bool:
 
 def mask_dispatch(runner, ctx, par: Parallel) -> NaiveDispatch | None:
     """The naive dispatch that precedes the PCP gather (its mask must be gathered the same way)."""
-    naive, _sp, _a2a, _p = _moe_flags(runner)
-    if not naive:
+    if not MoeLayout.of(runner).naive:
         return None
     return NaiveDispatch(par.dp_group, dispatch_sizes(ctx))
 

@@ -36,7 +36,7 @@ import enum
 
 import torch
 
-from capture.vllm.worker.forward_sharding import Parallel, _moe_flags, dispatch_sizes
+from capture.vllm.worker.forward_sharding import MoeLayout, Parallel, dispatch_sizes
 from capture.worker.graph_recorder import GraphStepRecorder
 
 
@@ -55,12 +55,12 @@ COVERED = (GraphSharding.LOCAL, GraphSharding.DP_CONCAT)
 
 def graph_sharding(runner) -> GraphSharding:
     """The sharding of one MoE layer, from its static MoE config (the same flags `forward_sharding.restore` reads)."""
-    naive, sp, a2a, pcp_size = _moe_flags(runner)
-    if pcp_size > 1 and not a2a:
+    layout = MoeLayout.of(runner)
+    if layout.pcp_gathered:
         return GraphSharding.PCP
-    if naive:
+    if layout.naive:
         return GraphSharding.DP_CONCAT
-    if sp and a2a:
+    if layout.sp and layout.a2a:
         return GraphSharding.TP_GATHER
     return GraphSharding.LOCAL
 
