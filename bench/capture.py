@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 
 from bench.stopping import exit_on_sigterm
 from capture import RowSharding, StepRecorder, Strategy, restore_rows
-from capture.worker.restore import _gather_single
+from capture.worker.restore import gather_single
 from replay_format import RunShape
 
 K = 8
@@ -78,7 +78,7 @@ def _restore_worker(rank: int, init_file: str, tokens: int, layers: int, repeats
         rows[label] = _median_step(lambda s=shard, sh=sharding: restore_rows(s, sh), layers, repeats)
     half = torch.randint(0, 128, (tokens // 2, K), generator=g, dtype=torch.int32)
     buf = half.new_empty((tokens, K))
-    rows["bare all_gather (floor)"] = _median_step(lambda: _gather_single(buf, half, None), layers, repeats)
+    rows["bare all_gather (floor)"] = _median_step(lambda: gather_single(buf, half, None), layers, repeats)
     # PCP=2 over the same two ranks: the mask gather plus the padding drop and restore index.
     chunk = tokens // 2 + 3
     mask = torch.zeros(chunk, dtype=torch.bool)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from capture.worker.restore import _gather_single, all_gather_rows, gather_pcp_mask
+from capture.worker.restore import all_gather_rows, gather_pcp_mask, gather_single
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def gather_padding_mask(
             padded = mask.new_ones(width)
             padded[: mask.shape[0]] = mask
             out = mask.new_empty(width * len(dispatch.sizes))
-            _gather_single(out, padded, dispatch.group)
+            gather_single(out, padded, dispatch.group)
             mask = out
         else:
             mask = all_gather_rows(mask, dispatch.sizes, dispatch.group, pad_value=True)

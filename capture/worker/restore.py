@@ -16,7 +16,8 @@ import torch.distributed as dist
 from capture.worker.sharding import RowSharding, ShardPlan, TpSplit
 
 
-def _gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+def gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """All-gather `inp` from every rank of `group` into `out` (rank-major), whatever this torch calls it."""
     # all_gather_single is the torch >= 2.13 name; all_gather_into_tensor before it.
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, inp, group=group)
@@ -50,7 +51,7 @@ def all_gather_rows(x: torch.Tensor, sizes: tuple[int, ...], group, pad_value=0)
         padded[: x.shape[0]] = x
         x = padded
     out = x.new_empty((parts * width, *x.shape[1:]))
-    _gather_single(out, x, group)
+    gather_single(out, x, group)
     if min(sizes) == width:
         return out
     out = out.view(parts, width, *x.shape[1:])
@@ -82,7 +83,7 @@ def gather_pcp_mask(pcp_padding: torch.Tensor, pcp_size: int, pcp_group) -> torc
     if pcp_size == 1:
         return local
     out = local.new_empty(pcp_size * local.shape[0])
-    _gather_single(out, local, pcp_group)
+    gather_single(out, local, pcp_group)
     return out
 
 

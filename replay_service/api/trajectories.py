@@ -13,8 +13,15 @@ from replay_format.trajectory import NO_TURN, TrajectoryMeta
 from replay_format.weight_versions import RecomputeRule
 from replay_service.api import encode
 from replay_service.api.deps import RunId, Settings, Store
-from replay_service.api.models import CONFLICT, ERRORS, LAYER_AXIS_HELP, ROUTE_MEDIA_TYPES, RouteJson, RouteJsonRow
-from replay_service.api.models import binary_answer as _binary_answer
+from replay_service.api.models import (
+    CONFLICT,
+    ERRORS,
+    LAYER_AXIS_HELP,
+    ROUTE_MEDIA_TYPES,
+    RouteJson,
+    RouteJsonRow,
+    binary_answer,
+)
 from replay_service.api.parts_response import PartsResponse
 from replay_service.errors import InvalidInput
 from replay_service.trajectory import Trajectory, read_trajectory
@@ -68,7 +75,7 @@ class TrajectoryJson(RouteJson):
     summary="Several requests (the turns of a conversation or a resubmitted rollout) as one route: each position "
             "from one turn by rule, with each row's turn and weight version",
     response_class=PartsResponse,
-    responses={200: {**_binary_answer(*ROUTE_MEDIA_TYPES, description="Arrow: route.md with the trajectory keys "
+    responses={200: {**binary_answer(*ROUTE_MEDIA_TYPES, description="Arrow: route.md with the trajectory keys "
                                       "(trajectory.md); .npy: (n, layers, K) ids; JSON: TrajectoryJson; every "
                                       "format: X-Trajectory-* headers"), "model": TrajectoryJson}, **CONFLICT},
 )
