@@ -44,7 +44,7 @@ import httpx
 from capture.row_chunk import RequestIndex, RowChunk
 from capture.sender_config import SenderConfig, SenderStats
 from capture.sender_items import Item, ItemMaker, Pending
-from capture.sender_spill import SpillFolder
+from capture.sender_spill import Spilled, SpillFolder
 from replay_format import ARROW_STREAM_MEDIA_TYPE, JSON_MEDIA_TYPE
 from replay_format.request_notes import Finish, FinishStatus, Reference
 from replay_format.spill import ItemKind
@@ -181,18 +181,19 @@ class RouteSender:
 
     # ---- network -------------------------------------------------------------
 
-    def _next_item(self) -> tuple[Item, Path | None] | None:
+    def _next_item(self) -> Spilled | Item | None:
+        """The next item to post: the spill's oldest, else the queue's; None once closed with nothing left."""
         with self._lock:
             while True:
                 spilled = self.spill.oldest()
                 if spilled is not None:
-                    self._current = spilled[0]
+                    self._current = spilled.item
                     return spilled
                 if self._queue:
                     item = self._queue.popleft()
                     self._queue_bytes -= len(item.payload)
                     self._current = item
-                    return item, None
+                    return item
                 if self._closing and not self._batcher.is_alive():
                     return None
                 self._lock.wait(0.1)
@@ -202,16 +203,16 @@ class RouteSender:
             got = self._next_item()
             if got is None:
                 return
-            item, spilled_from = got
+            item = got.item if isinstance(got, Spilled) else got
             try:
                 self._deliver(item)
             except _GiveUp:
-                if spilled_from is None:
+                if not isinstance(got, Spilled):
                     self._spill(item)
                 return
             with self._lock:
-                if spilled_from is not None:
-                    self.spill.remove(spilled_from)
+                if isinstance(got, Spilled):
+                    self.spill.remove(got.path)
                     self.stats.drained_batches += item.kind == ItemKind.BATCH
                 self._current = None
                 self._lock.notify_all()

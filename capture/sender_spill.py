@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 from capture.sender_items import Item
@@ -21,6 +22,14 @@ from replay_format import FormatError
 from replay_format.spill import SUFFIX, encode_item, item_name
 
 log = logging.getLogger("routing_replay.sender")
+
+
+@dataclass(frozen=True)
+class Spilled:
+    """An item read back from its spill file, and the file (removed once the service has it)."""
+
+    item: Item
+    path: Path
 
 
 class SpillFolder:
@@ -65,14 +74,14 @@ class SpillFolder:
                 self._lock.notify_all()
         return True
 
-    def oldest(self) -> tuple[Item, Path] | None:
+    def oldest(self) -> Spilled | None:
         """The oldest readable item and its file, or None when the folder is empty (call with the lock held).
 
         A file that cannot be read (damaged, or from a newer version) is kept as `.bad` and skipped."""
         while self._files:
             path = self._files[0]
             try:
-                return Item.from_spill_file(path.name, path.read_bytes()), path
+                return Spilled(Item.from_spill_file(path.name, path.read_bytes()), path)
             except FormatError as exc:
                 log.error("routing-replay: spill file %s cannot be read (%s); kept as %s.bad and skipped",
                           path, exc, path.name)
