@@ -531,7 +531,9 @@ class TransformersTrainer:
         names = [rid for _, rid in seqs]
         keep = laid.real  # the tokens the rollout has a row for (not each sequence's last: `recorded_rows` alike)
         experts = np.stack([recorded[o] for o in range(len(self.routers))], axis=1)
-        return [names[q] for q in laid.sequence[keep]], laid.position[keep], experts[keep]
+        from replay_client import RecordedRows
+
+        return RecordedRows([names[q] for q in laid.sequence[keep]], laid.position[keep], experts[keep])
 
 
 TRAINERS = {"megatron": MegatronTrainer, "transformers": TransformersTrainer}
@@ -659,8 +661,8 @@ def train_step(client, trainer, batch: list[Sample], step: int, version: str, wi
                              f"{int((replayed != want).any(-1).sum())} (token, layer)")
 
     # 5. the comparison, as a trainer posts it: its own top-k (RECORD) of the batch's real tokens
-    req, pos, experts = trainer.compare_rows(laid, recorded, seqs)
-    posted = client.compare(RUN_ID, req, pos, experts, label="r3_step", step=step, weight_version=version)
+    posted = client.compare(RUN_ID, *trainer.compare_rows(laid, recorded, seqs), label="r3_step", step=step,
+                            weight_version=version)
     health = client.batch_health(RUN_ID, seqs, weight_version=version)
     say(f"step {step}: compare {posted['compare_id']}: router_mismatch {posted['router_mismatch']:.4f}, "
         f"token_mismatch {posted['token_mismatch']:.4f}, jaccard {posted['jaccard']:.4f}, "

@@ -23,10 +23,10 @@ from replay_client.router_replay import (
     plan_for_model,
     plan_for_rank,
 )
-from replay_client.trainer import Staleness, TrainerBatch
+from replay_client.trainer import RecordedRows, Staleness, TrainerBatch
 
-__all__ = ["Endpoint", "HealthReport", "NotFoundError", "ReplayClient", "ReplayError", "ReplayPlan", "Route",
-           "RouterReplayError", "RoutingUnhealthy", "Staleness", "StrictReadError", "TrainerBatch", "Verdict",
+__all__ = ["Endpoint", "HealthReport", "NotFoundError", "RecordedRows", "ReplayClient", "ReplayError", "ReplayPlan",
+           "Route", "RouterReplayError", "RoutingUnhealthy", "Staleness", "StrictReadError", "TrainerBatch", "Verdict",
            "check_config", "check_model", "choice_request_ids",
            "install_router_fallback", "plan_for_model", "plan_for_rank", "response_request_ids", "routes_from_stream",
            "stored_request_id"]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
+from typing import NamedTuple
 
 import numpy as np
 
@@ -104,6 +105,15 @@ def _integer(label: str) -> int | None:
         return int(label)
     except ValueError:
         return None
+
+
+class RecordedRows(NamedTuple):
+    """The trainer's own top-k as `ReplayClient.compare` takes it (`client.compare(run, *rows)`): one row per
+    token the rollout has a row for."""
+
+    request_ids: list[str]
+    positions: np.ndarray  # int [n]
+    experts: np.ndarray  # int [n, num_moe_layers, top_k]
 
 
 @dataclass
@@ -220,7 +230,7 @@ class TrainerBatch(TrainerSlice):
 
     # ---- agreement ----------------------------------------------------------
 
-    def recorded_rows(self, recorded, request_ids: list) -> tuple[list[str], np.ndarray, np.ndarray]:
+    def recorded_rows(self, recorded, request_ids: list) -> RecordedRows:
         """Turn `RouterReplay.get_recorded_data()` (RECORD mode, one `[tokens, K]` per layer, this batch's
         token order) into (request ids, positions, experts (n, L, K)) to post to compare: the tokens the rollout
         has a row for (replayed, or left to the router: missing=router). Padding and each sequence's last token
@@ -232,7 +242,7 @@ class TrainerBatch(TrainerSlice):
         real = (self.sequence >= 0) & ((self.valid != 0) | (self.fallback != 0))
         names = [r["request"] if isinstance(r, dict) else r if isinstance(r, str) else r[1] for r in request_ids]
         reqs = [names[i] for i in self.sequence[real].tolist()]
-        return reqs, self.position[real], ids[real]
+        return RecordedRows(reqs, self.position[real], ids[real])
 
 
 def sequence_refs(sequences: Iterable) -> tuple[SequenceRef, ...]:

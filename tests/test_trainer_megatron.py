@@ -203,8 +203,9 @@ def test_record_mode_routing_posted_to_compare_gives_the_planted_mismatch(stored
                 boost[t] = 0
                 boost[t, torch.from_numpy(other)] = 10.0
         moe_utils.topk_routing_with_score_function(logits + boost, K, score_function="softmax", router_replay=inst)
-    reqs, positions, ids = batch.recorded_rows(RouterReplay.get_recorded_data(), [("mg", r) for r in order])
-    result = client.compare("mg", reqs, positions, ids, label="record-mode")
+    recorded = batch.recorded_rows(RouterReplay.get_recorded_data(), [("mg", r) for r in order])
+    assert len(recorded.request_ids) == len(recorded.positions) == len(recorded.experts) == int(real.sum())
+    result = client.compare("mg", *recorded, label="record-mode")
     n = int(real.sum())
     # each sequence's last token has no row: not posted, so a healthy step misses none
     assert result["tokens"] == n and result["missing_rows"] == 0
