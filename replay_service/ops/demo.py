@@ -19,10 +19,15 @@ DEMO_SHAPE = RunShape(num_moe_layers=48, top_k=8, num_experts=128)
 
 
 def synthetic_routes(rng: np.random.Generator, num_rows: int, shape: RunShape = DEMO_SHAPE) -> np.ndarray:
-    """Distinct top-k per layer from a skewed per-layer expert popularity, like real routers."""
-    popularity = rng.gamma(0.6, size=(shape.num_moe_layers, shape.num_experts))
-    logits = np.log(popularity)[None] + rng.gumbel(size=(num_rows, shape.num_moe_layers, shape.num_experts))
-    return np.argpartition(-logits, shape.top_k, axis=-1)[..., : shape.top_k].astype(shape.dtype)
+    """Distinct top-k per layer from a skewed per-layer expert popularity, like real routers.
+
+    Each row's k experts are a draw without replacement weighted by popularity: the k smallest of
+    `Exp(1) / popularity` (an exponential race, the same draw as the Gumbel top-k over log-popularity), in
+    float32: ~14x faster than float64 Gumbel noise, which made `serve --demo` spend ~5 s and ~1 GB on it."""
+    popularity = rng.gamma(0.6, size=(shape.num_moe_layers, shape.num_experts)).astype(np.float32)
+    keys = rng.standard_exponential(size=(num_rows, shape.num_moe_layers, shape.num_experts), dtype=np.float32)
+    keys /= popularity[None]
+    return np.argpartition(keys, shape.top_k, axis=-1)[..., : shape.top_k].astype(shape.dtype)
 
 
 def bulk_routes(n: int, seed: int = 0, shape: RunShape = DEMO_SHAPE) -> np.ndarray:
@@ -60,7 +65,12 @@ def _incoming(parts: list[dict], seq: int) -> Rows:
 
 
 def load_demo(store: RouteStore, seed: int = 7) -> RunRecord:
-    """Store the demo run (once: it is idempotent) and return its run summary."""
+    """Store the demo run (once: it is idempotent) and return its run summary.
+
+    A store that holds the whole demo already (its comparison is stored last) is not written again: the
+    routes are not even made (a second `serve --demo` starts at once)."""
+    if store.has_run(DEMO_RUN) and any(c["compare_id"] == DEMO_COMPARE for c in store.compares.list(DEMO_RUN)):
+        return store.run_summary(DEMO_RUN)
     rng = np.random.default_rng(seed)
     finished: dict[str, int] = {}
     clean = []
