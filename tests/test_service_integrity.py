@@ -134,8 +134,12 @@ def test_reindex_takes_the_event_after_a_torn_journal_line_and_names_a_line_it_c
     torn = lines[-1][: len(lines[-1]) // 2]  # the append the crash cut short; the retry's line follows it
     newer = b'{"format_version":"2.0","t":%d,"event":"end","request_id":"d","num_tokens":99,"status":"aborted"}\n'
     journal.write_bytes(b"".join(lines[:-1]) + torn + lines[-1] + newer % (time.time_ns(),))
+    checked = _cli("verify", "--data", str(data))  # found before the index is lost
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    assert f"UNREADABLE runs/{run}/journal.jsonl line {len(lines) + 1}: " in checked.stdout
+    assert "5 segments checked, 0 damaged; 4 journal lines read, 1 unreadable" in checked.stdout
     for suffix in ("", "-wal", "-shm"):
-        Path(f"{data / 'index.sqlite'}{suffix}").unlink()
+        Path(f"{data / 'index.sqlite'}{suffix}").unlink(missing_ok=True)
 
     done = _cli("reindex", "--data", str(data))
     assert done.returncode == 1, done.stdout + done.stderr

@@ -126,8 +126,9 @@ def test_a_read_fetches_a_segment_once(pair, aws):
 def test_verify_finds_a_damaged_object(pair, aws, s3):
     _, remote, bucket, _, _ = pair
     store = open_segment_store(remote.data_dir, f"s3://{bucket}/segments")
-    checked, damaged = verify_store(remote.data_dir, store=store)
-    assert (checked, damaged) == (2, [])
+    found = verify_store(remote.data_dir, store=store)
+    assert (found.segments, found.damaged, found.unreadable) == (2, [], [])
+    assert found.journal_lines > 0  # the run's journal objects in the bucket, read as reindex reads them
     fs = s3.fs()
     victim = store.paths()[0]
     key = f"{bucket}/segments/{victim}"
@@ -138,9 +139,9 @@ def test_verify_finds_a_damaged_object(pair, aws, s3):
     try:
         with fs.open_output_stream(key) as out:
             out.write(bytes(image))
-        checked, damaged = verify_store(remote.data_dir, store=store)
-        assert checked == 2 and [p for p, _ in damaged] == [victim]
-        assert f"s3://{bucket}/segments/{victim}" in damaged[0][1]
+        found = verify_store(remote.data_dir, store=store)
+        assert found.segments == 2 and [p for p, _ in found.damaged] == [victim]
+        assert f"s3://{bucket}/segments/{victim}" in found.damaged[0][1]
     finally:
         with fs.open_output_stream(key) as out:
             out.write(good)

@@ -178,10 +178,12 @@ def verify(
     data: Path = typer.Option(Path("replay-data"), "--data", help="directory of the Arrow store"),
     run: str | None = typer.Option(None, "--run", help="only this run's segments"),
 ) -> None:
-    """Check every segment's checksum; list the damaged ones (exit status 1 when any). Safe while serving.
+    """Check every segment's checksum and every run journal line; list what fails (exit status 1 when any).
+    Safe while serving.
 
     Segments where REPLAY_SEGMENTS_URL puts them, and those the index (REPLAY_INDEX_URL, or <data>/index.sqlite)
-    names: one it names that is not stored counts as damaged.
+    names: one it names that is not stored counts as damaged. A journal line reindex could not replay (a newer
+    major, a damaged line) is named.
     """
     from replay_service.ops.verify import verify_store
     from replay_service.store.segment_store import open_segment_store
@@ -191,16 +193,19 @@ def verify(
         segments = open_segment_store(data, settings.segments_url)
         with _progress() as progress:
             task = progress.add_task("verifying segments", total=None)
-            checked, damaged = verify_store(data, run, progress=lambda _: progress.advance(task), store=segments,
-                                            index_url=settings.index_url)
-            progress.update(task, total=checked, completed=checked)
+            found = verify_store(data, run, progress=lambda _: progress.advance(task), store=segments,
+                                 index_url=settings.index_url)
+            progress.update(task, total=found.segments, completed=found.segments)
     except _refusals() as exc:
         typer.echo(f"replay-service: {exc.message}", err=True)
         raise typer.Exit(2) from None
-    for rel, why in damaged:
+    for rel, why in found.damaged:
         typer.echo(f"DAMAGED runs/{rel}: {why}")
-    typer.echo(f"{checked} segments checked, {len(damaged)} damaged")
-    if damaged:
+    for bad in found.unreadable:
+        typer.echo(f"UNREADABLE runs/{bad.where}: {bad.why}")
+    typer.echo(f"{found.segments} segments checked, {len(found.damaged)} damaged; {found.journal_lines} journal "
+               f"lines read, {len(found.unreadable)} unreadable")
+    if not found.clean:
         raise typer.Exit(1)
 
 

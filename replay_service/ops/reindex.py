@@ -54,7 +54,7 @@ from replay_service.store.files import QUARANTINE_DIR, SegmentCache, quarantine_
 from replay_service.store.health import HealthTables
 from replay_service.store.index import Index, RequestStatus
 from replay_service.store.integrity import open_segment
-from replay_service.store.journal import BucketJournal, open_journal, read_journal
+from replay_service.store.journal import open_journal, run_lines
 from replay_service.store.reads import RowReader
 from replay_service.store.references import Resolver
 from replay_service.store.runs import RunRegistry
@@ -148,9 +148,7 @@ def reindex(data_dir: Path, settings: ServiceSettings | None = None, restore: bo
         runs = scan(segments, report, progress)
         journal = open_journal(segments, root, fsync=False)
         for run_id, items in runs.items():
-            lines = journal.events(run_id)
-            if isinstance(journal, BucketJournal):  # and what was appended locally before journals moved to buckets
-                lines += read_journal(root, run_id)
+            lines = run_lines(journal, root, run_id)
             report.unusable += [(bad.where, bad.why) for bad in lines.bad]
             items += [_Item(e.t, (1, n), event=e.event) for n, e in enumerate(lines.entries)]
             items.sort(key=lambda item: (item.t, item.order))

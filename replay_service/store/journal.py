@@ -149,3 +149,12 @@ def read_journal(root: Path, run_id: str) -> JournalLines:
     """A run's journal file under a local segment root (journal.md); nothing when it has none."""
     path = root / run_id / JOURNAL_NAME
     return parse_journal(path.read_bytes(), f"{run_id}/{JOURNAL_NAME}") if path.exists() else JournalLines([], [])
+
+
+def run_lines(journal: RunJournal, root: Path, run_id: str) -> JournalLines:
+    """Every line of a run's journal (reindex, verify): where `journal` keeps it and, beside a bucket's, what was
+    appended to the local file under `root` before journals moved to buckets."""
+    lines = journal.events(run_id)
+    if isinstance(journal, BucketJournal):
+        lines += read_journal(root, run_id)
+    return lines
