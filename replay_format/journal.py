@@ -102,14 +102,18 @@ def encode_entry(entry: JournalEntry) -> bytes:
 def parse_journal(data: bytes, name: str) -> JournalLines:
     """The entries of journal lines (the one reader); `name` (the file or object) goes into each BadLine.
 
-    A line that is no JSON object is a torn append; the service appended its next line right after it (O_APPEND),
-    so the complete object at the end of such a line is taken. A JSON object that is no entry this reader knows
-    (a newer major, a missing or wrong key) is a `BadLine`."""
+    An append a crash cut short leaves bytes with no newline: at the end of the data they are skipped; the
+    service's next append went right after them (O_APPEND), so a line holding torn bytes and then a complete object
+    is read as that object. A line ended by its newline that holds no JSON object (damaged), or one that is no entry
+    this reader knows (a newer major, a missing or wrong key), is a `BadLine`."""
     entries: list[JournalEntry] = []
     bad: list[BadLine] = []
-    for number, raw in enumerate(data.splitlines(), start=1):
+    *ended, tail = data.split(b"\n")
+    for number, raw in enumerate(ended + [tail], start=1):
         line = _complete_object(raw)
         if line is None:
+            if raw.strip() and number <= len(ended):
+                bad.append(BadLine(f"{name} line {number}", "journal line: not a JSON object (damaged)"))
             continue
         try:
             entries.append(_entry(line))

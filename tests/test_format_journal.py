@@ -67,6 +67,8 @@ def test_a_torn_line_is_skipped_and_the_entry_appended_after_it_is_taken():
     ('{"t":1,"event":"end","request_id":"a","status":"finished"}', "event `end` with missing or wrong keys"),
     ('{"t":1,"event":"references","references":[["c",4,4,"a"]]}', "event `references` with missing or wrong"),
     ('{"t":1,"event":"references","references":[["c",0,4]]}', "event `references` with missing or wrong keys"),
+    ('{"t":1,"event":"end","request_id":"a","num_tokens":1,"status":"finished"', "not a JSON object (damaged)"),
+    ('\x00\x00\x00\x00', "not a JSON object (damaged)"),
 ])
 def test_a_line_this_reader_cannot_take_is_named_and_the_others_are_read(line, why):
     data = encode_entry(ENTRIES[0]) + line.encode() + b"\n" + encode_entry(ENTRIES[1])
