@@ -144,7 +144,7 @@ class RunRecord:
         """Segment bytes per stored id (rows stored by this run, not through references); None before any row."""
         return bytes_per_id(self.bytes, self.rows - self.referenced_rows, self.shape.row_width)
 
-    def weight_versions(self) -> list[dict[str, Any]]:
+    def _version_rows(self) -> list[dict[str, Any]]:
         """Rows per weight version, by version, then those of no known version under `null` (where there are any:
         rows stored before versions existed, or by a writer that sends none)."""
         out: list[dict[str, Any]] = [{"version": v, "rows": n} for v, n in sorted(self.per_version.items())]
@@ -174,7 +174,7 @@ class RunRecord:
             "bytes": self.bytes,
             "bytes_per_id": self.bytes_per_id,
             "flagged": {str(f.name): n for f, n in self.flagged.items()},
-            "weight_versions": self.weight_versions(),
+            "weight_versions": self._version_rows(),
             "recomputed": self.recomputed,
             "pinned": self.pinned,
             "last_write": self.last_write,
