@@ -69,7 +69,7 @@ def load_demo(store: RouteStore, seed: int = 7) -> RunRecord:
 
     A store that holds the whole demo already (its comparison is stored last) is not written again: the
     routes are not even made (a second `serve --demo` starts at once)."""
-    if store.has_run(DEMO_RUN) and any(c["compare_id"] == DEMO_COMPARE for c in store.compares.list(DEMO_RUN)):
+    if store.has_run(DEMO_RUN) and _stored_compare(store) is not None:
         return store.run_summary(DEMO_RUN)
     rng = np.random.default_rng(seed)
     finished: dict[str, int] = {}
@@ -124,6 +124,11 @@ def load_demo(store: RouteStore, seed: int = 7) -> RunRecord:
 DEMO_COMPARE = "demo-r3"
 
 
+def _stored_compare(store: RouteStore) -> dict | None:
+    """The demo's comparison as stored, or None before it is (it is the demo's last write)."""
+    return next((c for c in store.compares.list(DEMO_RUN) if c["compare_id"] == DEMO_COMPARE), None)
+
+
 def load_demo_compare(store: RouteStore, seed: int = 11) -> dict:
     """A stored comparison on the demo run, as a trainer without replay would post it.
 
@@ -132,9 +137,9 @@ def load_demo_compare(store: RouteStore, seed: int = 11) -> dict:
     roughly the R3 paper's picture (about 10% router-level, over 90% token-level
     mismatch). Idempotent: a fixed compare id, stored once.
     """
-    existing = [c for c in store.compares.list(DEMO_RUN) if c["compare_id"] == DEMO_COMPARE]
-    if existing:
-        return existing[0]
+    existing = _stored_compare(store)
+    if existing is not None:
+        return existing
     rng = np.random.default_rng(seed)
     ids, positions, rows = [], [], []
     for i in range(4):
