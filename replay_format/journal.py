@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from replay_format.core import FormatError, FormatVersion, metadata_version
@@ -76,8 +76,8 @@ class JournalLines:
 
     A torn line (an append a crash cut short) is neither: skipped, as journal.md says."""
 
-    entries: list[JournalEntry]
-    bad: list[BadLine]
+    entries: list[JournalEntry] = field(default_factory=list)
+    bad: list[BadLine] = field(default_factory=list)
 
     def __add__(self, other: JournalLines) -> JournalLines:
         return JournalLines(self.entries + other.entries, self.bad + other.bad)

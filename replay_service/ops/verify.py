@@ -75,7 +75,7 @@ def verify_store(data_dir: Path, run_id: str | None = None, progress: Callable[[
         if problem is not None:
             found.damaged.append((rel, problem))
     journal = open_journal(store, root, fsync=False)
-    lines = JournalLines([], [])
+    lines = JournalLines()
     for run in sorted({p.split("/", 1)[0] for p in paths} if run_id is None else {run_id}):
         lines += run_lines(journal, root, run)
     found.journal_lines, found.unreadable = len(lines.entries), lines.bad

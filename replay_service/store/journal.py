@@ -123,7 +123,7 @@ class BucketJournal(RunJournal):
         return self.segments.other_objects(f"{run_id}/{JOURNAL_DIR}", JOURNAL_SUFFIX)
 
     def events(self, run_id: str) -> JournalLines:
-        lines = JournalLines([], [])
+        lines = JournalLines()
         for obj in self._objects(run_id):  # sorted by name: by time appended
             try:
                 lines += parse_journal(self.segments.read_bytes(obj.path), obj.path)
@@ -148,7 +148,7 @@ def open_journal(segments: SegmentStore, segments_root: Path, fsync: bool = True
 def read_journal(root: Path, run_id: str) -> JournalLines:
     """A run's journal file under a local segment root (journal.md); nothing when it has none."""
     path = root / run_id / JOURNAL_NAME
-    return parse_journal(path.read_bytes(), f"{run_id}/{JOURNAL_NAME}") if path.exists() else JournalLines([], [])
+    return parse_journal(path.read_bytes(), f"{run_id}/{JOURNAL_NAME}") if path.exists() else JournalLines()
 
 
 def run_lines(journal: RunJournal, root: Path, run_id: str) -> JournalLines:
