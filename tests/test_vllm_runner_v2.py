@@ -116,7 +116,7 @@ def drive(model_dir: str, out_path: str, capture_mode: str) -> None:
     plugin = PluginConfig("http://unused", "v2", None, Path(tempfile.mkdtemp()),  # nothing is spilled
                           capture_mode=CaptureMode(capture_mode))
     wc = hooks._CURRENT = WorkerCapture(plugin, start_sink=keep_frames)
-    hooks.patch_v1_runner(plugin)  # what `capture.vllm.register` calls: the V1 hooks, then V2's
+    hooks.patch_runners(plugin)  # what `capture.vllm.register` calls: the V1 hooks, then V2's
     assert is_patched(v2.GPUModelRunner.execute_model) and is_patched(v2.GPUModelRunner.prepare_inputs)
     with set_current_vllm_config(vcfg):
         init_distributed_environment(1, 0, f"file://{tempfile.mktemp()}", 0, backend="gloo")

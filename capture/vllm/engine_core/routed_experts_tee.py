@@ -57,23 +57,12 @@ from replay_format.request_notes import FinishStatus
 from replay_format.step_frame import Ended, StepFrame
 
 _TEE = "_routing_replay_tee"  # on the AuxOutputSchedulerConnector instance: its RoutedExpertsTee
-_CONNECTOR = "vllm.distributed.aux_output_connector.connector"
-# What the tee hooks or calls (checked like `capture.vllm.version.REQUIRED` where vLLM has the connector).
-REQUIRED = (
-    (_CONNECTOR, "AuxOutputSchedulerConnector.take_output"),
-    (_CONNECTOR, "AuxOutputSchedulerConnector.request_finished"),
-    (_CONNECTOR, "AuxOutputSchedulerConnector.build_connector_meta"),
-    (_CONNECTOR, "AuxRequestOutput"),
-    ("vllm.v1.engine.core", "EngineCore.shutdown"),
-    ("vllm.model_executor.layers.fused_moe.routed_experts_capturer", "RoutedExpertsCaptureSource"),
-    ("vllm.model_executor.layers.fused_moe.layer", "MoERunner"),
-)
 
 
 def moe_layer_ids(model: Any) -> list[int]:
     """The `layer_id` of every module vLLM's `bind_routed_experts_capturer` binds (its rows' layer index), sorted."""
-    from vllm.model_executor.layers.fused_moe.layer import MoERunner
     from vllm.model_executor.layers.fused_moe.routed_experts_capturer import RoutedExpertsCaptureSource
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
     ids = {int(m.layer_id) for m in model.modules() if isinstance(m, (RoutedExpertsCaptureSource, MoERunner))}
     return sorted(ids)
@@ -245,12 +234,7 @@ def patch_tee(config: PluginConfig) -> None:
 
     if importlib.util.find_spec("vllm.distributed.aux_output_connector") is None:
         return  # a vLLM without the connector: `enable_return_routed_experts` does not exist there
-    from capture.vllm.version import UnsupportedVLLM, missing_symbols
-
-    missing = missing_symbols(REQUIRED)
-    if missing:
-        raise UnsupportedVLLM(f"routing-replay: this vLLM's aux-output connector lacks what the tee hooks: "
-                              f"{'; '.join(missing)}")
+    # (what the tee hooks was checked by `register`: `capture.vllm.hook_points`, Part.TEE)
     from vllm.v1.engine.core import EngineCore
 
     if is_patched(EngineCore.__init__):

