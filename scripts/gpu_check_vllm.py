@@ -2,13 +2,12 @@
 """GPU end-to-end check for the routing-replay vLLM plugin (see scripts/gpu_check_vllm.sh for what it needs).
 
 1. Builds the tiny Qwen3-MoE (tests/support/vllm_model.py), starts a replay service process.
-2. Engine A: vLLM (GPU) with the plugin on (V1 runner: VLLM_USE_V2_MODEL_RUNNER=0),
-   enforce_eager, float32, prefix caching off; generates for several prompts; waits for
-   the routes; every stored route must equal transformers' float32 router top-k (as sets),
-   no row flagged, positions complete.
-3. Engine B: the same generation with vLLM's own `enable_return_routed_experts=True`
-   (V2 runner, vLLM's default); its `routed_experts` per request is the second reference:
-   equal (as sets per layer) to the plugin's stored routes and to transformers.
+2. Engine A: vLLM (GPU) with the plugin on, its default runner (V2) and CUDA graphs (the graph-safe capture),
+   float32, prefix caching off; generates for several prompts; waits for the routes; every stored route must
+   equal transformers' float32 router top-k (as sets), no row flagged, positions complete.
+3. Engine B: the same generation with vLLM's own `enable_return_routed_experts=True` and the plugin still on (it
+   tees the rows vLLM commits to run "gpu-check-tee"); vLLM's `routed_experts` per request must equal (as sets per
+   layer) the teed rows, the plugin's stored routes and transformers.
 Exit 0 when every check passes; prints one JSON summary line.
 """
 
@@ -40,8 +39,8 @@ def main() -> int:
     summary = {"ok": False}
     with ServiceProcess(os.path.join(work, "data")) as svc:
         env = {"ROUTING_REPLAY_URL": svc.url, "ROUTING_REPLAY_RUN_ID": "gpu-check",
-               "ROUTING_REPLAY_SPILL_DIR": os.path.join(work, "spill"), "VLLM_USE_V2_MODEL_RUNNER": "0"}
-        llm = start_engine(model_dir, 1, env, gpu_memory_utilization=0.3)
+               "ROUTING_REPLAY_SPILL_DIR": os.path.join(work, "spill")}
+        llm = start_engine(model_dir, 1, env, gpu_memory_utilization=0.3, enforce_eager=False)
         seqs = generate(llm, prompts())
         stop_engine(llm)
         with ReplayClient(svc.url) as c:
@@ -49,7 +48,7 @@ def main() -> int:
             summary["plugin_vs_transformers_cells"] = check_against_reference(c, "gpu-check", model_dir, seqs, sums)
             stored = {rid: c.get_route("gpu-check", rid, strict=True).experts for rid in seqs}
 
-        os.environ.pop("ROUTING_REPLAY_URL", None)
+        os.environ.update(env, ROUTING_REPLAY_RUN_ID="gpu-check-tee")  # the plugin on again: it tees
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -59,6 +58,11 @@ def main() -> int:
                             SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)
         ref, _ = hf_reference(model_dir, seqs)
         by_prompt = {tuple(s[: len(p)]): rid for rid, s in seqs.items() for p in prompts() if s[: len(p)] == p}
+        stop_engine(llm)  # the tee's sink sends what it holds
+        teed = {}
+        with ReplayClient(svc.url) as c:
+            wait_finished(c, "gpu-check-tee", {o.request_id: [] for o in outs})
+            teed = {o.request_id: c.get_route("gpu-check-tee", o.request_id, strict=True).experts for o in outs}
         n = 0
         for o in outs:
             rid = by_prompt[tuple(o.prompt_token_ids)]
@@ -69,10 +73,10 @@ def main() -> int:
             re = np.asarray(re)
             assert re.shape[0] == len(seqs[rid]) - 1, (re.shape, len(seqs[rid]))
             assert (sets(re) == sets(stored[rid])).all(), f"{rid}: plugin != vLLM routed_experts"
+            assert (sets(re) == sets(teed[o.request_id][: len(re)])).all(), f"{rid}: teed rows != vLLM routed_experts"
             assert (sets(re) == sets(ref[rid])).all(), f"{rid}: vLLM routed_experts != transformers"
             n += re.shape[0] * re.shape[1]
         summary["vllm_routed_experts_cells"] = n
-        stop_engine(llm)
     summary["ok"] = True
     print("GPU_CHECK " + json.dumps(summary))
     return 0
