@@ -57,7 +57,11 @@ class ServiceSettings(BaseSettings):
         default=1 << 30, ge=0, description="of those, bytes held decompressed in memory at most (compressed segments, "
         "REPLAY_SEGMENT_COMPRESSION; an uncompressed one is a map of the page cache and counts nothing)")
     stale_table_rows: int = Field(
-        default=1 << 21, description="slots of the recent-row table for the STALE content check (24 B each)")
+        default=1 << 21, description="rows the STALE content check remembers, one table per host shared by every "
+        "worker (32 B a row, rounded up to a power of two: 64 MiB by default)")
+    stale_table_file: Path | None = Field(
+        default=None, description="set by `serve` for its workers: the table file they share (checks/recent.py); "
+        "unset, a process keeps its own table in memory")
     stale_min_entropy_bits: float = Field(
         default=48.0,
         description="the content STALE check runs only for runs whose rows can take more than 2**bits values")

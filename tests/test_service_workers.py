@@ -3,7 +3,8 @@ core"): real servers, each connection pinned to a known worker by asking it `/he
 
 - every round trip byte-equal whichever worker stored and whichever reads;
 - a retry that lands on another worker is stored once (and a reused seq is refused there too);
-- the STALE content check as ops/workers.py documents it: against what the worker holding the connection stored;
+- the STALE content check against every row the service stored recently, whichever worker stored it, also across
+  a kill -9 of a worker;
 - `/metrics` answers for the whole service, the same totals from every worker;
 - kill -9 of one worker under 8 writers: every acknowledged batch reads back, the worker is replaced;
 - kill -9 of the whole service, and a shutdown, under writers: nothing acknowledged is lost, no worker outlives it;
@@ -105,26 +106,70 @@ def test_round_trips_retries_and_metrics_across_workers(tmp_path):
         assert ReplayClient(service.url, http=http_a).run("w2")["rows"] == ROWS
 
 
-def test_stale_copies_are_found_by_the_worker_that_stored_the_original(tmp_path):
-    """A row copied from another token is STALE when the copy reaches the worker that stored the original (a
-    writer that keeps its connection); the other worker's table never saw it (ops/workers.py says so)."""
+def _probe_trial(original_http: httpx.Client, copy_http: httpx.Client, run: str, trial: int,
+                 rng: np.random.Generator) -> str:
+    """The probe of issue 41: request a<trial> on one connection, then, on another, b<trial> whose rows are a's at
+    other positions (a device buffer replayed after the rollout paused); answers b's request id."""
+    original = routes(rng, 32)
+    a, b = f"a{trial}", f"b{trial}"
+    assert original_http.post("/v1/ingest", headers=ARROW, content=batch_bytes(
+        run, f"wa{trial}", 0, [a] * 32, np.arange(32), original,
+        token_ids=rng.integers(0, 150_000, 32))).status_code == 200
+    assert copy_http.post("/v1/ingest", headers=ARROW, content=batch_bytes(
+        run, f"wb{trial}", 0, [b] * 32, np.arange(100, 132), original[::-1],
+        token_ids=rng.integers(0, 150_000, 32))).status_code == 200
+    return b
+
+
+def test_stale_copies_are_found_whichever_worker_stored_the_original(tmp_path):
+    """Every stale copy reads STALE: the original and its copy on two connections, on the same worker and on the
+    other one (each placement forced by asking each connection's worker), before and after a kill -9 of a worker
+    in the middle of an ingest. On the per-worker tables before issue 41, every copy that reached the other
+    worker was stored clean."""
     with ServiceProcess(tmp_path / "data", workers=2, args=KEEP) as service:
-        (_, http_a), (_, http_b) = pinned(service.url, 2).items()
         rng = np.random.default_rng(2)
-        original = routes(rng, 100)
-        tokens = rng.integers(0, 150_000, 100)
-        assert http_a.post("/v1/ingest", headers=ARROW, content=batch_bytes(
-            "stale", "w", 0, ["original"] * 100, np.arange(100), original, token_ids=tokens)).status_code == 200
-        for seq, (http, request) in enumerate([(http_a, "copy-same-worker"), (http_b, "copy-other-worker")], 1):
-            copy = routes(rng, 100)
-            copy[40] = original[7]  # another token's row, as a buffer replayed from an earlier batch leaves it
-            assert http.post("/v1/ingest", headers=ARROW, content=batch_bytes(
-                "stale", "w", seq, [request] * 100, np.arange(100), copy,
-                token_ids=rng.integers(0, 150_000, 100))).status_code == 200
+        by_pid = pinned(service.url, 2)
+        (pid_a, http_a), (pid_b, http_b) = by_pid.items()
+        copies = []
+        for trial in range(6):
+            # same worker twice, then each way across
+            first, second = [(http_a, http_a), (http_a, http_b), (http_b, http_a)][trial % 3]
+            copies.append(_probe_trial(first, second, "stale", trial, rng))
+        # kill -9 of a worker in the middle of a stream of ingests: its table lock and its slots are the table's
+        stop = threading.Event()
+
+        def stream() -> None:
+            http = httpx.Client(base_url=service.url, timeout=30)
+            seq = 0
+            while not stop.is_set():
+                try:
+                    http.post("/v1/ingest", headers=ARROW, content=body("stale-load", "load", seq, rng)[0])
+                except httpx.TransportError:
+                    pass
+                seq += 1
+
+        loader = threading.Thread(target=stream, daemon=True)
+        loader.start()
+        time.sleep(1.0)
+        os.kill(pid_b, signal.SIGKILL)
+        time.sleep(0.5)
+        stop.set()
+        loader.join(60)
+        deadline = time.monotonic() + 60
+        while len(service.worker_pids() - {pid_b}) < 2:
+            assert time.monotonic() < deadline, "no replacement worker"
+            time.sleep(0.2)
+        (pid_a, http_a), (pid_c, http_c) = pinned(service.url, 2).items()
+        assert pid_b not in (pid_a, pid_c)
+        for trial in range(6, 10):
+            first, second = [(http_a, http_c), (http_c, http_a)][trial % 2]
+            copies.append(_probe_trial(first, second, "stale", trial, rng))
         client = ReplayClient(service.url, http=http_a)
-        flags = {r: client.get_route("stale", r).flags for r in ("copy-same-worker", "copy-other-worker")}
-        assert flags["copy-same-worker"][40] == Flag.STALE and np.count_nonzero(flags["copy-same-worker"]) == 1
-        assert np.count_nonzero(flags["copy-other-worker"]) == 0
+        for b in copies:
+            flags = client.get_route("stale", b, start=100).flags
+            assert (flags == Flag.STALE).all(), (b, flags)
+        for trial in range(10):  # the originals stay clean
+            assert not client.get_route("stale", f"a{trial}").flags.any()
 
 
 class Writers:

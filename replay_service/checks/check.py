@@ -26,7 +26,8 @@ import numpy as np
 from replay_format import Flag, RunShape
 from replay_format.rows import Rows
 from replay_format.weight_versions import UNKNOWN
-from replay_service.checks.kernels import RecentRows, check_rows, route_entropy_bits
+from replay_service.checks.kernels import check_rows, route_entropy_bits
+from replay_service.checks.recent import RecentRows, request_keys
 
 
 @dataclass
@@ -166,12 +167,7 @@ def check_stale(checked: CheckedRows, recent: RecentRows) -> None:
     Only rows that are clean so far and served are compared and remembered. Updates `checked.flags`.
     """
     rows = checked.rows
-    keys = _request_keys(rows.meta.run_id, rows.request_ids)[rows.request_index]
+    keys = request_keys(rows.meta.run_id, rows.request_ids)[rows.request_index]
     eligible = (checked.flags == 0) & ~checked.shadowed
     stale = recent.check_and_add(checked.hashes, keys, rows.positions, rows.token_ids, eligible)
     checked.flags[stale] |= np.uint16(Flag.STALE)
-
-
-def _request_keys(run_id: str, request_ids: list[str]) -> np.ndarray:
-    # Keys for the in-memory STALE table only; Python's salted hash is fine there.
-    return np.array([hash((run_id, r)) & 0x7FFFFFFFFFFFFFFF for r in request_ids], np.int64)

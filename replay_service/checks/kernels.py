@@ -4,13 +4,12 @@ One compiled pass over a batch computes, per row, ZERO / DUPLICATE / OUT_OF_RANG
 a 64-bit content hash (for the STALE content check and the batch digest) and adds clean
 rows to the per-layer expert load. numba compiles it once per dtype; a batch of 48 x 8
 uint8 rows costs a few hundred nanoseconds per row on one core (bench/ingest.py).
-`RecentRows` is the STALE check's table of recently stored rows.
+The STALE check's table of recently stored rows is `recent.py`.
 """
 
 from __future__ import annotations
 
 import math
-import threading
 
 import numba
 import numpy as np
@@ -171,69 +170,8 @@ def warm_up() -> None:
                 ids = np.zeros((1, 8), dtype)
                 ids.flags.writeable = writeable
                 check_rows(ids, 8 // top_k, top_k, 16, np.zeros(1, np.bool_), np.zeros((8 // top_k, 16), np.int64))
-    table = RecentRows(1)
-    one = np.ones(1, np.int64)  # the argument types ingest passes: hashes u64, request keys i64, positions/tokens i32
-    table.check_and_add(one.astype(np.uint64), one, one.astype(np.int32), one.astype(np.int32), np.ones(1, np.bool_))
 
 
 def route_entropy_bits(num_moe_layers: int, top_k: int, num_experts: int) -> float:
     """log2 of the number of distinct rows (unordered top-k sets per layer)."""
     return num_moe_layers * math.log2(math.comb(num_experts, top_k))
-
-
-class RecentRows:
-    """A bounded, lossy table of recently stored row hashes, for the STALE content check.
-
-    A stale row is a byte-identical copy of a row that was recorded for another
-    token (an earlier batch's buffer row replayed as this one). Rows are keyed by
-    content hash; each slot remembers (request, position, token id) of the row
-    that last hashed there. A new row matching a remembered one is STALE unless it
-    is at the same position with the same token id (a prompt prefix shared with
-    another request routes identically) or is the same (request, position)
-    (a resend, which CONFLICT handling covers).
-
-    What it cannot see: rows that were evicted (the table holds `capacity` slots;
-    a colliding newer row overwrites an older one), rows stored before the service
-    started, and, without token ids, a shared prefix versus a stale copy at the
-    same position (treated as a shared prefix: not flagged).
-    """
-
-    def __init__(self, capacity: int) -> None:
-        size = 1 << max(10, (max(1, capacity) - 1).bit_length())
-        self.mask = np.uint64(size - 1)
-        self.hashes = np.zeros(size, np.uint64)
-        self.request = np.full(size, -1, np.int64)  # interned request number
-        self.position = np.zeros(size, np.int32)
-        self.token = np.full(size, -1, np.int32)  # -1: no token id recorded
-        self.lock = threading.Lock()
-
-    def check_and_add(
-        self, hashes: np.ndarray, request: np.ndarray, position: np.ndarray, token: np.ndarray, eligible: np.ndarray
-    ) -> np.ndarray:
-        """Boolean STALE verdict per row; eligible rows are then remembered."""
-        with self.lock:
-            return _stale_probe(self.hashes, self.request, self.position, self.token, self.mask,
-                                hashes, request, position, token, eligible)
-
-
-@numba.njit(nogil=True, cache=True)
-def _stale_probe(t_hash, t_req, t_pos, t_tok, mask, hashes, request, position, token, eligible):  # pragma: no cover
-    n = hashes.shape[0]
-    stale = np.zeros(n, np.bool_)
-    for i in range(n):
-        if not eligible[i]:
-            continue
-        h = hashes[i]
-        slot = h & mask
-        if t_req[slot] >= 0 and t_hash[slot] == h:
-            same_place = t_pos[slot] == position[i]
-            if same_place and t_req[slot] == request[i]:
-                continue  # a resend of the same row: not a copy
-            if not same_place or (token[i] >= 0 and t_tok[slot] >= 0 and t_tok[slot] != token[i]):
-                stale[i] = True
-                continue  # keep the original's entry: further copies match it too
-        t_hash[slot] = h
-        t_req[slot] = request[i]
-        t_pos[slot] = position[i]
-        t_tok[slot] = token[i]
-    return stale

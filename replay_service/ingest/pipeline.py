@@ -16,8 +16,10 @@ from contextlib import contextmanager
 
 from replay_format.rows import Rows
 from replay_service.buffers import BufferPool
+from replay_service.checks import kernels
+from replay_service.checks import recent as recent_rows
 from replay_service.checks.check import check, check_stale, content_check_applies
-from replay_service.checks.kernels import RecentRows, warm_up
+from replay_service.checks.recent import RecentRows
 from replay_service.errors import RunDeleted, StorageFull
 from replay_service.ingest.commit import Committer
 from replay_service.ingest.segment import SegmentWriter
@@ -36,7 +38,8 @@ class IngestPipeline:
         self.committer = committer
         self.recent = recent
         self.stale_min_entropy_bits = stale_min_entropy_bits
-        warm_up()  # compile the row checks now, not in the first client's ingest
+        kernels.warm_up()  # compile the row checks and the STALE probe now, not in the first client's ingest
+        recent_rows.warm_up()
 
     @classmethod
     def for_store(cls, store: RouteStore) -> IngestPipeline:
@@ -47,7 +50,7 @@ class IngestPipeline:
                                  compression=settings.segment_compression, id_layout=settings.segment_id_layout)
         return cls(store.registry, segments, Committer(store.index, store.reader, segments, store.health,
                                                           settings.health_bucket_s),
-                   RecentRows(settings.stale_table_rows), settings.stale_min_entropy_bits)
+                   RecentRows(settings.stale_table_rows, settings.stale_table_file), settings.stale_min_entropy_bits)
 
     def ingest(self, rows: Rows) -> IngestResult:
         """Store one decoded batch; idempotent on (run_id, writer_id, seq)."""

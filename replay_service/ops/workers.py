@@ -2,8 +2,9 @@
 
     serve (the parent)                                    each worker (uvicorn's supervisor spawns N)
       open the store alone: migrate the index, check   ->   worker_app(): the parent's settings, its share of
-      it against the segments, sweep, the demo; close        the body budget; dies with the parent
-      a fresh PROMETHEUS_MULTIPROC_DIR                       create_app(..., Processes.WORKER)
+      it against the segments, sweep, the demo; close        the body budget, the STALE table; dies with the
+      a fresh folder: PROMETHEUS_MULTIPROC_DIR, the          parent; create_app(..., Processes.WORKER)
+      STALE table file
       uvicorn.run(workers=N): bind the socket, start
       the workers, replace one that dies
 
@@ -19,8 +20,8 @@ holds more than its share. Neither is done. What each worker keeps for itself, a
 - group commit: per worker; each groups its own writers' batches into one index transaction.
 - run registry: re-read from the index on every lookup (`Index.shared`), so a run deleted or widened by
   another worker is seen at once.
-- STALE content table: per worker, lossy as it always was. A writer's rows are checked against what the worker
-  holding its connection stored, so a writer should keep one connection (the capture sender does).
+- STALE content table: one per host, a file every worker maps (checks/recent.py), made by the parent before its
+  workers start; a copy is found whichever worker stored the original.
 - retention passes: every worker runs them; a run deleted by one is gone for all (the index decides).
 - connection bounds: `max_connections` per worker (each has its own sockets and descriptors);
   `max_body_bytes_in_flight` is the service's, split between the workers.
@@ -40,10 +41,12 @@ import shutil
 import signal
 import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 from fastapi import FastAPI
 
 from replay_service.app import create_app
+from replay_service.checks.recent import RecentRows
 from replay_service.metrics import MULTIPROCESS_DIR
 from replay_service.ops.stacks import dump_stacks_on_signal, hold_stacks_signal
 from replay_service.settings import ServiceSettings
@@ -59,24 +62,28 @@ def worker_count(workers: int) -> int:
     return workers or len(os.sched_getaffinity(0))
 
 
-def worker_settings(settings: ServiceSettings, workers: int) -> ServiceSettings:
-    """One worker's settings: the service's, with its share of the bytes of bodies in flight (at least one body)."""
+def worker_settings(settings: ServiceSettings, workers: int, stale_table: Path | None = None) -> ServiceSettings:
+    """One worker's settings: the service's, with its share of the bytes of bodies in flight (at least one body)
+    and the STALE table file every worker maps."""
     share = max(settings.max_body_bytes, settings.max_body_bytes_in_flight // workers)
-    return settings.model_copy(update={"max_body_bytes_in_flight": share})
+    return settings.model_copy(update={"max_body_bytes_in_flight": share, "stale_table_file": stale_table})
 
 
 def run_workers(settings: ServiceSettings, workers: int, serve: Callable[..., None], **options) -> None:
     """Serve with `workers` processes: `serve` is `uvicorn.run`, given the worker app's import string and
-    `options`; the metrics folder is made before and removed after."""
-    metrics_dir = tempfile.mkdtemp(prefix="replay-metrics-")
-    os.environ[MULTIPROCESS_DIR] = metrics_dir
-    os.environ[SETTINGS_VARIABLE] = worker_settings(settings, workers).model_dump_json()
+    `options`; the folder of the metrics and the STALE table is made before and removed after."""
+    shared = Path(tempfile.mkdtemp(prefix="replay-workers-", dir=os.environ.get("XDG_RUNTIME_DIR")))
+    metrics_dir = shared / "metrics"
+    metrics_dir.mkdir()
+    RecentRows.create(shared / "stale-table", settings.stale_table_rows).close()
+    os.environ[MULTIPROCESS_DIR] = str(metrics_dir)
+    os.environ[SETTINGS_VARIABLE] = worker_settings(settings, workers, shared / "stale-table").model_dump_json()
     os.environ[PARENT_VARIABLE] = str(os.getpid())
     hold_stacks_signal()  # the workers start with it blocked; each unblocks it once it dumps stacks (ops/stacks.py)
     try:
         serve(f"{__name__}:worker_app", factory=True, workers=workers, **options)
     finally:
-        shutil.rmtree(metrics_dir, ignore_errors=True)
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 def die_with_parent(parent: int) -> None:
