@@ -100,11 +100,15 @@ class BytesServer:
 
 def floor_app() -> Any:
     """The bare ASGI app `uvicorn_floor` runs (uvicorn's factory, called in each worker): every request's body is
-    received and dropped, and the answer in the environment sent."""
+    received and dropped, and the answer in the environment sent; `/healthz` answers this worker's pid, as the
+    service's does (`ServiceProcess` waits until every worker has answered it)."""
     body = bytes.fromhex(os.environ[ANSWER_VARIABLE])
     start = {"type": "http.response.start", "status": 200,
              "headers": [(b"content-type", os.environ[TYPE_VARIABLE].encode()),
                          (b"content-length", str(len(body)).encode())]}
+    health = f'{{"pid": {os.getpid()}}}'.encode()
+    health_start = {"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(health)).encode())]}
 
     async def app(scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -112,8 +116,9 @@ def floor_app() -> Any:
         more = True
         while more:
             more = (await receive()).get("more_body", False)
-        await send(start)
-        await send({"type": "http.response.body", "body": body})
+        healthz = scope["path"] == "/healthz"
+        await send(health_start if healthz else start)
+        await send({"type": "http.response.body", "body": health if healthz else body})
 
     return app
 

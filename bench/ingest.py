@@ -26,6 +26,11 @@ that (the "CPU bound" column); "cores busy" is how much of that the round used.
 Request bodies are encoded BEFORE the timed region: a sender encodes on its own machine, and here the client
 shares the service's cores, so only sending, the service's work and receiving the answer are timed.
 
+The STALE table per host against per worker, in the same rounds: a second service on its own data directory with
+`REPLAY_STALE_TABLE_SCOPE=worker` (each worker's own table in memory, what the service did before issue 41) takes
+the same batches; "shared / per worker" is the ratio of the two services' rates (the shared table's cost: the
+file's lock per batch and its cache misses).
+
 Also kept: today's transport in the same run (each request's route as int32 ids, base64 inside JSON, as
 SGLang's `meta_info["routed_experts"]`, posted per request to the service's own upload endpoint, so both end
 in the same durable store); its bodies are also encoded before timing.
@@ -238,6 +243,8 @@ def main() -> None:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp, \
             ServiceProcess(Path(tmp) / "data", workers=workers) as proc, \
+            ServiceProcess(Path(tmp) / "data-per-worker", workers=workers,
+                           env={"REPLAY_STALE_TABLE_SCOPE": "worker"}) as per_worker, \
             BytesServer(b'{"stored":true}', "application/json") as floor_url, \
             uvicorn_floor(b'{"stored":true}', "application/json", workers) as uvicorn_url:
         url = proc.url
@@ -250,7 +257,8 @@ def main() -> None:
                                 config.writers)
             post_all(url, warmup, config.writers)
             post_all(uvicorn_url, warmup, config.writers)
-            ours, raw, floor, bare, cpu, bounds = [], [], [], [], [], []
+            post_all(per_worker.url, warmup, config.writers)
+            ours, raw, floor, bare, cpu, bounds, own_tables = [], [], [], [], [], [], []
             pids = [proc.proc.pid, *proc.children()]
             for r in range(args.rounds):
                 jobs = arrow_jobs(batches, f"bench-{config.batch_rows}-{config.writers}-{r}", config.writers)
@@ -262,8 +270,10 @@ def main() -> None:
                 bounds.append(used.bound_ratio(raw_s / len(jobs), cores))
                 floor.append(config.tokens / post_all(floor_url, jobs, config.writers))
                 bare.append(config.tokens / post_all(uvicorn_url, jobs, config.writers))
+                own_tables.append(config.tokens / post_all(per_worker.url, jobs, config.writers))
             results[config.name] = {"ours": ours, "raw": raw, "floor": floor, "uvicorn": bare, "cpu": cpu,
-                                    "bounds": bounds,
+                                    "bounds": bounds, "per_worker": own_tables,
+                                    "table_ratios": [o / p for o, p in zip(ours, own_tables)],
                                     "ratios": [o / w for o, w in zip(ours, raw)],
                                     "floor_ratios": [f / w for f, w in zip(floor, raw)],
                                     "uvicorn_ratios": [b / w for b, w in zip(bare, raw)]}
@@ -311,6 +321,12 @@ def main() -> None:
         busy = statistics.median(c.busy(cores) for c in res["cpu"])
         print(f"  {config.name:<30} service {service:5.1f} ms, writers {writers_ms:5.1f} ms; CPU bound "
               f"{bound_med:.2f} of raw ({bound_lo:.2f}-{bound_hi:.2f}); cores busy {busy:.0%}")
+    print("  the STALE table shared by the host's workers (ours) beside a table per worker, same batches, same rounds")
+    for config in configs:
+        res = results[config.name]
+        med, lo, hi = summary(res["table_ratios"])
+        print(f"  {config.name:<30} shared {fmt(res['ours']):<30} per worker {fmt(res['per_worker']):<30} "
+              f"shared / per worker {med:.2f} ({lo:.2f}-{hi:.2f})")
     print(f"  base64 json, requests of {per_request} tokens, 2 writers: {json_tps / 1e6:.3f} M tok/s; "
           f"32768-row arrow / base64-json: {large_tps / json_tps:.1f}x")
     figures = {name: {"ours_tokens_per_s": round(statistics.median(r["ours"])),
@@ -322,7 +338,10 @@ def main() -> None:
                       "uvicorn_ratio": round(statistics.median(r["uvicorn_ratios"]), 2),
                       "service_cpu_ms_per_batch": round(statistics.median(c.service_s for c in r["cpu"]) * 1e3, 2),
                       "writers_cpu_ms_per_batch": round(statistics.median(c.writers_s for c in r["cpu"]) * 1e3, 2),
-                      "cpu_bound_ratio": round(statistics.median(r["bounds"]), 2)} for name, r in results.items()}
+                      "cpu_bound_ratio": round(statistics.median(r["bounds"]), 2),
+                      "per_worker_table_tokens_per_s": round(statistics.median(r["per_worker"])),
+                      "shared_vs_per_worker_table": round(statistics.median(r["table_ratios"]), 2)}
+               for name, r in results.items()}
     print(json.dumps({"workers": workers, **figures, "json_tokens_per_s": round(json_tps),
                       "arrow_vs_json": round(large_tps / json_tps, 1)}))
 

@@ -46,10 +46,10 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from replay_service.app import create_app
-from replay_service.checks.recent import RecentRows
+from replay_service.checks.recent import RecentRows, table_bytes
 from replay_service.metrics import MULTIPROCESS_DIR
 from replay_service.ops.stacks import dump_stacks_on_signal, hold_stacks_signal
-from replay_service.settings import ServiceSettings
+from replay_service.settings import ServiceSettings, StaleTableScope
 from replay_service.store import Processes
 
 SETTINGS_VARIABLE = "REPLAY_WORKER_SETTINGS"  # the parent's settings, as JSON, for its workers
@@ -69,15 +69,27 @@ def worker_settings(settings: ServiceSettings, workers: int, stale_table: Path |
     return settings.model_copy(update={"max_body_bytes_in_flight": share, "stale_table_file": stale_table})
 
 
+def _shared_folder(table: int) -> Path:
+    """A new folder for what the workers share: on /dev/shm when it has room for twice the STALE table (its pages
+    are then never written back to a disk; a container's small /dev/shm would fault a worker when full), else in
+    the temp folder."""
+    shm = "/dev/shm"
+    room = os.path.isdir(shm) and shutil.disk_usage(shm).free > 2 * table
+    return Path(tempfile.mkdtemp(prefix="replay-workers-", dir=shm if room else None))
+
+
 def run_workers(settings: ServiceSettings, workers: int, serve: Callable[..., None], **options) -> None:
     """Serve with `workers` processes: `serve` is `uvicorn.run`, given the worker app's import string and
     `options`; the folder of the metrics and the STALE table is made before and removed after."""
-    shared = Path(tempfile.mkdtemp(prefix="replay-workers-", dir=os.environ.get("XDG_RUNTIME_DIR")))
+    shared = _shared_folder(table_bytes(settings.stale_table_rows))
     metrics_dir = shared / "metrics"
     metrics_dir.mkdir()
-    RecentRows.create(shared / "stale-table", settings.stale_table_rows).close()
+    table = None
+    if settings.stale_table_scope is StaleTableScope.HOST:
+        table = shared / "stale-table"
+        RecentRows.create(table, settings.stale_table_rows).close()
     os.environ[MULTIPROCESS_DIR] = str(metrics_dir)
-    os.environ[SETTINGS_VARIABLE] = worker_settings(settings, workers, shared / "stale-table").model_dump_json()
+    os.environ[SETTINGS_VARIABLE] = worker_settings(settings, workers, table).model_dump_json()
     os.environ[PARENT_VARIABLE] = str(os.getpid())
     hold_stacks_signal()  # the workers start with it blocked; each unblocks it once it dumps stacks (ops/stacks.py)
     try:
