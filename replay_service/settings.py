@@ -67,9 +67,9 @@ class ServiceSettings(BaseSettings):
         default=1 << 21, description="rows the STALE content check remembers, one table per host shared by every "
         "worker (32 B a row, rounded up to a power of two: 64 MiB by default)")
     stale_table_scope: StaleTableScope = Field(
-        default=StaleTableScope.HOST, description="host: one STALE table shared by every worker of `serve`, so a copy is found "
-        "whichever worker stored its original; worker: a table per worker process (copies across workers are missed; "
-        "bench/ingest.py's baseline)")
+        default=StaleTableScope.HOST, description="host: one STALE table shared by every worker of `serve`, so a "
+        "copy is found whichever worker stored its original; worker: a table per worker process (copies across "
+        "workers are missed; bench/ingest.py's baseline)")
     stale_table_file: Path | None = Field(
         default=None, description="set by `serve` for its workers: the table file they share (checks/recent.py); "
         "unset, a process keeps its own table in memory")
