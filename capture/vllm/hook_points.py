@@ -111,6 +111,10 @@ HOOK_POINTS: tuple[HookPoint, ...] = (
               ("scheduler_output",), ("dummy_run",)),
     HookPoint(Part.V2_RUNNER, "vllm.v1.worker.gpu.model_runner", "GPUModelRunner.prepare_inputs"),
     HookPoint(Part.V2_RUNNER, "vllm.v1.worker.gpu.model_runner", "GPUModelRunner.sample_tokens"),
+    # under PCP the frame is the manager's global batch, restored by its `_hidden_restore_idx` (an instance
+    # attribute: checked at load_model, `runner_v2.check_v2_pcp`)
+    HookPoint(Part.V2_RUNNER, "vllm.v1.worker.gpu.pcp_manager", "PCPManager.partition_batch"),
+    HookPoint(Part.V2_RUNNER, "vllm.v1.worker.gpu.pcp_manager", "PCPManager.global_batch"),
     HookPoint(Part.TEE, "vllm.distributed.aux_output_connector.connector", "AuxOutputSchedulerConnector.take_output",
               ("request", "output")),
     HookPoint(Part.TEE, "vllm.distributed.aux_output_connector.connector",
@@ -119,6 +123,7 @@ HOOK_POINTS: tuple[HookPoint, ...] = (
               "AuxOutputSchedulerConnector.build_connector_meta"),
     HookPoint(Part.TEE, "vllm.distributed.aux_output_connector.connector", "AuxRequestOutput"),
     HookPoint(Part.TEE, "vllm.v1.engine.core", "EngineCore.__init__"),
+    HookPoint(Part.TEE, "vllm.v1.engine.core", "EngineCore.add_request", ("request",)),
     HookPoint(Part.TEE, "vllm.v1.engine.core", "EngineCore.shutdown"),
     HookPoint(Part.TEE, f"{_MOE}.routed_experts_capturer", "RoutedExpertsCaptureSource"),
 )
@@ -172,6 +177,8 @@ def _live_params(hook: HookPoint) -> list[str] | None:
             return None
     if inspect.isclass(obj):
         return []
+    if isinstance(obj, property):
+        obj = obj.fget
     try:
         return list(inspect.signature(inspect.unwrap(obj)).parameters)  # type: ignore[arg-type]
     except (TypeError, ValueError):
@@ -270,7 +277,11 @@ def main(argv: list[str]) -> int:
     bad = 0
     for arg in argv:
         root = Path(arg)
-        found = problems(source_params(root), lambda m, root=root: _module_path(root, m) is not None)
+
+        def has_module(module: str, root: Path = root) -> bool:
+            return _module_path(root, module) is not None
+
+        found = problems(source_params(root), has_module)
         print(f"{arg}: " + ("every hook point found" if not found else f"{len(found)} problem(s)"))
         for p in found:
             print(f"  {p}")

@@ -6,6 +6,11 @@ largest piece, then trimmed; split order), PCP un-gather (the padding mask gathe
 rank-major over the PCP group, padding rows dropped, restore index applied), then this
 DP rank's span of each PCP block. Every row count comes from the sharding, and the local
 shard's length is only checked against it.
+
+An engine that partitions each step itself and keeps its own restore index (vLLM's Model Runner V2:
+each PCP rank gets DualChunkSwap rows, some requests replicated on every rank) is restored with
+`gather_rank_rows` (rows the router saw only locally) and `restore_pcp_order` (the engine's index
+applied), after `check_pcp_restore_index` checked the index against the gathered padding mask.
 """
 
 from __future__ import annotations
@@ -162,3 +167,44 @@ def restore_rows(
     if mask is not None:
         mask = mask.to(rows.device)
     return select_real_rows(rows, mask, pcp_restore_index, sharding.num_tokens, sharding)
+
+
+def gather_rank_rows(local: torch.Tensor, pcp_size: int, pcp_group) -> torch.Tensor:
+    """Every PCP rank's `local` rows (the same count on each: padded to the largest rank's), gathered rank-major.
+
+    One all-gather over `pcp_group`; `[pcp_size * rows, ...]`. Without PCP, `local` itself."""
+    if pcp_size == 1:
+        return local
+    return all_gather_rows(local, (local.shape[0],) * pcp_size, pcp_group)
+
+
+def check_pcp_restore_index(restore_index: torch.Tensor, padding: torch.Tensor, num_tokens: int) -> None:
+    """ValueError unless `restore_index` picks `num_tokens` distinct rows of the gathered batch, none of them padding.
+
+    `padding` is the gathered padding mask (`[P * rows]` bool, rank-major, True = padding): it says how
+    many rows there are. Rows the index leaves out are a replicated request's copies on the other ranks."""
+    idx = restore_index.reshape(-1)
+    mask = padding.reshape(-1).to(device=idx.device, dtype=torch.bool)
+    total = mask.shape[0]
+    if idx.shape[0] != num_tokens:
+        raise ValueError(f"PCP restore index lists {idx.shape[0]} rows, the step has {num_tokens} tokens")
+    if not num_tokens:
+        return
+    if int(idx.min()) < 0 or int(idx.max()) >= total:
+        raise ValueError(f"PCP restore index outside the {total} gathered rows (0..{total - 1})")
+    uses = torch.bincount(idx.to(torch.long), minlength=total)
+    bad = torch.nonzero((uses > 1) | ((uses > 0) & mask)).flatten()
+    if bad.numel():
+        raise ValueError(f"PCP restore index reads a gathered row twice or a padding row; first bad rows "
+                         f"{bad[:8].tolist()}")
+
+
+def restore_pcp_order(gathered: torch.Tensor, restore_index: torch.Tensor) -> torch.Tensor:
+    """The engine's token order from PCP-gathered rows: `gathered[restore_index]` (`check_pcp_restore_index` first).
+
+    `gathered` is `[P * rows, K]`, rank-major; the result is `[len(restore_index), K]` in `gathered`'s dtype
+    and device. The index is moved to that device (a no-op where it already is)."""
+    if gathered.dim() != 2:
+        raise ValueError(f"gathered rows must be [rows, top_k], got shape {tuple(gathered.shape)}")
+    idx = restore_index.reshape(-1).to(device=gathered.device, dtype=torch.long)
+    return gathered.index_select(0, idx)

@@ -28,10 +28,21 @@ module copies those rows out instead:
   rows of one version (a change flushes what was noted before it).
 
 Which model layers are MoE layers the engine core cannot tell from the config (Qwen3's
-`mlp_only_layers`, DeepSeek's `first_k_dense_replace`, ...): at engine start it asks its workers
+`mlp_only_layers`, DeepSeek's `first_k_dense_replace`, ...): when its tee starts it asks its workers
 (`moe_layers_rpc`, over `collective_rpc`) for the `layer_id` of every module vLLM's own
 `bind_routed_experts_capturer` binds, the same ids vLLM uses as its rows' layer index.
 `EngineCore.shutdown` (wrapped) flushes and closes the sink without waiting for it.
+
+When the tee starts: once per engine core (`_start_once`), before its scheduler holds a request. At the end of
+`EngineCore.__init__` (wrapped) where the plugin was loaded before the engine core was built (an engine core in the
+calling process, or forked from one that loaded it), else at the engine core's first `add_request` (wrapped). vLLM
+loads plugins inside `EngineCore.__init__` itself (`vllm/v1/engine/core.py`: 0.32 line 129, 0.33 line 135, 0.34
+line 149), so an engine-core process vLLM spawns (always on the CPU platform; on GPU under Ray, once CUDA is
+initialised, or with VLLM_WORKER_MULTIPROC_METHOD=spawn) runs vLLM's own `__init__`, which the plugin wraps only
+once it is already running. `add_request` is where every request enters the scheduler, in every kind of engine
+core (`EngineCoreProc._handle_client_request`, `InprocClient.add_request`; `DPEngineCoreProc.add_request` calls it
+through `super()`), and it runs on the engine core's own thread between steps, where `collective_rpc` is vLLM's own
+utility path.
 
 Where the stored route differs from the user's `routed_experts`: with `routed_experts_prompt_start`
 set vLLM never emits the positions before it, so they read GAP; rows of tokens the front end trims
@@ -57,6 +68,7 @@ from replay_format.request_notes import FinishStatus
 from replay_format.step_frame import Ended, StepFrame
 
 _TEE = "_routing_replay_tee"  # on the AuxOutputSchedulerConnector instance: its RoutedExpertsTee
+_STARTED = "_routing_replay_tee_started"  # on the EngineCore instance: `_start` ran to its end (a tee or none needed)
 
 
 def moe_layer_ids(model: Any) -> list[int]:
@@ -156,7 +168,7 @@ def attach(connector: Any, tee: RoutedExpertsTee) -> None:
 
 
 def _start(engine_core: Any, config: PluginConfig) -> None:
-    """After `EngineCore.__init__`: attach a tee to the scheduler's connector when vLLM's output is on."""
+    """Once `engine_core` is built: attach a tee to the scheduler's connector when vLLM's output is on."""
     scheduler = getattr(engine_core, "scheduler", None)
     connector = getattr(scheduler, "aux_output_connector", None)
     vllm_config: Any = getattr(scheduler, "vllm_config", None)
@@ -175,6 +187,17 @@ def _start(engine_core: Any, config: PluginConfig) -> None:
          "commits (%d MoE layers %s of %d, top-%d) -> %s run %r; the plugin's router capture is off (engine core "
          "dp=%d, pid %d)", shape.num_moe_layers, list(shape.moe_layers), shape.num_hidden_layers, shape.top_k,
          config.url, config.run_id, dp_rank, os.getpid())
+
+
+def _start_once(engine_core: Any, config: PluginConfig) -> None:
+    """`_start` for `engine_core` unless it ran there already (module docstring, "When the tee starts").
+
+    A `_start` that raised runs again at the next call (in an engine-core process vLLM stops at the first).
+    """
+    if engine_core.__dict__.get(_STARTED):
+        return
+    _start(engine_core, config)
+    engine_core.__dict__[_STARTED] = True
 
 
 def _tee(connector: Any) -> RoutedExpertsTee | None:
@@ -228,7 +251,8 @@ def patch_connector() -> None:
 
 
 def patch_tee(config: PluginConfig) -> None:
-    """In the engine core: start a tee at `EngineCore.__init__` when vLLM's routed-experts output is on; close it at
+    """In the engine core: start a tee when vLLM's routed-experts output is on, at the end of `EngineCore.__init__`
+    or, for the engine core whose own `__init__` loaded the plugin, at its first `add_request`; close it at
     `shutdown` (idempotent; nothing on a vLLM without the aux-output connector)."""
     import importlib.util
 
@@ -240,11 +264,15 @@ def patch_tee(config: PluginConfig) -> None:
     if is_patched(EngineCore.__init__):
         return
     patch_connector()
-    orig_init, orig_shutdown = EngineCore.__init__, EngineCore.shutdown
+    orig_init, orig_add, orig_shutdown = EngineCore.__init__, EngineCore.add_request, EngineCore.shutdown
 
     def __init__(self, *a, **kw):
         orig_init(self, *a, **kw)
-        _start(self, config)
+        _start_once(self, config)
+
+    def add_request(self, *a, **kw):
+        _start_once(self, config)  # an engine core built before the plugin was loaded: before its first request
+        return orig_add(self, *a, **kw)
 
     def shutdown(self, *a, **kw):
         connector = getattr(getattr(self, "scheduler", None), "aux_output_connector", None)
@@ -257,4 +285,5 @@ def patch_tee(config: PluginConfig) -> None:
         return orig_shutdown(self, *a, **kw)
 
     patch(EngineCore, "__init__", __init__)
+    patch(EngineCore, "add_request", add_request)
     patch(EngineCore, "shutdown", shutdown)

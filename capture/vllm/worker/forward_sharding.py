@@ -12,7 +12,8 @@ What the plugin reads (vLLM 0.32/0.33 names; see docs/vllm_notes.md section 2 (e
   naive dispatch (`All2AllManagerBase._get_sizes`).
 - `ForwardContext.is_padding`: this rank's padding mask (the PCP chunk's padding).
 - the PCP restore index (gathered row of each real token, sequence order): vLLM keeps it
-  in the V2 runner's `PCPManager` (`_hidden_restore_idx`); the plugin reads it from
+  in the V2 runner's `PCPManager` (`_hidden_restore_idx`), which the V2 hooks read at step
+  open into a `PcpStep` (`restore_pcp`); the V1 path reads it from
   `ctx.additional_kwargs["pcp_restore_index"]` or `ctx.pcp_restore_index` when present,
   else the caller passes it.
 
@@ -29,6 +30,10 @@ Mapping (rows of `topk_ids` seen by `BaseRouter.capture_fn` on one rank -> `RowS
   `Strategy.SEQUENCE_PARALLEL` (TP all-gather).
 - PCP without all2all kernels (hidden states and logits PCP-gathered rank-major) ->
   `pcp_size`/`pcp_rank` + the local mask + restore index, composed with the above.
+- Model Runner V2 under PCP (`restore_pcp`, one `PcpStep` per step): the PCP-gathered rows
+  (P x the largest rank's row count, rank-major: as the router sees them without all2all
+  kernels, or gathered here from the rank's own rows with all2all kernels) go through
+  vLLM's own restore index. A naive DP dispatch before the PCP gather is refused (rows STALE).
 
 Rows past the real token count (`num_tokens`, from the scheduler) are padding and are dropped.
 """
@@ -38,10 +43,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from capture.vllm.log import info
 from capture.worker.pcp_mask import NaiveDispatch, PcpPaddingMask
-from capture.worker.restore import restore_rows
+from capture.worker.restore import (
+    check_pcp_restore_index,
+    gather_pcp_mask,
+    gather_rank_rows,
+    restore_pcp_order,
+    restore_rows,
+)
 from capture.worker.sharding import RowSharding, Strategy
 
 
@@ -121,8 +133,8 @@ class MoeLayout:
 
     @property
     def local(self) -> bool:
-        """The router sees exactly this DP rank's batch (no dispatch, SP or PCP gather)."""
-        return not self.naive and not (self.sp and self.a2a) and not self.pcp_gathered
+        """The router sees exactly this DP rank's batch (no dispatch, SP, and no PCP: a PCP rank holds part of it)."""
+        return not self.naive and not (self.sp and self.a2a) and self.pcp_size == 1
 
 
 def routes_local_batch(runner) -> bool:
@@ -185,6 +197,9 @@ def restore(topk_ids: torch.Tensor, runner, ctx, par: Parallel, num_tokens: int,
             pcp_restore_index=None) -> torch.Tensor:
     """This DP rank's `[num_tokens, K]` rows in scheduler order (identical on every TP/PCP rank)."""
     layout = MoeLayout.of(runner)
+    if layout.pcp_size > 1 and layout.a2a:
+        raise ShardingError("routing-replay: PCP with all2all kernels: the router sees this PCP rank's rows and "
+                            "this runner gives no restore index (Model Runner V2's PCPManager does)")
     if layout.pcp_gathered:
         mask = local_padding if local_padding is not None else getattr(ctx, "is_padding", None)
         idx = pcp_restore_index if pcp_restore_index is not None else pcp_restore_index_from(ctx)
@@ -201,16 +216,91 @@ def restore(topk_ids: torch.Tensor, runner, ctx, par: Parallel, num_tokens: int,
     return rows[:num_tokens]
 
 
+@dataclass
+class PcpStep:
+    """One step's PCP partition, as the engine made it (V2: `PCPManager.partition_batch`; read at step open).
+
+    `restore_index[i]` is the PCP-gathered row (rank-major, `rank_rows` per rank) of the step's global token i
+    (vLLM's `_hidden_restore_idx`: global = gathered[restore_index]); a request every rank holds whole
+    (`replicated_requests`) is read from one rank's copy. `padding` is the padding mask of the batch the
+    model ran: `[pcp_size * rank_rows]` when vLLM already gathered it for the router, else this rank's
+    `[rank_rows]`. `checked`: the index was checked against it (once per step, by its first layer).
+    """
+
+    restore_index: torch.Tensor | None  # None: the engine gave none this step (the step's rows go STALE)
+    rank_rows: int
+    padding: torch.Tensor
+    checked: bool = False
+
+
+def _pcp_block(topk_ids: torch.Tensor, layout: MoeLayout, par: Parallel, rows: int) -> torch.Tensor:
+    """This DP rank's PCP-gathered rows `[P * rows, K]` out of what one MoE layer's router saw (module docstring)."""
+    p = par.pcp_size
+    if layout.a2a:  # the router saw this rank's own rows: gather them as the non-all2all path would have
+        if topk_ids.shape[0] != rows:
+            raise ShardingError(f"routing-replay: the router saw {topk_ids.shape[0]} rows, this PCP rank holds {rows}")
+        return gather_rank_rows(topk_ids, p, par.pcp_group)
+    if layout.naive:
+        # MoERunner._maybe_dispatch dispatches before the PCP gather, sized by _compute_sp_num_tokens
+        # (forward_context.py), which counts P x each DP rank's tokens without EP: not this rank's rows.
+        raise ShardingError("routing-replay: a naive DP dispatch combined with PCP is not supported")
+    if topk_ids.shape[0] != p * rows:
+        raise ShardingError(f"routing-replay: the router saw {topk_ids.shape[0]} rows, PCP {p} x {rows} gathered")
+    return topk_ids
+
+
+def restore_pcp(topk_ids: torch.Tensor, runner, par: Parallel, step: PcpStep, num_tokens: int) -> torch.Tensor:
+    """This DP rank's `[num_tokens, K]` rows in the global batch's order, from one MoE layer's `topk_ids` under PCP.
+
+    The PCP-gathered rows (`_pcp_block`) go through vLLM's restore index; the step's first call checks
+    the index against the gathered padding mask (gathered here from this rank's mask where vLLM did
+    not). Collectives, the same on every rank of the PCP group: a row all-gather per layer with
+    all2all kernels; a mask all-gather once per step where the mask is this rank's. Raises
+    ShardingError or ValueError (a shape every PCP rank shares is checked before any collective).
+    """
+    layout = MoeLayout.of(runner)
+    p = par.pcp_size
+    if layout.pcp_size != p:
+        raise ShardingError(f"routing-replay: MoE layer on PCP {layout.pcp_size}, this worker on PCP {p}")
+    if layout.sp:
+        raise ShardingError("routing-replay: sequence-parallel MoE combined with PCP is not supported")
+    if step.restore_index is None:
+        raise ShardingError("routing-replay: vLLM's PCPManager holds no restore index for this step")
+    if p > 1 and (not dist.is_initialized() or dist.get_world_size(par.pcp_group) != p
+                  or dist.get_rank(par.pcp_group) != par.pcp_rank):
+        raise ShardingError(f"routing-replay: the PCP group is not this worker's (PCP rank {par.pcp_rank} of {p})")
+    gathered = _pcp_block(topk_ids, layout, par, step.rank_rows)
+    if not step.checked:
+        mask = step.padding.reshape(-1)
+        if mask.shape[0] == step.rank_rows and p > 1:
+            mask = gather_pcp_mask(mask, p, par.pcp_group)
+        if mask.shape[0] != p * step.rank_rows:
+            raise ShardingError(f"routing-replay: padding mask of {mask.shape[0]} rows for PCP {p} x "
+                                f"{step.rank_rows} gathered rows")
+        check_pcp_restore_index(step.restore_index, mask, num_tokens)
+        step.checked = True
+    return restore_pcp_order(gathered, step.restore_index)
+
+
 def pcp_mask_fixed_upstream() -> bool:
-    """True when the running vLLM already gives the router a PCP-gathered padding mask."""
+    """True when the running vLLM already gives the router a PCP-gathered padding mask.
+
+    Either `MoERunner._maybe_dispatch` gathers it, or (0.33+) Model Runner V2's `PCPManager` makes the
+    batch's mask the gathered one itself (`moe_is_padding`, `_moe_is_padding`; PCP runs only under V2 there)."""
     try:
         import inspect
 
         from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
-        return "is_padding" in inspect.getsource(MoERunner._maybe_dispatch)
-    except Exception:  # any error (no source, a renamed symbol): assume it does not, install ours
+        if "is_padding" in inspect.getsource(MoERunner._maybe_dispatch):
+            return True
+    except Exception:  # any error (no source, a renamed symbol): look at the V2 manager
+        pass
+    try:
+        from vllm.v1.worker.gpu.pcp_manager import PCPManager
+    except Exception:  # any error: no V2 manager: assume vLLM does not, install ours
         return False
+    return callable(getattr(PCPManager, "moe_is_padding", None))
 
 
 def mask_dispatch(runner, ctx, par: Parallel) -> NaiveDispatch | None:

@@ -56,7 +56,7 @@ COVERED = (GraphSharding.LOCAL, GraphSharding.DP_CONCAT)
 def graph_sharding(runner) -> GraphSharding:
     """The sharding of one MoE layer, from its static MoE config (the same flags `forward_sharding.restore` reads)."""
     layout = MoeLayout.of(runner)
-    if layout.pcp_gathered:
+    if layout.pcp_size > 1:  # gathered, or all2all: either way not this rank's whole batch
         return GraphSharding.PCP
     if layout.naive:
         return GraphSharding.DP_CONCAT

@@ -23,7 +23,7 @@ import numpy as np
 from capture.vllm.config import PluginConfig
 from capture.vllm.log import log
 from capture.vllm.patching import is_patched, patch
-from capture.vllm.worker.forward_sharding import mask_dispatch
+from capture.vllm.worker.forward_sharding import MoeLayout, mask_dispatch
 from capture.vllm.worker.runner_v2 import patch_v2_runner as patch_v2
 from capture.vllm.worker.step_hooks import SampledCounts, StepHooks
 from capture.vllm.worker.worker_capture import WorkerCapture
@@ -44,6 +44,8 @@ def patch_apply_quant_method() -> None:
             return orig(self, *a, **kw)
         from vllm.forward_context import get_forward_context
 
+        if not MoeLayout.of(self).pcp_gathered:  # all2all kernels: the router sees this rank's rows, its own mask
+            return orig(self, *a, **kw)
         ctx = get_forward_context()
         hooks.local_padding = getattr(ctx, "is_padding", None)
         try:

