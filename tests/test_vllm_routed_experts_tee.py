@@ -267,7 +267,7 @@ def test_the_engine_core_starts_a_tee_on_its_workers_moe_layers(vllm_world, shar
     config = PluginConfig(url=shared_service.url, run_id="tee-start", token=None, spill_dir=tmp_path / "spill")
     with caplog.at_level("INFO", logger="routing_replay.vllm"):
         tee_mod._start(core, config)
-    tee = tee_mod._tee(connector)
+    tee = tee_mod.tee_of(connector)
     assert tee is not None and tee.shape.moe_layers == (1, 2) and tee.shape.num_hidden_layers == LAYERS
     assert "teeing the rows its aux-output connector commits" in caplog.text + capsys.readouterr().err
     assert tee.sink.close(30.0, wait=True)

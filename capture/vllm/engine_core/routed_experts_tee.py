@@ -53,18 +53,20 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from capture.vllm.config import PluginConfig, capture_source
 from capture.vllm.engine_core import weight_version
-from capture.vllm.engine_core.scheduler import finish_status
+from capture.vllm.engine_core.request_end import finish_status
+from capture.vllm.kv_connectors import is_prefill_only
 from capture.vllm.log import info, log
 from capture.vllm.patching import is_patched, patch
 from capture.vllm.sink.handoff import start_sink
 from replay_format import NO_TOKEN, RunShape, Source
-from replay_format.request_notes import FinishStatus
+from replay_format.request_notes import Reference
 from replay_format.step_frame import Ended, StepFrame
 
 _TEE = "_routing_replay_tee"  # on the AuxOutputSchedulerConnector instance: its RoutedExpertsTee
@@ -99,24 +101,48 @@ class FrameSink(Protocol):
 
     def finish(self, ended: list[Ended]) -> None: ...
 
+    def references(self, references: list[Reference]) -> None: ...
+
     def close(self, timeout: float = 30.0, wait: bool = True) -> bool: ...
+
+
+@dataclass(frozen=True)
+class _Noted:
+    """Rows of one request noted since the last flush: vLLM's rows [n, layers, K] at `positions`, their token ids."""
+
+    request_id: str
+    positions: np.ndarray  # int32 [n]
+    rows: np.ndarray
+    tokens: np.ndarray  # int32 [n]
 
 
 class RoutedExpertsTee:
     """The committed rows of one engine core, noted per step and handed to its sink (module docstring).
 
     `version` says the engine core's weight version now (a label, None: unknown); without it rows go as unknown.
+    `decoded_elsewhere(request)`: True for a request that ends here only to be decoded on another engine (P/D
+    disaggregation, `capture.vllm.kv_connectors.is_prefill_only`), whose finish is the decode engine's.
     """
 
-    def __init__(self, shape: RunShape, sink: FrameSink, version: Callable[[], str | None] | None = None) -> None:
+    def __init__(self, shape: RunShape, sink: FrameSink, version: Callable[[], str | None] | None = None,
+                 decoded_elsewhere: Callable[[Any], bool] | None = None) -> None:
         self.shape = shape
         self.sink = sink
         self.version = version
+        self.decoded_elsewhere = decoded_elsewhere or (lambda request: False)
         self._layers = np.asarray(shape.moe_layers, np.intp)
-        # Noted since the last flush: (internal id, first position, vLLM's rows [n, layers, K], token ids [n]).
-        self._noted: list[tuple[str, int, np.ndarray, np.ndarray]] = []
+        self._noted: list[_Noted] = []  # since the last flush
         self._noted_version: str | None = None  # the weight version of every row noted
+        self._referenced: dict[str, list[tuple[int, int]]] = {}  # request -> position ranges sent as references
         self.rows = 0  # rows handed to the sink so far
+
+    def references(self, references: list[Reference]) -> None:
+        """The engine core's prefix-cache hits of a step (`engine_core/prefix_hits.py`): they go to the sink as
+        references to the requests that computed them, and vLLM's rows read back for those positions are not sent,
+        so each hit row keeps the weight version its source computed it with (the service mirrors the source's)."""
+        for ref in references:
+            self._referenced.setdefault(ref.request_id, []).append((int(ref.start), int(ref.end)))
+        self.sink.references(references)
 
     def committed(self, request_id: str, token_start: int, rows: np.ndarray, all_token_ids: Any) -> None:
         """vLLM committed `rows` of `request_id` at positions `token_start ..` (what `take_output` returned)."""
@@ -127,23 +153,30 @@ class RoutedExpertsTee:
         if label != self._noted_version:
             self.flush()  # a frame is one version
             self._noted_version = label
+        positions = np.arange(token_start, token_start + n, dtype=np.int32)
         tokens = np.full(n, NO_TOKEN, np.int32)
         known = np.asarray(all_token_ids[token_start : token_start + n], np.int32)  # position p ran token p
         tokens[: len(known)] = known
-        self._noted.append((request_id, int(token_start), rows, tokens))
+        keep = np.ones(n, np.bool_)
+        for start, end in self._referenced.get(request_id, ()):
+            keep &= (positions < start) | (positions >= end)
+        if keep.all():
+            self._noted.append(_Noted(request_id, positions, rows, tokens))
+        elif keep.any():
+            self._noted.append(_Noted(request_id, positions[keep], rows[keep], tokens[keep]))
 
     def flush(self) -> None:
         """Hand the rows noted so far to the sink as one step frame."""
         if not self._noted:
             return
         noted, self._noted = self._noted, []
-        counts = [len(rows) for _, _, rows, _ in noted]
-        experts = np.concatenate([rows for _, _, rows, _ in noted])[:, self._layers].astype(self.shape.dtype)
+        counts = [len(n.rows) for n in noted]
+        experts = np.concatenate([n.rows for n in noted])[:, self._layers].astype(self.shape.dtype)
         frame = StepFrame(
-            req_ids=[rid for rid, _, _, _ in noted],
+            req_ids=[n.request_id for n in noted],
             query_start_loc=np.concatenate(([0], np.cumsum(counts))).astype(np.int32),
-            positions=np.concatenate([np.arange(s, s + n, dtype=np.int32) for (_, s, _, _), n in zip(noted, counts)]),
-            token_ids=np.concatenate([tokens for _, _, _, tokens in noted]),
+            positions=np.concatenate([n.positions for n in noted]),
+            token_ids=np.concatenate([n.tokens for n in noted]),
             experts=experts,
             flags=np.zeros(len(experts), np.uint16),
             weight_version=self._noted_version,
@@ -151,10 +184,15 @@ class RoutedExpertsTee:
         self.sink.step(frame)
         self.rows += len(experts)
 
-    def finished(self, request_id: str, num_tokens: int, status: FinishStatus) -> None:
-        """The request ended: its finish goes after every row noted for it."""
+    def finished(self, request: Any) -> None:
+        """vLLM's request ended: its finish goes after every row noted for it (none for a request decoded on another
+        engine)."""
+        self._referenced.pop(request.request_id, None)
+        if self.decoded_elsewhere(request):
+            self.flush()
+            return
         self.flush()
-        self.sink.finish([Ended(request_id, int(num_tokens), status)])
+        self.sink.finish([Ended(request.request_id, int(request.num_tokens), finish_status(request.status))])
 
     def close(self, timeout: float = 30.0) -> None:
         """Flush, then close the sink without waiting for it (it sends or spills on its own)."""
@@ -165,6 +203,11 @@ class RoutedExpertsTee:
 def attach(connector: Any, tee: RoutedExpertsTee) -> None:
     """Tee what `connector` (vLLM's `AuxOutputSchedulerConnector`) commits from now on."""
     connector.__dict__[_TEE] = tee
+
+
+def tee_of(connector: Any) -> RoutedExpertsTee | None:
+    """The tee attached to `connector` (vLLM's `AuxOutputSchedulerConnector`; None: none, or no connector)."""
+    return None if connector is None else connector.__dict__.get(_TEE)
 
 
 def _start(engine_core: Any, config: PluginConfig) -> None:
@@ -181,7 +224,9 @@ def _start(engine_core: Any, config: PluginConfig) -> None:
     shape = tee_shape(vllm_config, list(moe_layers))
     dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
     sink = start_sink(config, shape, f"vllm-tee-dp{dp_rank}", Source.VLLM_OUTPUT)
-    tee = RoutedExpertsTee(shape, sink, lambda: weight_version.current(scheduler).label)
+    kv_config = getattr(vllm_config, "kv_transfer_config", None)
+    tee = RoutedExpertsTee(shape, sink, lambda: weight_version.current(scheduler).label,
+                           lambda request: is_prefill_only(request, kv_config, config.pd_role))
     attach(connector, tee)
     info("routing-replay: vLLM's enable_return_routed_experts is on: teeing the rows its aux-output connector "
          "commits (%d MoE layers %s of %d, top-%d) -> %s run %r; the plugin's router capture is off (engine core "
@@ -200,10 +245,6 @@ def _start_once(engine_core: Any, config: PluginConfig) -> None:
     engine_core.__dict__[_STARTED] = True
 
 
-def _tee(connector: Any) -> RoutedExpertsTee | None:
-    return connector.__dict__.get(_TEE)
-
-
 def patch_connector() -> None:
     """Wrap `AuxOutputSchedulerConnector.take_output`, `request_finished`, `build_connector_meta` (idempotent).
 
@@ -218,7 +259,7 @@ def patch_connector() -> None:
 
     def take_output(self, request, output):
         rows = orig_take(self, request, output)
-        tee = _tee(self)
+        tee = tee_of(self)
         if tee is not None and rows is not None:
             try:
                 tee.committed(request.request_id, output[request.request_id].token_start, rows, request.all_token_ids)
@@ -228,16 +269,16 @@ def patch_connector() -> None:
 
     def request_finished(self, request):
         out = orig_finished(self, request)
-        tee = _tee(self)
+        tee = tee_of(self)
         if tee is not None and request.is_finished():  # vLLM calls this on preemption too
             try:
-                tee.finished(request.request_id, request.num_tokens, finish_status(request.status))
+                tee.finished(request)
             except Exception:  # any error: as above
                 log.exception("routing-replay: failed to tee the finish of %s", request.request_id)
         return out
 
     def build_connector_meta(self, *a, **kw):
-        tee = _tee(self)
+        tee = tee_of(self)
         if tee is not None:
             try:
                 tee.flush()
@@ -276,7 +317,7 @@ def patch_tee(config: PluginConfig) -> None:
 
     def shutdown(self, *a, **kw):
         connector = getattr(getattr(self, "scheduler", None), "aux_output_connector", None)
-        tee = _tee(connector) if connector is not None else None
+        tee = tee_of(connector)
         if tee is not None:
             try:
                 tee.close()

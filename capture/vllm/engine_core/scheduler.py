@@ -4,7 +4,8 @@ Workers only see `SchedulerOutput.finished_req_ids` (finished *or* aborted, no l
 In the engine-core process the plugin wraps `Scheduler._free_request` to note how each freed
 request ended and its length (an `Ended`), and `Scheduler.schedule` to attach the notes, with the
 step's prefix-cache hits (`prefix_hits.py`), to the next `SchedulerOutput` as its
-`capture.vllm.scheduler_notes.SchedulerNotes`. A worker without a request's note falls back to
+`capture.vllm.scheduler_notes.SchedulerNotes` (with vLLM's own R3 on, the step's prefix-cache hits go to the tee
+as references instead: `routed_experts_tee.py`). A worker without a request's note falls back to
 "finished" and its own length count. The same record carries the engine core's weight version on
 the first step and whenever it changed (`weight_version.py`: `set_weight_version` wrapped).
 
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 from capture.vllm.config import PdRole, PluginConfig
 from capture.vllm.engine_core import prefix_hits, weight_version
+from capture.vllm.engine_core.request_end import finish_status
+from capture.vllm.engine_core.routed_experts_tee import tee_of
 from capture.vllm.finish_notes import FinishJournal
 from capture.vllm.kv_connectors import is_prefill_only
 from capture.vllm.patching import is_patched, patch
@@ -33,11 +36,6 @@ from replay_format.step_frame import Ended
 
 _JOURNAL = "_routing_replay_journal"  # on the Scheduler instance: its FinishJournal (None: no spill root)
 _FREED = "_routing_replay_freed"  # on the Scheduler instance: request id -> Ended, freed since the last schedule()
-
-
-def finish_status(status) -> FinishStatus:
-    """vLLM's `RequestStatus` (any FINISHED_ABORTED... is an abort) as a FinishStatus."""
-    return FinishStatus.ABORTED if "ABORTED" in str(getattr(status, "name", status)) else FinishStatus.FINISHED
 
 
 def _journal(scheduler, spill_root) -> FinishJournal | None:
@@ -101,6 +99,12 @@ def patch_scheduler() -> None:
             hits = []
         freed = self.__dict__.get(_FREED)
         version = weight_version.announce(self)  # None unless the first step or a new version
+        tee = tee_of(getattr(self, "aux_output_connector", None))
+        if hits and tee is not None:  # vLLM's own R3: the hits go as references, not as the rows vLLM reads back
+            try:
+                tee.references(hits)
+            except Exception:  # any error: as above (the tee then sends vLLM's rows for them)
+                pass
         if hits or freed or version is not None:
             try:
                 attach(out, SchedulerNotes(dict(freed or {}), hits, version))

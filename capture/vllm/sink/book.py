@@ -167,9 +167,11 @@ class StepBook:
         status = FinishStatus(status or FinishStatus.FINISHED)
         if num_tokens is None:
             num_tokens = st.max_position + 2
-        elif status is FinishStatus.ABORTED:
-            # Aborted while its step ran (vLLM 0.32 handles aborts between the forward and `update_from_output`,
-            # core.py `_process_aborts_queue`): the forward of its last token ran and its rows were sent, but the
-            # scheduler dropped the token it sampled. Its length then covers the rows sent: a finish must not cut them.
+        else:
+            # The engine ran a step past the request's end, whose row was sent: aborted while its step ran (vLLM 0.32
+            # handles aborts between the forward and `update_from_output`, core.py `_process_aborts_queue`), or, under
+            # asynchronous scheduling (vLLM 0.33's and 0.34's default), finished on a stop token while the next step,
+            # which feeds that token, was already scheduled. Its length then covers the rows sent: a finish must not
+            # cut them (the extra row is the last token's routing, which no trainer position reads).
             num_tokens = max(int(num_tokens), st.max_position + 2)
         return Finish(st.external, int(num_tokens), status)
