@@ -13,7 +13,7 @@ from fastapi.staticfiles import StaticFiles
 
 from replay_service import __version__
 from replay_service.api import compares, health, ingest, ops, references, requests, runs, trainer, trajectories
-from replay_service.api.auth import Authenticator, authorize
+from replay_service.api.auth import Tokens, authorize
 from replay_service.api.errors import install_error_handlers
 from replay_service.api.models import AUTH
 from replay_service.buffers import BufferPool
@@ -84,14 +84,18 @@ async def retention_loop(store: RouteStore, settings: ServiceSettings) -> None:
 
 
 def create_app(settings: ServiceSettings | None = None, store: RouteStore | None = None,
-               processes: Processes = Processes.ONE) -> FastAPI:
+               processes: Processes = Processes.ONE, tokens: Tokens | None = None) -> FastAPI:
     """The service: `settings` (default: from REPLAY_* variables), a store opened at start-up unless given
-    (`processes`: as one of `serve`'s workers, ops/workers.py)."""
+    (`processes`: as one of `serve`'s workers, ops/workers.py), `tokens` read from `settings.tokens_file` unless
+    given (a worker's: the snapshot its parent shares, api/auth.py)."""
     settings = settings or ServiceSettings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.store = store or open_store(settings, processes)
+        feed = getattr(app.state.store.pipeline, "feed", None)
+        if feed is not None:  # replicas: the STALE feed counts what it moves in /metrics
+            feed.counter = app.state.metrics.stale_feed_rows
         app.state.ingest_slots = asyncio.Semaphore(settings.max_concurrent_ingests)
         app.state.body_buffers = BufferPool(keep=settings.max_concurrent_ingests)
         retention = asyncio.create_task(retention_loop(app.state.store, settings))
@@ -113,7 +117,7 @@ def create_app(settings: ServiceSettings | None = None, store: RouteStore | None
     # per-run health, read from the index at scrape time: every replica answers for the whole service
     app.state.metrics.add_scraped(RunHealthCollector(lambda: app.state.store, settings))
     install_error_handlers(app)
-    app.state.auth = Authenticator.from_file(settings.tokens_file)
+    app.state.tokens = tokens if tokens is not None else Tokens.load(settings.tokens_file)
     # Starlette tries routes in the order they were added (~2-4 us each): the hot reads (one route, a training step's
     # slices) first, then ingest; the route GET no longer waits behind the 12 routes of ingest, references and runs.
     for module in (requests, trainer, ingest, references, runs, trajectories, compares, health, ops):

@@ -65,6 +65,11 @@ class BodyTimeout(ServiceError):
     """A request body that did not arrive in time (slower than the configured minimum rate)."""
 
 
+class ClientClosed(ServiceError):
+    """The client closed its connection before its request had arrived (an upload aborted mid-body): nothing of it
+    is stored, and nobody is left to answer."""
+
+
 class StorageFull(ServiceError):
     """The data directory's disk (or quota) is full: nothing was stored, a retry after space returns succeeds."""
 

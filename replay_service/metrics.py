@@ -46,6 +46,10 @@ class ServiceMetrics:
             registry=r)
         self.damaged_reads = Counter(
             "replay_damaged_reads", "Requests refused because a segment they needed is damaged", registry=r)
+        self.stale_feed_rows = Counter(
+            "replay_stale_feed_rows",
+            "Rows the STALE table's feed moved between replicas: published, learnt (from others) or dropped",
+            ["direction"], registry=r)
         self.route_reads = Counter(
             "replay_route_reads",
             "Route GETs by where they were read (settings.ReadPlace): event_loop (store/on_loop.py) or thread",

@@ -39,7 +39,7 @@ class ServiceSettings(BaseSettings):
         "admin); without it nothing is authenticated and `serve` listens on loopback only (api/auth.py)")
     max_body_bytes: int = Field(default=512 * 2**20, description="largest accepted request body; larger answers 413")
     max_concurrent_ingests: int = Field(
-        default=4, description="ingests decoded, checked and written at once (taken once the body has arrived)")
+        default=4, ge=1, description="ingests decoded, checked and written at once (taken once the body has arrived)")
     max_body_bytes_in_flight: int = Field(
         default=2 * 2**30, description="bytes of ingest bodies being received or processed at once, the whole "
         "service's (each worker process gets its share, at least max_body_bytes; each body counts its "
@@ -48,6 +48,10 @@ class ServiceSettings(BaseSettings):
         default=10.0, gt=0, description="a request body must start within this many seconds and may then lag the "
         "minimum rate by as much; slower answers 408 and the connection is closed")
     body_min_bytes_per_s: int = Field(default=1 << 20, gt=0, description="minimum rate of a request body's arrival")
+    header_timeout_s: float = Field(
+        default=10.0, gt=0, description="a request head must be complete within this many seconds of its first byte "
+        "(a new connection's, or the next request's on a kept-alive one); slower answers 408 and the connection is "
+        "closed (ops/connections.py)")
     keep_alive_timeout_s: int = Field(
         default=5, ge=1, description="an idle connection (none sent yet, or between requests) is closed after this")
     max_connections: int = Field(
@@ -70,6 +74,15 @@ class ServiceSettings(BaseSettings):
         default=StaleTableScope.HOST, description="host: one STALE table shared by every worker of `serve`, so a "
         "copy is found whichever worker stored its original; worker: a table per worker process (copies across "
         "workers are missed; bench/ingest.py's baseline)")
+    stale_feed: bool = Field(
+        default=True, description="with a PostgreSQL index (replicas), share each host's recently stored rows "
+        "through it, so a copy is flagged whichever replica stored its original (ingest/stale_feed.py)")
+    stale_feed_interval_s: float = Field(
+        default=0.25, gt=0, description="how often each process publishes the rows it stored and learns other "
+        "replicas' (a copy reaching another replica within about two intervals of its original is not seen)")
+    stale_feed_window_s: float = Field(
+        default=900.0, gt=0, description="how long the feed keeps a host's rows in the index (a replica that "
+        "starts learns this window's)")
     stale_table_file: Path | None = Field(
         default=None, description="set by `serve` for its workers: the table file they share (checks/recent.py); "
         "unset, a process keeps its own table in memory")

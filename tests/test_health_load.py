@@ -10,6 +10,7 @@ import pytest
 
 from replay_client.client import ReplayClient
 from replay_service.health.series import imbalance
+from replay_service.store.index import SCHEMA_VERSION
 from tests.support.service import ServiceProcess, calls
 
 L, K, E = 4, 4, 16
@@ -137,7 +138,7 @@ def test_an_index_of_schema_6_is_migrated_and_its_requests_are_judged(tmp_path):
         assert recent["requests"] == 1 and recent["verdict"] == "ok"
         assert [p["rows"] for p in calls.get(f"{svc.url}/v1/runs/old/health/series").json()["ingest"]] == [12]
     with sqlite3.connect(data / "index.sqlite") as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 7
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
 
 
 def test_a_deleted_run_takes_its_health_with_it(service):

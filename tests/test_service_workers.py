@@ -172,6 +172,49 @@ def test_stale_copies_are_found_whichever_worker_stored_the_original(tmp_path):
             assert not client.get_route("stale", f"a{trial}").flags.any()
 
 
+def _learnt(http: httpx.Client) -> float:
+    """Rows the service's STALE feed learnt from other replicas, summed over its workers (`/metrics`)."""
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith('replay_stale_feed_rows_total{direction="learnt"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_stale_copies_are_found_whichever_replica_stored_the_original(tmp_path, postgres, moto_s3):
+    """Two replicas of two workers each on one PostgreSQL index and one bucket: an original stored through one
+    replica and its copy sent to the other reads STALE, each way, and so do copies between the workers of one
+    replica. Each copy goes once the other replica's workers have learnt the original through the index (the
+    feed's rounds, ingest/stale_feed.py): what a rollout paused for a training step gives it. On per-replica tables
+    every copy that reached the other replica was stored clean."""
+    env = {"REPLAY_INDEX_URL": postgres.new_database(), **moto_s3.env(moto_s3.bucket())}
+    with ServiceProcess(tmp_path / "a", workers=2, env=env, args=KEEP) as replica_a, \
+            ServiceProcess(tmp_path / "b", workers=2, env=env, args=KEEP) as replica_b:
+        rng = np.random.default_rng(5)
+        (_, a0), (_, a1) = pinned(replica_a.url, 2).items()
+        (_, b0), (_, b1) = pinned(replica_b.url, 2).items()
+        copies = []
+        for trial, (first, second, other) in enumerate([(a0, b0, b1), (b1, a1, a0), (a0, a1, b0), (b0, a0, a1)]):
+            before = _learnt(other)
+            original = routes(rng, 32)
+            assert first.post("/v1/ingest", headers=ARROW, content=batch_bytes(
+                "stale-replicas", f"wa{trial}", 0, [f"a{trial}"] * 32, np.arange(32), original,
+                token_ids=rng.integers(0, 150_000, 32))).status_code == 200
+            deadline = time.monotonic() + 60
+            while _learnt(other) < before + 2 * 32:  # both workers of the other replica learnt the 32 rows
+                assert time.monotonic() < deadline, "the other replica never learnt the original"
+                time.sleep(0.05)
+            assert second.post("/v1/ingest", headers=ARROW, content=batch_bytes(
+                "stale-replicas", f"wb{trial}", 0, [f"b{trial}"] * 32, np.arange(100, 132), original[::-1],
+                token_ids=rng.integers(0, 150_000, 32))).status_code == 200
+            copies.append(f"b{trial}")
+        client = ReplayClient(replica_a.url, http=a0)
+        for b in copies:
+            flags = client.get_route("stale-replicas", b, start=100).flags
+            assert (flags == Flag.STALE).all(), (b, flags)
+        for trial in range(len(copies)):
+            assert not client.get_route("stale-replicas", f"a{trial}").flags.any()
+
+
 class Writers:
     """8 writer threads posting batches of one run until stopped; a batch meeting a dead connection or a 503 is
     posted again, the same bytes (on a new connection when the old one died: any worker). `acked` holds what was

@@ -2,7 +2,11 @@
 
 Tokens come from `REPLAY_TOKENS_FILE`, one `token role [run-prefix]` per line (`#` starts a comment);
 roles are `read` < `write` < `admin` (each implies the ones before it); a run prefix limits the token to
-runs whose id starts with it. The file is read once, at start-up (restart to change it).
+runs whose id starts with it. The file is read at start-up and again on a reload (`Tokens.reload`: the admin call
+`POST /v1/admin/reload-tokens`, or SIGHUP to `serve`), which switches every process of the service to it at once and
+only when every line parses; a file that does not keeps the tokens in use. `serve`'s workers never read the file
+themselves: they hold the snapshot their parent wrote (`Tokens.share`), so a replacement worker holds the same
+tokens as the others.
 
 `authorize` is installed on every router in the app factory. It finds the route's `Need` in one table
 (`ROUTE_NEEDS`, else by method: GET/HEAD read, POST write, DELETE admin), answers 401 for a missing or
@@ -20,10 +24,17 @@ Without a tokens file nothing is checked: the service then listens on loopback o
 from __future__ import annotations
 
 import enum
+import fcntl
 import hashlib
 import hmac
 import ipaddress
 import json
+import mmap
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +102,7 @@ ROUTE_NEEDS: dict[tuple[str, str], Need] = {
     ("PUT", "/v1/runs/{run}/pin"): Need(Role.ADMIN),  # retention: what may be deleted is the operator's call
     ("DELETE", "/v1/runs/{run}/pin"): Need(Role.ADMIN),
     ("DELETE", "/v1/runs/{run}"): Need(Role.ADMIN),
+    ("POST", "/v1/admin/reload-tokens"): Need(Role.ADMIN, RunsIn.NONE),  # the tokens of every run
 }
 
 
@@ -152,15 +164,10 @@ def load_tokens(path: Path) -> list[Grant]:
 
 
 class Authenticator:
-    """The tokens of a service (None: no tokens file, nothing checked)."""
+    """One generation of a service's tokens (None: no tokens file, nothing checked)."""
 
     def __init__(self, grants: list[Grant] | None) -> None:
         self.grants = grants
-
-    @classmethod
-    def from_file(cls, path: Path | None) -> Authenticator:
-        """The tokens of `path`, or an open service for None."""
-        return cls(load_tokens(path) if path is not None else None)
 
     def grant_of(self, header: str | None) -> Grant:
         """The grant of an `Authorization: Bearer` header; Unauthenticated when missing or unknown."""
@@ -178,6 +185,137 @@ class Authenticator:
         return found
 
 
+NO_TOKENS_FILE = "this service has no tokens file (REPLAY_TOKENS_FILE) and checks no tokens: start it with one"
+
+
+@dataclass(frozen=True)
+class Reloaded:
+    """What a reload switched the service to: its generation, how many tokens, read from which file."""
+
+    generation: int
+    tokens: int
+    source: Path
+
+
+class Tokens:
+    """The tokens of a service, the same in each of its processes, switched everywhere at once by `reload`.
+
+    In memory for one process (`load`). Under `serve`'s workers, a snapshot in the parent's shared folder (`share` in
+    the parent, `attach` in each worker): the grants as a JSON file (digests, never tokens), replaced whole by a
+    reload, beside a generation word every process maps; `current` compares the word per request (a memory read)
+    and reads the snapshot again only when it moved. A reload holds an exclusive `flock` on the word's file, so
+    reloads through several workers and the parent's SIGHUP take turns.
+    """
+
+    def __init__(self, source: Path | None, grants: list[Grant] | None, generation: int = 1,
+                 path: Path | None = None) -> None:
+        """Tokens read from `source` (None: an open service), in memory, or attached to the snapshot at `path`."""
+        self.source = source
+        self.path = path
+        self._held = (generation, Authenticator(grants))
+        self._lock = threading.RLock()  # a SIGHUP's reload may interrupt the main thread inside one
+        self._fd: int | None = None
+        self._word: memoryview | None = None
+        if path is not None:
+            self._fd = os.open(_word_file(path), os.O_RDWR)
+            self._word = memoryview(mmap.mmap(self._fd, _WORD_BYTES)).cast("Q")  # one aligned 8-byte load or store
+
+    @classmethod
+    def load(cls, source: Path | None) -> Tokens:
+        """The tokens of the file `source` (None: an open service), in memory; OSError for a file that cannot be read,
+        ValueError naming the line for one that does not parse."""
+        return cls(source, load_tokens(source) if source is not None else None)
+
+    @classmethod
+    def attach(cls, path: Path) -> Tokens:
+        """The shared snapshot at `path` (`share` made it), as every other process of the service holds it."""
+        source, generation, grants = _read_snapshot(path)
+        return cls(source, grants, generation, path)
+
+    def share(self, path: Path) -> Tokens:
+        """These tokens as a new shared snapshot at `path` (and its generation word beside it), attached: what
+        `serve`'s parent makes before it starts its workers."""
+        generation, auth = self._held
+        _write_snapshot(path, self.source, auth.grants, generation)
+        _word_file(path).write_bytes(generation.to_bytes(_WORD_BYTES, sys.byteorder))
+        return Tokens.attach(path)
+
+    @property
+    def generation(self) -> int:
+        """The generation in force: 1 at start, one more per reload."""
+        return self._word[0] if self._word is not None else self._held[0]
+
+    def current(self) -> Authenticator:
+        """The tokens in force now, whichever process switched them last."""
+        generation, auth = self._held
+        if self._word is not None and self._word[0] != generation:
+            assert self.path is not None
+            _, generation, grants = _read_snapshot(self.path)
+            auth = Authenticator(grants)
+            self._held = (generation, auth)
+        return auth
+
+    def reload(self) -> Reloaded:
+        """Read the tokens file again and, only when every line parses, switch every process of the service to it:
+        from the return on, each request anywhere is checked against it. ValueError naming the file (and the line)
+        when it cannot be read or does not parse, when the workers' snapshot cannot be written, or when the service
+        has no tokens file; the tokens in force then stay."""
+        if self.source is None:
+            raise ValueError(NO_TOKENS_FILE)
+        with self._lock, _locked(self._fd):
+            try:
+                grants = load_tokens(self.source)
+            except OSError as exc:
+                raise ValueError(f"{self.source}: {exc.strerror or exc}") from None
+            if self._word is None:
+                generation = self._held[0] + 1
+                self._held = (generation, Authenticator(grants))
+            else:
+                assert self.path is not None
+                generation = self._word[0] + 1
+                try:
+                    _write_snapshot(self.path, self.source, grants, generation)  # whole, before the word moves
+                except OSError as exc:  # the shared folder removed under the service, a full disk
+                    raise ValueError(f"the workers' snapshot {self.path}: {exc.strerror or exc}") from None
+                self._word[0] = generation
+        return Reloaded(generation, len(grants), self.source)
+
+
+_WORD_BYTES = 8
+
+
+def _word_file(path: Path) -> Path:
+    return path.with_name(path.name + ".generation")
+
+
+@contextmanager
+def _locked(fd: int | None) -> Iterator[None]:
+    """An exclusive flock on `fd` (none in memory); the kernel drops it with a killed process."""
+    if fd is None:
+        yield
+        return
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def _write_snapshot(path: Path, source: Path | None, grants: list[Grant] | None, generation: int) -> None:
+    doc = {"generation": generation, "source": None if source is None else str(source),
+           "grants": None if grants is None else [[g.digest.hex(), g.role.value, g.run_prefix] for g in grants]}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, path)
+
+
+def _read_snapshot(path: Path) -> tuple[Path | None, int, list[Grant] | None]:
+    doc = json.loads(path.read_text())
+    grants = doc["grants"]
+    return (None if doc["source"] is None else Path(doc["source"]), doc["generation"],
+            None if grants is None else [Grant(bytes.fromhex(d), Role(r), p) for d, r, p in grants])
+
+
 def trainer_runs(body: bytes) -> list[str]:
     """The run ids a trainer body's sequences name (none for a body that does not parse: validation refuses it)."""
     try:
@@ -189,7 +327,7 @@ def trainer_runs(body: bytes) -> list[str]:
 
 async def authorize(request: Request) -> None:
     """Every route's gate: 401/403 as the route's `Need` says; sets the caller as the acting writer."""
-    auth: Authenticator = request.app.state.auth
+    auth = request.app.state.tokens.current()
     if auth.grants is None:
         return
     route = request.scope.get("route")

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Path, Request
+from starlette.requests import ClientDisconnect
 
 from replay_format import ID_RULE, valid_id
 from replay_service.buffers import BufferPool, ByteBudget
-from replay_service.errors import BodyTimeout, InvalidInput, TooLarge
+from replay_service.errors import BodyTimeout, ClientClosed, InvalidInput, TooLarge
 from replay_service.metrics import ServiceMetrics
 from replay_service.settings import ServiceSettings
 from replay_service.store import RouteStore
@@ -103,13 +104,16 @@ class _TimedBody:
         self.started = self.loop.time() - self.received / self.limits.min_bytes_per_s
 
     async def next(self) -> bytes | None:
-        """The next chunk, None at the end of the body."""
+        """The next chunk, None at the end of the body; BodyTimeout when it is late, ClientClosed when the client
+        closed the connection first."""
         deadline = self.started + self.limits.timeout_s + self.received / self.limits.min_bytes_per_s
         try:
             async with asyncio.timeout_at(deadline):
                 chunk = await anext(self.stream)
         except StopAsyncIteration:
             return None
+        except ClientDisconnect:
+            raise ClientClosed(f"the client closed the connection after {self.received} bytes of the body") from None
         except TimeoutError:
             raise BodyTimeout(
                 f"the body arrived too slowly: {self.received} bytes in {self.loop.time() - self.started:.1f} s; "

@@ -6,12 +6,16 @@ import json
 import logging
 
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from replay_format import FormatError, UndecodableError
 from replay_service.errors import (
     BodyTimeout,
+    ClientClosed,
     Conflict,
     DamagedSegment,
     Forbidden,
@@ -42,6 +46,9 @@ STATUS: tuple[tuple[type[Exception], int], ...] = (
     (UnsupportedMediaType, 415),
     (InvalidInput, 422),
     (BodyTimeout, 408),  # the connection is closed after it: the rest of the body is never read
+    # The client hung up mid-request: nobody receives the answer; counted (replay_http_request_seconds) as nginx's
+    # "client closed request", never as a 5xx, and logged in one line.
+    (ClientClosed, 499),
     (StorageFull, 507),  # nothing stored; a sender spills the batch and retries it (any 5xx)
     # Stored rows failed their checksum: never served; 503 (not 500) because restoring the segment from a
     # backup makes the same request succeed, and a sender spills and retries its batch meanwhile.
@@ -75,16 +82,31 @@ def error_body(exc: Exception) -> dict:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Answer every domain error and every request-validation error as JSON."""
+    """Answer every domain error and every request-validation error as JSON; a client's hang-up mid-request, wherever
+    it is met, as ClientClosed (499, one log line)."""
 
     async def domain_error(request: Request, exc: Exception) -> JSONResponse:
         if isinstance(exc, DamagedSegment):  # counted here: every damaged read reaches this one handler
             request.app.state.metrics.count_damaged(exc.newly_found)
+        if isinstance(exc, ClientClosed):
+            log.warning("%s %s from %s: %s; not answered (status 499)", request.method, request.url.path,
+                        _address(request), exc.message)
         headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthenticated) else None
         return JSONResponse(error_body(exc), status_code=status_of(exc), headers=headers)
 
     for cls in (ServiceError, FormatError):
         app.add_exception_handler(cls, domain_error)
+
+    # A hang-up met outside the service's body reads (api/deps.py raises ClientClosed itself): Starlette's, or
+    # FastAPI's 400 "error parsing the body" for one met while FastAPI read a JSON body.
+    async def client_disconnect(request: Request, exc: Exception) -> Response:
+        if isinstance(exc, HTTPException) and not isinstance(exc.__cause__, ClientDisconnect):
+            return await http_exception_handler(request, exc)  # FastAPI's, for every other HTTPException
+        return await domain_error(request, ClientClosed("the client closed the connection before its request had "
+                                                        "arrived"))
+
+    app.add_exception_handler(ClientDisconnect, client_disconnect)
+    app.add_exception_handler(HTTPException, client_disconnect)
 
     app.add_middleware(UnexpectedErrors)  # innermost of the middleware added so far: latency still sees the 500
 
@@ -94,6 +116,10 @@ def install_error_handlers(app: FastAPI) -> None:
             f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()
         )
         return JSONResponse({"detail": problems, "errors": jsonable(exc.errors())}, status_code=422)
+
+
+def _address(request: Request) -> str:
+    return f"{request.client.host}:{request.client.port}" if request.client else "an unknown address"
 
 
 def jsonable(errors) -> list:

@@ -161,13 +161,27 @@ def content_check_applies(shape: RunShape, min_entropy_bits: float) -> bool:
     return route_entropy_bits(shape.num_moe_layers, shape.top_k, shape.num_experts) >= min_entropy_bits
 
 
-def check_stale(checked: CheckedRows, recent: RecentRows) -> None:
+@dataclass(frozen=True)
+class Remembered:
+    """The rows a STALE check remembered (compared and found no copy), as its table keys them."""
+
+    hashes: np.ndarray
+    requests: np.ndarray
+    positions: np.ndarray
+    tokens: np.ndarray
+
+
+def check_stale(checked: CheckedRows, recent: RecentRows) -> Remembered:
     """Flag STALE the rows that copy a recently stored row of another token, and remember the clean ones.
 
-    Only rows that are clean so far and served are compared and remembered. Updates `checked.flags`.
+    Only rows that are clean so far and served are compared and remembered. Updates `checked.flags`; answers the
+    rows remembered (what other hosts learn through the feed, ingest/stale_feed.py).
     """
     rows = checked.rows
     keys = request_keys(rows.meta.run_id, rows.request_ids)[rows.request_index]
     eligible = (checked.flags == 0) & ~checked.shadowed
     stale = recent.check_and_add(checked.hashes, keys, rows.positions, rows.token_ids, eligible)
     checked.flags[stale] |= np.uint16(Flag.STALE)
+    kept = eligible & ~stale
+    return Remembered(checked.hashes[kept], keys[kept], np.asarray(rows.positions, np.int32)[kept],
+                      np.asarray(rows.token_ids, np.int32)[kept])

@@ -23,7 +23,7 @@ import numpy as np
 
 MAGIC = b"RRSTALE\x00"
 VERSION = 1
-_HEADER = 64  # MAGIC, u32 version, u32 log2(slots), zero padding
+_HEADER = 64  # MAGIC, u32 version, u32 log2(slots), 16 bytes: the table's id (random), zero padding
 _SLOT_BYTES = 32  # hash u64, check u64, request i64, position i32, token i32
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
@@ -55,7 +55,8 @@ class RecentRows:
     """
 
     def __init__(self, capacity: int, path: Path | None = None) -> None:
-        """An empty table of `capacity` rows in memory, or the table file at `path` (`create` made it)."""
+        """An empty table of `capacity` rows in memory, or the table file at `path` (`create` made it). `id` names
+        the table (random; every process mapping one file reads the same): the STALE feed's host."""
         self.path = path
         self._fd: int | None = None
         if path is None:
@@ -69,6 +70,7 @@ class RecentRows:
                 raise ValueError(f"{path} is not a STALE table of version {VERSION}")
             size = 1 << int.from_bytes(header[12:16], "little")
         self._buf = buf
+        self.id = bytes(buf[16:32]).hex() if path is not None else os.urandom(16).hex()
         self.slots = size
         self.mask = np.uint64(size - 1)
         at = _HEADER
@@ -88,7 +90,8 @@ class RecentRows:
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as f:
             f.truncate(_HEADER + _SLOT_BYTES * size)
-            f.write(MAGIC + VERSION.to_bytes(4, "little") + (size.bit_length() - 1).to_bytes(4, "little"))
+            f.write(MAGIC + VERSION.to_bytes(4, "little") + (size.bit_length() - 1).to_bytes(4, "little")
+                    + os.urandom(16))
         table = cls(capacity, tmp)
         table.request[:] = -1  # every slot empty
         table.close()

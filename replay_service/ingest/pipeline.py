@@ -23,6 +23,7 @@ from replay_service.checks.recent import RecentRows
 from replay_service.errors import RunDeleted, StorageFull
 from replay_service.ingest.commit import Committer
 from replay_service.ingest.segment import SegmentWriter
+from replay_service.ingest.stale_feed import StaleFeed
 from replay_service.store import RouteStore
 from replay_service.store.ingest_stage import IngestResult
 from replay_service.store.runs import RunRegistry
@@ -32,12 +33,13 @@ class IngestPipeline:
     """The stages, wired to one store's run registry, segment writer, STALE table and committer."""
 
     def __init__(self, runs: RunRegistry, segments: SegmentWriter, committer: Committer, recent: RecentRows,
-                 stale_min_entropy_bits: float) -> None:
+                 stale_min_entropy_bits: float, feed: StaleFeed | None = None) -> None:
         self.runs = runs
         self.segments = segments
         self.committer = committer
         self.recent = recent
         self.stale_min_entropy_bits = stale_min_entropy_bits
+        self.feed = feed  # replicas: the rows the STALE check remembered, shared with the others (stale_feed.py)
         kernels.warm_up()  # compile the row checks and the STALE probe now, not in the first client's ingest
         recent_rows.warm_up()
 
@@ -48,9 +50,14 @@ class IngestPipeline:
         staging = BufferPool(keep=settings.max_concurrent_ingests)  # segment images before they are written
         segments = SegmentWriter(store.segments, staging, fsync=settings.fsync, direct=settings.direct_io,
                                  compression=settings.segment_compression, id_layout=settings.segment_id_layout)
+        recent = RecentRows(settings.stale_table_rows, settings.stale_table_file)
+        feed = None
+        if settings.stale_feed and settings.index_url is not None:  # replicas share a PostgreSQL index
+            feed = StaleFeed(store.index, recent, recent.id, settings.stale_feed_interval_s,
+                             settings.stale_feed_window_s).start()
         return cls(store.registry, segments, Committer(store.index, store.reader, segments, store.health,
                                                           settings.health_bucket_s),
-                   RecentRows(settings.stale_table_rows, settings.stale_table_file), settings.stale_min_entropy_bits)
+                   recent, settings.stale_min_entropy_bits, feed)
 
     def ingest(self, rows: Rows) -> IngestResult:
         """Store one decoded batch; idempotent on (run_id, writer_id, seq)."""
@@ -59,8 +66,9 @@ class IngestPipeline:
         duplicate = self.committer.find_duplicate(checked)
         if duplicate is not None:
             return duplicate
+        remembered = None
         if content_check_applies(run.shape, self.stale_min_entropy_bits):
-            check_stale(checked, self.recent)
+            remembered = check_stale(checked, self.recent)
         with storage_full_refused():
             try:
                 segment = self.segments.write(checked)
@@ -70,7 +78,15 @@ class IngestPipeline:
                 # Its folder went to the trash under this write (retention.py): the batch of a deleted run.
                 raise RunDeleted(f"run {rows.meta.run_id!r} was deleted while this batch was being stored; "
                                  "nothing was stored (send it again to start a fresh run)") from None
-            return self.committer.commit(segment, run)  # deletes the segment itself when the commit fails
+            result = self.committer.commit(segment, run)  # deletes the segment itself when the commit fails
+        if self.feed is not None and remembered is not None:
+            self.feed.note(remembered.hashes, remembered.requests, remembered.positions, remembered.tokens)
+        return result
+
+    def close(self) -> None:
+        """Publish what the STALE feed holds and stop it (a no-op without replicas)."""
+        if self.feed is not None:
+            self.feed.close()
 
 
 # A full disk or quota: the segment's write or the index's commit failed, nothing is acknowledged.

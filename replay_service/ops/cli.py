@@ -8,6 +8,7 @@ from typing import Any
 
 import typer
 import uvicorn
+from uvicorn.config import STARTUP_FAILURE
 
 from replay_service import __version__
 from replay_service.errors import ServiceError
@@ -52,7 +53,7 @@ def serve(
         "(REPLAY_WORKERS, default 0)"),
 ) -> None:
     """Serve the store in DATA over HTTP, with one worker process per core unless told otherwise."""
-    from replay_service.api.auth import Authenticator, listen_refusal
+    from replay_service.api.auth import Tokens, listen_refusal
     from replay_service.app import create_app, open_store
     from replay_service.errors import IndexNeedsRebuild, IndexTooNew, IndexUnreachable, SegmentStoreUnreachable
 
@@ -64,7 +65,7 @@ def serve(
         typer.echo(f"replay-service: {refusal}", err=True)
         raise typer.Exit(2)
     try:
-        Authenticator.from_file(settings.tokens_file)  # a bad tokens file stops the start, naming its line
+        tokens = Tokens.load(settings.tokens_file)  # a bad tokens file stops the start, naming its line
     except (OSError, ValueError) as exc:
         typer.echo(f"replay-service: tokens file: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -82,26 +83,32 @@ def serve(
 
         summary = load_demo(store)
         typer.echo(f"demo run {summary.run_id!r}: {summary.requests} requests, {summary.rows} rows")
-    from replay_service.ops.workers import run_workers, worker_count
+    from replay_service.ops.workers import WorkerCannotStart, reload_tokens_on_sighup, run_workers, worker_count
 
     count = worker_count(settings.workers)
     typer.echo(f"routing-replay on http://{host}:{port}  (data: {data.resolve()}, {count} worker"
                f"{'s' if count > 1 else ''}, API docs: /docs)")
     if settings.tokens_file is None and insecure:
         logging.getLogger("replay_service").warning("--insecure: no tokens file, every caller may do anything")
-    from replay_service.ops.connections import PROTOCOL
+    from replay_service.ops.connections import protocol
 
-    # httptools + uvloop (uvicorn[standard]): no copy of a body part on its way to the socket (connections.py)
-    options: dict[str, Any] = dict(host=host, port=port, log_level=log_level, http=PROTOCOL, loop="uvloop",
+    # httptools + uvloop (uvicorn[standard]): no copy of a body part on its way to the socket, every connection
+    # bounded (REPLAY_HEADER_TIMEOUT_S among them: connections.py)
+    options: dict[str, Any] = dict(host=host, port=port, log_level=log_level, http=protocol(settings), loop="uvloop",
                    timeout_keep_alive=settings.keep_alive_timeout_s, limit_concurrency=settings.max_connections)
     if count == 1:
         from replay_service.ops.stacks import dump_stacks_on_signal
 
         dump_stacks_on_signal()  # `kill -USR1 PID`: every thread's stack to the log (each worker registers its own)
-        uvicorn.run(create_app(settings, store), **options)
+        reload_tokens_on_sighup(tokens)  # `kill -HUP PID`: read the tokens file again (the supervisor's own, else)
+        uvicorn.run(create_app(settings, store, tokens=tokens), **options)
         return
     store.close()  # checked and swept alone; each worker opens its own (ops/workers.py)
-    run_workers(settings, count, uvicorn.run, **options)
+    try:
+        run_workers(settings, count, tokens, **options)
+    except WorkerCannotStart as exc:  # the service stopped: exit as uvicorn does when its one process cannot start
+        typer.echo(f"replay-service: stopped: {exc}", err=True)
+        raise typer.Exit(STARTUP_FAILURE) from None
 
 
 def _refusals() -> tuple[type[ServiceError], ...]:

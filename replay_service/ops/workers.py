@@ -2,11 +2,12 @@
 
     serve (the parent)                                    each worker (uvicorn's supervisor spawns N)
       open the store alone: migrate the index, check   ->   worker_app(): the parent's settings, its share of
-      it against the segments, sweep, the demo; close        the body budget, the STALE table; dies with the
-      a fresh folder: PROMETHEUS_MULTIPROC_DIR, the          parent; create_app(..., Processes.WORKER)
-      STALE table file
-      uvicorn.run(workers=N): bind the socket, start
-      the workers, replace one that dies
+      it against the segments, sweep, the demo; close        the body budget, the STALE table, the tokens; dies
+      a fresh folder: PROMETHEUS_MULTIPROC_DIR, the          with the parent; create_app(..., Processes.WORKER)
+      STALE table file, the tokens' snapshot
+      Supervisor (uvicorn's, SIGHUP: reload the tokens):
+      bind the socket, start the workers, replace one
+      that dies, stop when one cannot start
 
 The kernel hands each new connection to one worker, and every request on it stays there (HTTP keep-alive). Not
 evenly: on the one shared socket the first worker to wake accepts every connection waiting, so writers that
@@ -26,6 +27,13 @@ holds more than its share. Neither is done. What each worker keeps for itself, a
 - connection bounds: `max_connections` per worker (each has its own sockets and descriptors);
   `max_body_bytes_in_flight` is the service's, split between the workers.
 - `/metrics`: every worker's counters summed (metrics.py), run health read from the index once.
+- tokens: the parent reads the tokens file once and shares a snapshot every worker maps (api/auth.py `Tokens`); a
+  worker never reads the file, so a replacement holds the others' tokens, and a reload (SIGHUP to the parent, or
+  the admin call through any worker) switches every worker at once, only to a file that parses.
+
+A worker that cannot build or start its app (the shared folder gone, the index unreachable to it) exits with
+uvicorn's STARTUP_FAILURE, on which the supervisor stops every worker: `run_workers` raises its cause, and `serve`
+exits with it, rather than uvicorn replacing that worker with another that fails alike, forever, on a bound port.
 
 `kill -9` of one worker loses only what it had not acknowledged (acknowledged means committed), and uvicorn starts
 another in its place; the new worker does not sweep (another's ingest may be about to commit): what the killed one
@@ -36,15 +44,24 @@ takes every worker with it (`PR_SET_PDEATHSIG`), so a restart never meets an old
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import shutil
 import signal
+import socket
+import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
+import uvicorn
 from fastapi import FastAPI
+from uvicorn.config import STARTUP_FAILURE
+from uvicorn.supervisors.multiprocess import Multiprocess
 
+from replay_service.api.auth import Tokens
 from replay_service.app import create_app
 from replay_service.checks.recent import RecentRows, table_bytes
 from replay_service.metrics import MULTIPROCESS_DIR
@@ -54,6 +71,9 @@ from replay_service.store import Processes
 
 SETTINGS_VARIABLE = "REPLAY_WORKER_SETTINGS"  # the parent's settings, as JSON, for its workers
 PARENT_VARIABLE = "REPLAY_WORKER_PARENT"  # the parent's pid: a worker started after its parent died exits
+TOKENS_VARIABLE = "REPLAY_WORKER_TOKENS"  # the tokens' snapshot the parent shares (api/auth.py Tokens)
+FAILURES_VARIABLE = "REPLAY_WORKER_FAILURES"  # where a worker that cannot start writes why (StartFailures)
+log = logging.getLogger("replay_service")
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -78,9 +98,15 @@ def _shared_folder(table: int) -> Path:
     return Path(tempfile.mkdtemp(prefix="replay-workers-", dir=shm if room else None))
 
 
-def run_workers(settings: ServiceSettings, workers: int, serve: Callable[..., None], **options) -> None:
-    """Serve with `workers` processes: `serve` is `uvicorn.run`, given the worker app's import string and
-    `options`; the folder of the metrics and the STALE table is made before and removed after."""
+class WorkerCannotStart(RuntimeError):
+    """A worker could not build or start its app, so the service stopped; the message is the cause, one line."""
+
+
+def run_workers(settings: ServiceSettings, workers: int, tokens: Tokens, **options: Any) -> None:
+    """Serve with `workers` processes and `tokens` (the parent's, read from the tokens file) until a signal stops
+    the supervisor (`options`: uvicorn.Config's); WorkerCannotStart when a worker could not build or start its app,
+    which stops every worker. The folder of the metrics, the STALE table and the tokens is made before and removed
+    after."""
     shared = _shared_folder(table_bytes(settings.stale_table_rows))
     metrics_dir = shared / "metrics"
     metrics_dir.mkdir()
@@ -91,11 +117,84 @@ def run_workers(settings: ServiceSettings, workers: int, serve: Callable[..., No
     os.environ[MULTIPROCESS_DIR] = str(metrics_dir)
     os.environ[SETTINGS_VARIABLE] = worker_settings(settings, workers, table).model_dump_json()
     os.environ[PARENT_VARIABLE] = str(os.getpid())
+    os.environ[TOKENS_VARIABLE] = str(shared / "tokens")
+    failures = StartFailures()
+    os.environ[FAILURES_VARIABLE] = failures.path
     hold_stacks_signal()  # the workers start with it blocked; each unblocks it once it dumps stacks (ops/stacks.py)
     try:
-        serve(f"{__name__}:worker_app", factory=True, workers=workers, **options)
+        config = uvicorn.Config(f"{__name__}:worker_app", factory=True, workers=workers, **options)
+        supervisor = Supervisor(config, [config.bind_socket()], tokens.share(shared / "tokens"))
+        try:
+            supervisor.run()
+        except KeyboardInterrupt:  # as uvicorn.run
+            pass
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+    if supervisor.a_worker_could_not_start():
+        raise WorkerCannotStart(failures.first() or "a worker could not start (exit status "
+                                f"{STARTUP_FAILURE}); its log above says why")
+
+
+class Supervisor(Multiprocess):
+    """uvicorn's supervisor of the workers, where SIGHUP reloads the tokens of every worker (`reload_tokens`),
+    instead of uvicorn's own SIGHUP: replacing each worker, which would only map the same snapshot again."""
+
+    def __init__(self, config: uvicorn.Config, sockets: list[socket.socket], tokens: Tokens) -> None:
+        super().__init__(config, sockets)
+        self.tokens = tokens
+
+    def handle_hup(self) -> None:
+        """SIGHUP, taken in the supervisor's loop: reload the tokens for every worker."""
+        reload_tokens(self.tokens)
+
+    def a_worker_could_not_start(self) -> bool:
+        """Whether the supervisor stopped because a worker exited with STARTUP_FAILURE (uvicorn stops on it)."""
+        return any(process.exitcode == STARTUP_FAILURE for process in self.processes)
+
+
+def reload_tokens(tokens: Tokens) -> None:
+    """SIGHUP: read the tokens file again for every process of the service (api/auth.py `Tokens.reload`), logging
+    the generation now in force, or why the file was refused (the tokens in force then stay)."""
+    try:
+        done = tokens.reload()
+    except ValueError as exc:
+        log.error("SIGHUP: tokens not reloaded: %s; the tokens in force (generation %d) stay", exc, tokens.generation)
+        return
+    log.warning("SIGHUP: the %d tokens of %s are in force in every worker (generation %d)", done.tokens, done.source,
+                done.generation)
+
+
+def reload_tokens_on_sighup(tokens: Tokens) -> None:
+    """From now on SIGHUP to this process reloads `tokens` (`serve` of one process; the supervisor of several
+    takes SIGHUP in its own loop)."""
+    signal.signal(signal.SIGHUP, lambda signum, frame: reload_tokens(tokens))
+
+
+class StartFailures:
+    """Where a worker that cannot start writes why, for the parent: a file in memory (memfd) the parent holds open
+    and a worker appends a line to through /proc/PARENT/fd/N. It is in no folder, so it outlives the loss of the
+    shared one (logind's RemoveIPC, a temp cleaner), the likeliest reason a replacement worker cannot start."""
+
+    def __init__(self) -> None:
+        self._fd = os.memfd_create("replay-worker-start-failures")
+        self.path = f"/proc/{os.getpid()}/fd/{self._fd}"
+
+    def first(self) -> str | None:
+        """The first cause written, None when none was."""
+        lines = os.pread(self._fd, 1 << 16, 0).decode(errors="replace").splitlines()
+        return lines[0] if lines else None
+
+
+def cannot_start(exc: BaseException, what: str, traceback: bool) -> None:
+    """Log and report to the parent (StartFailures) why this worker cannot start: one line naming `what` failed
+    and the exception (`traceback`: also its traceback, to the log)."""
+    cause = " ".join(f"worker {os.getpid()} could not {what}: {type(exc).__name__}: {exc}".split())
+    log.error("%s", cause, exc_info=exc if traceback else None)
+    try:
+        with open(os.environ[FAILURES_VARIABLE], "a") as failures:
+            failures.write(cause + "\n")
+    except (KeyError, OSError):  # the log has it
+        pass
 
 
 def die_with_parent(parent: int) -> None:
@@ -107,8 +206,34 @@ def die_with_parent(parent: int) -> None:
 
 
 def worker_app() -> FastAPI:
-    """The app of one worker (uvicorn's factory, called in the worker): the parent's settings, a shared store."""
+    """The app of one worker (uvicorn's factory, called in the worker): the parent's settings and tokens, a shared
+    store. A worker that cannot build it, or start it (its lifespan: the store), reports why (`cannot_start`) and
+    exits with STARTUP_FAILURE, on which the supervisor stops the service."""
     die_with_parent(int(os.environ[PARENT_VARIABLE]))
     dump_stacks_on_signal()
-    settings = ServiceSettings.model_validate_json(os.environ[SETTINGS_VARIABLE])
-    return create_app(settings, processes=Processes.WORKER)
+    try:
+        settings = ServiceSettings.model_validate_json(os.environ[SETTINGS_VARIABLE])
+        app = create_app(settings, processes=Processes.WORKER, tokens=Tokens.attach(Path(os.environ[TOKENS_VARIABLE])))
+    except Exception as exc:
+        cannot_start(exc, "build its app", traceback=True)
+        sys.exit(STARTUP_FAILURE)  # uvicorn's factory call lets it through; any other exception is respawned
+    app.router.lifespan_context = _reporting_start_failure(app.router.lifespan_context)
+    return app
+
+
+def _reporting_start_failure(lifespan: Callable[[Any], AbstractAsyncContextManager[Any]]) -> Callable[..., Any]:
+    """`lifespan`, reporting an exception of its start (uvicorn then logs its traceback and exits STARTUP_FAILURE)."""
+
+    @asynccontextmanager
+    async def reporting(app: Any) -> AsyncIterator[Any]:
+        started = False
+        try:
+            async with lifespan(app) as state:
+                started = True
+                yield state
+        except Exception as exc:
+            if not started:
+                cannot_start(exc, "start its app", traceback=False)
+            raise
+
+    return reporting

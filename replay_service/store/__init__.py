@@ -98,7 +98,8 @@ class RouteStore:
         self.pipeline = pipeline(self)
 
     def close(self) -> None:
-        """Close the index."""
+        """Stop the ingest pipeline's threads, then close the index."""
+        self.pipeline.close()
         self.index.close()
 
     def _open_and_sweep(self, settings: ServiceSettings) -> Index:

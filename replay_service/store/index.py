@@ -112,9 +112,18 @@ RUN_DELETED = "run deleted while this batch was stored"
 # Before 7 (both backends), requests had no last_write (NULL: written before, never in a health window) nor
 # unclean (rows served with a flag; 0: unknown, a request's flags still count) and the run-health tables
 # (store/health.py) are new. A newer version than this one is refused (IndexTooNew).
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8  # 8: stale_feed
 # Rows a request should have: T-1 once finished with T tokens, else up to the last position seen.
 EXPECTED_ROWS = "COALESCE(final_tokens - 1, pos_max + 1)"
+
+
+@dataclass(frozen=True)
+class FeedEntry:
+    """One entry of the STALE table's feed: the rows one host stored recently, as `ingest/stale_feed.py` packs them."""
+
+    feed_id: int
+    host: str
+    records: bytes
 
 
 class Sql:
@@ -215,6 +224,12 @@ CREATE TABLE IF NOT EXISTS run_versions (
     rows {integer} NOT NULL DEFAULT 0,
     PRIMARY KEY (run_id, version)
 ){d.without_rowid};
+CREATE TABLE IF NOT EXISTS stale_feed (
+    feed_id {d.serial_key},
+    host {text} NOT NULL,
+    written_at {d.real} NOT NULL,
+    records {d.blob} NOT NULL
+);
 """
         if sqlite:
             self.schema += f"""CREATE TRIGGER IF NOT EXISTS segments_of_a_run BEFORE INSERT ON segments
@@ -225,6 +240,12 @@ CREATE TABLE IF NOT EXISTS run_versions (
 
         def total(expr: str) -> str:  # a sum as an integer on both (PostgreSQL sums BIGINT as NUMERIC)
             return f"CAST(COALESCE(SUM({expr}), 0) AS {integer})"
+
+        # ---- the STALE table's feed between hosts (ingest/stale_feed.py)
+        self.feed_publish = "INSERT INTO stale_feed (host, written_at, records) VALUES (?, ?, ?)"
+        self.feed_since = ("SELECT feed_id, host, records FROM stale_feed WHERE feed_id > ? AND written_at >= ?"
+                           " ORDER BY feed_id LIMIT ?")
+        self.feed_prune = "DELETE FROM stale_feed WHERE written_at < ?"
 
         # ---- runs
         self.insert_run = (
@@ -579,6 +600,21 @@ class Index:
         """Pin (retention never deletes it) or unpin a run; False when the run does not exist."""
         with self.transaction() as tx:
             return tx.execute(self.sql.set_pinned, (int(pinned), run_id)).rowcount == 1
+
+    def publish_recent(self, host: str, written_at: float, records: bytes) -> None:
+        """Add one entry of recently stored rows to the STALE table's feed (ingest/stale_feed.py)."""
+        with self.transaction() as tx:
+            tx.execute(self.sql.feed_publish, (host, written_at, records))
+
+    def recent_published(self, after: int, since: float, limit: int) -> list[FeedEntry]:
+        """The feed's entries numbered above `after` and written at `since` or later, in number order (`limit`)."""
+        return [FeedEntry(int(r["feed_id"]), r["host"], bytes(r["records"]))
+                for r in self.query(self.sql.feed_since, (after, since, limit))]
+
+    def prune_published(self, before: float) -> None:
+        """Drop the feed's entries written before `before`."""
+        with self.transaction() as tx:
+            tx.execute(self.sql.feed_prune, (before,))
 
     def set_created_at(self, run_id: str, created_at: float) -> None:
         """Set a run's creation time (reindex: the time its journal recorded, not when it was rebuilt)."""

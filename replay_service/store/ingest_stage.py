@@ -45,3 +45,7 @@ class BatchIngest(Protocol):
     def ingest(self, rows: Rows) -> IngestResult:
         """Store one decoded batch; idempotent on (run_id, writer_id, seq)."""
         ...
+
+    def close(self) -> None:
+        """Stop what the pipeline runs beside ingests (the STALE feed's thread)."""
+        ...
