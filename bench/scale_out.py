@@ -70,7 +70,7 @@ from bench.stopping import exit_on_sigterm
 from replay_format import ARROW_STREAM_MEDIA_TYPE, RunShape, Source
 from replay_format.rows import RowsMeta, build_rows, encode_stream
 from replay_service.app import open_store
-from replay_service.checks.check import check
+from replay_service.checks.check import check, check_stale
 from replay_service.ingest.decode import decode_batch
 from replay_service.ops.demo import bulk_routes
 from replay_service.settings import ServiceSettings
@@ -162,7 +162,7 @@ def measure_pieces(stores: dict[str, RouteStore], ids: np.ndarray, rounds: int) 
 
     The first two batches per store are untimed (connections, pools, the run's creation).
     """
-    times: dict[str, dict[str, list[float]]] = {name: {"segment": [], "commit": []} for name in stores}
+    times: dict[str, dict[str, list[float]]] = {name: {"segment": [], "commit": [], "feed": []} for name in stores}
     for r in range(rounds + 2):
         for name, store in stores.items():
             rows = decode_batch(ARROW_STREAM_MEDIA_TYPE, batch_body(ids, "pieces", "w0", r, r * 8))
@@ -175,9 +175,17 @@ def measure_pieces(stores: dict[str, RouteStore], ids: np.ndarray, rounds: int) 
             result = pipe.committer.commit(segment, run)
             done = time.perf_counter()
             assert result.stored, result
+            fed = 0.0
+            if pipe.feed is not None:  # replicas: the STALE feed's round for this batch (publish, learn), in turn
+                remembered = check_stale(checked, pipe.recent)
+                feed_start = time.perf_counter()
+                pipe.feed.note(remembered.hashes, remembered.requests, remembered.positions, remembered.tokens)
+                pipe.feed.step()
+                fed = time.perf_counter() - feed_start
             if r >= 2:
                 times[name]["segment"].append(written - started)
                 times[name]["commit"].append(done - written)
+                times[name]["feed"].append(fed)
     return times
 
 
@@ -210,6 +218,10 @@ def print_pieces(rounds: int, times: dict[str, dict[str, list[float]]], load: fl
     rows = [("segment: local write+fsync+rename / S3 PUT", "segment"), ("commit: SQLite (+folder fsync) / PostgreSQL",
                                                                           "commit")]
     print(f"  {'stage':44s} {'SQLite + local files':>24s} {'PostgreSQL + S3 (moto)':>24s} {'ratio':>6s}")
+    feed = statistics.median(remote["feed"])
+    print(f"  {'STALE feed: publish + learn (replicas only)':44s} {'-':>24s} {spread(remote['feed'], 1e3):>24s} "
+          f"{feed / statistics.median(remote['commit']):6.2f} of the PostgreSQL commit")
+    figures["stale_feed_ms"] = round(feed * 1e3, 2)
     for label, key in rows:
         ratio = statistics.median(remote[key]) / statistics.median(local[key])
         print(f"  {label:44s} {spread(local[key], 1e3):>24s} {spread(remote[key], 1e3):>24s} {ratio:6.2f}")

