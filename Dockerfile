@@ -1,10 +1,12 @@
 FROM python:3.11-slim
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY replay_format ./replay_format
 COPY replay_service ./replay_service
 COPY replay_client ./replay_client
 COPY capture ./capture
+# The web view: the editable install below serves it from here (/app/web), next to the packages.
+COPY web ./web
 RUN pip install --no-cache-dir -e ".[service]"
 EXPOSE 8470
 VOLUME ["/data"]

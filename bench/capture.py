@@ -252,23 +252,23 @@ def bench_spill(tokens: int, layers: int, repeats: int, items: int = 20) -> dict
     """Seconds per `SpillFolder.write` of a `tokens`-row batch, with the folder's fsync and without, per repeat."""
     import threading
 
-    import capture.sender_spill as spill
-    from capture.sender_items import Item
+    import capture.sender.spill as spill
+    from capture.sender.items import Item
     from replay_format.spill import ItemKind, SpillHeader
 
     payload = np.random.default_rng(0).integers(0, 128, tokens * layers * K, dtype=np.uint8).tobytes()
-    real = spill.fsync_folder
+    real = spill.fsync_dir
     out: dict[str, list[float]] = {"with the folder's fsync": [], "without it": []}
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
         for repeat in range(repeats):
             for label in list(out)[:: 1 if repeat % 2 == 0 else -1]:  # each first in every other repeat
-                spill.fsync_folder = real if label == "with the folder's fsync" else (lambda path: None)
+                spill.fsync_dir = real if label == "with the folder's fsync" else (lambda path: None)
                 folder = spill.SpillFolder(Path(tmp) / f"{repeat}-{len(out[label])}", 1 << 40, threading.Condition())
                 started = time.perf_counter()
                 for seq in range(items):
                     folder.write(Item(SpillHeader(ItemKind.BATCH, seq, rows=tokens), payload), "bench")
                 out[label].append((time.perf_counter() - started) / items)
-    spill.fsync_folder = real
+    spill.fsync_dir = real
     return out
 
 

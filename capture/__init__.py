@@ -3,7 +3,8 @@
 Laid out by the process each part runs in:
 - `capture.worker` (the inference worker; torch): `sharding` (where a DP rank's rows lie),
   `restore` (undo it with collectives), `pcp_mask` (the router's padding mask), `recorder`.
-- `capture.sender` (no torch): batches rows to the service (`row_chunk`: the rows on their way).
+- `capture.sender` (no torch): batches rows to the service (`route_sender`; `row_chunk`: the rows on their way;
+  `items`, `spill`, `config`).
   The vLLM plugin runs it in its sink process; another engine may run it in its worker.
 - `capture.vllm` (the vLLM plugin): `engine_core/`, `worker/` and `sink/`, one package per process
   (`sink/` also holds the sink's client, which the worker and the engine core both start it with).
@@ -62,7 +63,8 @@ _HOME = {
     "NaiveDispatch": "capture.worker.pcp_mask", "PcpPaddingMask": "capture.worker.pcp_mask",
     "RecordedStep": "capture.worker.recorder", "StepRecorder": "capture.worker.recorder",
     "restore_rows": "capture.worker.restore",
-    "RouteSender": "capture.sender", "SenderConfig": "capture.sender_config", "RequestIndex": "capture.row_chunk",
+    "RouteSender": "capture.sender.route_sender", "SenderConfig": "capture.sender.config",
+    "RequestIndex": "capture.sender.row_chunk",
 }
 
 __all__ = sorted(_HOME)

@@ -45,7 +45,7 @@ class UndecodableError(FormatError):
 
 
 class Flag(enum.IntFlag):
-    """Per-row flag bits (rows.md, "Flags"). `replay_service/web/js/dom.js` mirrors this table (a test ties them)."""
+    """Per-row flag bits (rows.md, "Flags"). `web/js/dom.js` mirrors this table (a test ties them)."""
 
     ZERO = 1
     DUPLICATE = 2

@@ -2,7 +2,7 @@
 
 The service builds them (`encode_routes`: `GET .../requests/{request}/routes` and
 `POST .../routes/batch`); the client reads them (`read_routes`), and the web view's
-`replay_service/web/js/routedata.js` mirrors the reader. A batch is a row batch (rows.md columns);
+`web/js/routedata.js` mirrors the reader. A batch is a row batch (rows.md columns);
 the stream's metadata (`RouteMeta`) names the run, its shape, the range served and the layer
 axis of the `experts` column: the run's MoE layers (`LayerAxis.MOE`, the default) or every model
 layer with dense ones zero (`LayerAxis.MODEL`, as vLLM's and SGLang's `routed_experts`), the rule that chose

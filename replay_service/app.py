@@ -23,8 +23,19 @@ from replay_service.metrics import ServiceMetrics
 from replay_service.settings import ServiceSettings
 from replay_service.store import Processes, RouteStore
 
-# The web view ships inside the package (package data in pyproject.toml), so an installed wheel serves it too.
-WEB_DIR = Path(__file__).resolve().parent / "web"
+
+def _web_dir() -> Path:
+    """The web view's static files: the package's own copy in an installed wheel (setup.py's build step puts the
+    top-level web/ there, as this package's web/), else the checkout's web/ (a checkout or its editable install,
+    which copies nothing; `resolve()` follows a strict editable install's links back to the checkout)."""
+    package = Path(__file__).resolve().parent
+    installed, checkout = package / "web", package.parent / "web"
+    if not (installed / "index.html").is_file() and (checkout / "index.html").is_file():
+        return checkout
+    return installed  # missing from both: StaticFiles refuses it when the app is created
+
+
+WEB_DIR = _web_dir()
 
 
 class LatencyMiddleware:

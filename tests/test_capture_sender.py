@@ -18,8 +18,8 @@ import pyarrow as pa
 import pytest
 
 from capture.sender import RouteSender, SenderConfig
-from capture.sender_items import Item
-from capture.sender_spill import SpillFolder
+from capture.sender.items import Item
+from capture.sender.spill import SpillFolder
 from capture.vllm.sink import spill_root
 from replay_client.client import ReplayClient
 from replay_format import FormatError, FormatVersion

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import threading
 import time
 
 import httpx
 import numpy as np
 
+import capture.sender.spill
+import replay_format.durable
+import replay_service.store.durable
+from capture.vllm.sink import spill_root
 from replay_client.client import ReplayClient, ReplayError
 from replay_format import ARROW_STREAM_MEDIA_TYPE
 from tests.support.data import batch_bytes, many_routes, routes
@@ -114,3 +120,22 @@ def test_partial_files_never_break_startup(tmp_path):
         assert client.get_route("p", "a", strict=True).positions.tolist() == list(range(8))
     assert sorted(p.suffix for p in run_dir.iterdir()) == [".arrow", ".jsonl"]  # the segment and the run journal
     assert [p.name for p in (data / "quarantine" / "runs" / "p").iterdir()] == ["cafe.arrow"]  # kept, not deleted
+
+
+def test_one_folder_fsync_on_both_sides(tmp_path, monkeypatch):
+    """A store file is fsynced, renamed into place, then its folder fsynced by `replay_format.durable.fsync_dir`: the
+    one helper, which the capture sender's spill and its adoption of a stopped writer's items call too."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}") if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    replay_service.store.durable.write_file(tmp_path / "runs" / "r" / "x.arrow", b"bytes")
+    assert synced == ["file", str(tmp_path / "runs" / "r")]
+    assert [p.name for p in (tmp_path / "runs" / "r").iterdir()] == ["x.arrow"]  # no .tmp left
+    helper = replay_format.durable.fsync_dir
+    assert replay_service.store.durable.fsync_dir is helper
+    assert capture.sender.spill.fsync_dir is helper and spill_root.fsync_dir is helper

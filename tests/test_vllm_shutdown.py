@@ -37,7 +37,7 @@ pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 psutil = pytest.importorskip("psutil")
 
-from capture.sender_config import SenderConfig  # noqa: E402
+from capture.sender.config import SenderConfig  # noqa: E402
 from capture.vllm.finish_notes import FinishJournal, journal_dir, pid_alive, read_notes  # noqa: E402
 from capture.vllm.sink.handoff import StepHandoff  # noqa: E402
 from capture.vllm.sink.spill_root import claim, drain, release  # noqa: E402
@@ -266,7 +266,7 @@ time.sleep(600)
 def _worker_script() -> str:
     return "\n".join([
         "import sys, time", "from pathlib import Path", "import numpy as np",
-        "from capture.sender_config import SenderConfig", "from capture.vllm.sink.handoff import StepHandoff",
+        "from capture.sender.config import SenderConfig", "from capture.vllm.sink.handoff import StepHandoff",
         "from replay_format import RunShape", "from replay_format.request_notes import FinishStatus",
         "from replay_format.step_frame import Ended, StepFrame",
         f"SHAPE, ROWS = RunShape({SHAPE.num_moe_layers}, {SHAPE.top_k}, {SHAPE.num_experts}), {ROWS}",

@@ -1,4 +1,4 @@
-"""The web view's static files: everything ships in replay_service/web/, nothing from elsewhere, data never as HTML.
+"""The web view's static files: everything ships in web/, nothing from elsewhere, data never as HTML.
 
 No browser needed; tests/test_web_view.py drives the pages in Chromium.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from pathlib import Path
 
 from replay_service.app import WEB_DIR as WEB
 from tests.support.service import calls
@@ -59,6 +60,13 @@ def test_web_module_imports_resolve():
         for spec in re.findall(r'^import .*? from "([^"]+)";', t, flags=re.M):
             assert spec.startswith("."), f"{p} imports {spec!r}: only relative modules shipped in web/"
             assert (p.parent / spec).resolve().is_file(), f"{p} imports missing {spec}"
+
+
+def test_a_checkout_serves_its_top_level_web():
+    """The sources are the checkout's web/ (the wheel's copy is tests/test_wheel.py's); nothing left in the package."""
+    root = Path(__file__).resolve().parent.parent
+    assert WEB == root / "web" and (WEB / "index.html").is_file(), WEB
+    assert not (root / "replay_service" / "web").exists()
 
 
 def test_web_served_at_root(shared_service):

@@ -24,7 +24,8 @@ import pytest
 from tests.support.service import ServiceProcess, calls
 
 ROOT = Path(__file__).resolve().parent.parent
-WEB = ROOT / "replay_service" / "web"
+WEB = ROOT / "web"  # the sources
+SHIPPED = Path("replay_service", "web")  # where the wheel carries them (setup.py's build step)
 # what a clean clone lacks: the venv, caches, build output, data (and .git: the build never reads it)
 NOT_SOURCE = shutil.ignore_patterns(".*", "build", "dist", "*.egg-info", "__pycache__", "replay-data")
 ENV = {"PYTHONPATH": ""}  # an empty PYTHONPATH adds nothing to sys.path
@@ -68,8 +69,10 @@ def test_the_wheel_carries_the_web_view_and_the_entry_points(wheel):
         names = set(z.namelist())
         (entry_points,) = (n for n in names if n.endswith(".dist-info/entry_points.txt"))
         scripts = z.read(entry_points).decode()
-    web = {p.relative_to(ROOT).as_posix() for p in WEB.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
-    assert "replay_service/web/index.html" in web and not web - names, f"left out of the wheel: {web - names}"
+    sources = [p for p in WEB.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    web = {(SHIPPED / p.relative_to(WEB)).as_posix() for p in sources}
+    assert (SHIPPED / "index.html").as_posix() in web and not web - names, f"left out of the wheel: {web - names}"
+    assert not [n for n in names if n.startswith("web/")], "the web view must ship inside replay_service, not as web/"
     assert re.search(r"^replay-service = replay_service\.\S+:app$", scripts, flags=re.M), scripts
     assert re.search(r"^routing_replay = capture\.vllm:register$", scripts, flags=re.M), scripts
 

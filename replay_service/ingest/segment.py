@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from replay_format.durable import fsync_dir
 from replay_format.segment import (
     BUFFER_OFFSETS_KEY,
     CHECKSUM_KEY,
@@ -40,7 +41,7 @@ from replay_format.segment import (
 from replay_service.buffers import PAGE, BufferPool
 from replay_service.checks.check import CheckedRows
 from replay_service.errors import SegmentStoreUnreachable
-from replay_service.store.durable import fsync_dir, tmp_path
+from replay_service.store.durable import tmp_path
 from replay_service.store.integrity import seal
 from replay_service.store.ranges import buffer_offsets, fill_offsets, ranged_metadata
 from replay_service.store.segment_store import LocalSegments, S3Segments, SegmentStore

@@ -40,6 +40,7 @@ import pyarrow as pa
 
 from replay_format import FormatError
 from replay_format.core import decode_metadata
+from replay_format.durable import fsync_dir
 from replay_format.journal import JournalEvent, ReferencesAdded, RequestEnded, RunCreated
 from replay_format.rows import read_rows
 from replay_format.segment import SegmentMeta
@@ -49,7 +50,6 @@ from replay_service.errors import Conflict, DamagedSegment
 from replay_service.ingest.commit import Committer
 from replay_service.ingest.segment import Segment, SegmentWriter
 from replay_service.settings import ServiceSettings
-from replay_service.store.durable import fsync_dir
 from replay_service.store.files import QUARANTINE_DIR, SegmentCache, quarantine_segment, segment_files
 from replay_service.store.health import HealthTables
 from replay_service.store.index import Index, RequestStatus

@@ -3,7 +3,7 @@
 Every file the store keeps on local disk (segments, stored comparisons, run journals, a rebuilt index) becomes
 durable this way, so a crash leaves either the old state or the new, never a partial file under its final name:
 at worst a `<name>.tmp` beside it, which the start-up sweep deletes (files.py). Nothing here knows what the
-files hold.
+files hold. The folder's fsync is `replay_format.durable.fsync_dir`, the one the capture sender's spill uses too.
 """
 
 from __future__ import annotations
@@ -11,21 +11,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from replay_format.durable import fsync_dir
+
 TMP_SUFFIX = ".tmp"  # a file being written: never complete, never acknowledged
 
 
 def tmp_path(path: Path) -> Path:
     """Where a file is written before it is renamed to `path`: `<name>.tmp` beside it."""
     return path.with_name(path.name + TMP_SUFFIX)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a directory's entries (a rename into it) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_file(path: Path, data: bytes, fsync: bool = True) -> None:

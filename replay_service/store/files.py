@@ -33,9 +33,10 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from replay_format.durable import fsync_dir
 from replay_service.errors import DamagedSegment, IndexNeedsRebuild, RunDeleted
 from replay_service.store import on_loop
-from replay_service.store.durable import TMP_SUFFIX, fsync_dir
+from replay_service.store.durable import TMP_SUFFIX
 from replay_service.store.integrity import open_segment
 from replay_service.store.segment_store import SEGMENT_SUFFIX, FileStamp, LocalSegments, SegmentStore
 

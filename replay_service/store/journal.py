@@ -37,6 +37,7 @@ import time
 import uuid
 from pathlib import Path
 
+from replay_format.durable import fsync_dir
 from replay_format.journal import (
     JournalEntry,
     JournalEvent,
@@ -48,7 +49,6 @@ from replay_format.journal import (
     parse_journal,
 )
 from replay_format.request_notes import FinishStatus, Reference
-from replay_service.store.durable import fsync_dir
 from replay_service.store.segment_store import Freed, S3Segments, SegmentStore, StoredObject
 
 JOURNAL_NAME = "journal.jsonl"

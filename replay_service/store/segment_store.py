@@ -39,8 +39,8 @@ from urllib.parse import urlsplit
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from replay_format.durable import fsync_dir
 from replay_service.errors import DamagedSegment, SegmentStoreUnreachable
-from replay_service.store.durable import fsync_dir
 from replay_service.store.ranges import BufferOffsets, covering_rows, read_blocks, read_offsets
 
 log = logging.getLogger("replay_service")

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from capture.row_chunk import RequestIndex
+from capture.sender.row_chunk import RequestIndex
 from capture.vllm.log import log
 from replay_format import valid_id
 from replay_format.request_notes import Finish, FinishStatus, Reference

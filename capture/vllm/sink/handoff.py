@@ -34,7 +34,7 @@ from collections import deque
 from multiprocessing.util import Finalize
 from typing import IO
 
-from capture.sender_config import SenderConfig
+from capture.sender.config import SenderConfig
 from capture.vllm.config import PluginConfig
 from capture.vllm.log import log
 from capture.vllm.sink.launch import SinkProcess

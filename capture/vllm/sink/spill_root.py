@@ -23,11 +23,10 @@ import fcntl
 import os
 from pathlib import Path
 
-from capture.sender import RouteSender
-from capture.sender_config import SenderConfig
-from capture.sender_spill import fsync_folder
+from capture.sender import RouteSender, SenderConfig
 from capture.vllm.log import log
 from replay_format import RunShape
+from replay_format.durable import fsync_dir
 from replay_format.spill import SUFFIX
 
 LOCK_SUFFIX = ".lock"
@@ -77,7 +76,7 @@ def adopt(root: Path, into: Path) -> int:
                     continue
             for partial in directory.glob("*.tmp"):  # never renamed into place: never an item
                 partial.unlink(missing_ok=True)
-            fsync_folder(into)  # the moves are durable before the dead writer's folder goes
+            fsync_dir(into)  # the moves are durable before the dead writer's folder goes
             _remove(root, directory.name)
         finally:
             os.close(fd)

@@ -1,4 +1,4 @@
-"""What the sender posts, one call each, in order; and how its batcher thread makes them (capture/sender.py).
+"""What the sender posts, one call each, in order; and how its batcher thread makes them (`route_sender.py`).
 
 An `Item` is a row batch (`replay_format.rows`), a request's finish, or prefix-cache references: its header is what a
 spill file says (`replay_format.spill`), its payload the body. `ItemMaker` turns what was submitted, in order, into
@@ -11,8 +11,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from capture.row_chunk import RowChunk
-from capture.sender_config import SenderConfig
+from capture.sender.config import SenderConfig
+from capture.sender.row_chunk import RowChunk
 from replay_format.request_notes import Finish, Reference, references_body, references_path
 from replay_format.rows import RowsMeta, build_rows, encode_stream
 from replay_format.spill import ItemKind, SpillHeader, created_ns, decode_item

@@ -1,4 +1,4 @@
-"""Background sender: routing rows to the replay service; runs in the vLLM plugin's sink process.
+"""`RouteSender`, the background sender: routing rows to the replay service; runs in the vLLM plugin's sink process.
 
 Engine-neutral (numpy, pyarrow, httpx; no torch): another engine may run it in its worker.
 The forward pass (or the sink's loop) calls `submit()` (a copy and an append under a lock; never
@@ -25,9 +25,9 @@ slower through GIL hand-offs).
 Rows are dropped only when the spill directory is over `max_spill_bytes`; that
 is counted and logged as an error. Otherwise the sender logs little: the counters
 (`SenderStats`) in one summary line every `summary_interval_s` when they changed, and
-one at close. Settings and counters: `capture.sender_config`; the items and the batcher's making of them:
-`capture.sender_items`; the spill folder: `capture.sender_spill`. The two threads share one condition, which
-guards the pending list, the queue and the spill folder's list.
+one at close. Settings and counters: `capture.sender.config`; the items and the batcher's making of them:
+`capture.sender.items`; the spill folder: `capture.sender.spill`. The two threads share one condition, which
+guards the pending list, the queue and the spill folder's list. Imported as `capture.sender.RouteSender`.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from pathlib import Path
 
 import httpx
 
-from capture.row_chunk import RequestIndex, RowChunk
-from capture.sender_config import SenderConfig, SenderStats
-from capture.sender_items import Item, ItemMaker, Pending
-from capture.sender_spill import Spilled, SpillFolder
+from capture.sender.config import SenderConfig, SenderStats
+from capture.sender.items import Item, ItemMaker, Pending
+from capture.sender.row_chunk import RequestIndex, RowChunk
+from capture.sender.spill import Spilled, SpillFolder
 from replay_format import ARROW_STREAM_MEDIA_TYPE, JSON_MEDIA_TYPE
 from replay_format.request_notes import Finish, FinishStatus, Reference
 from replay_format.spill import ItemKind

@@ -17,8 +17,9 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from capture.sender_items import Item
+from capture.sender.items import Item
 from replay_format import FormatError
+from replay_format.durable import fsync_dir
 from replay_format.spill import SUFFIX, encode_item, item_name
 
 log = logging.getLogger("routing_replay.sender")
@@ -66,7 +67,7 @@ class SpillFolder:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path / name)
-            fsync_folder(self.path)  # the rename too survives a crash of the machine, not only of the process
+            fsync_dir(self.path)  # the rename too survives a crash of the machine, not only of the process
             with self._lock:
                 self._files.append(self.path / name)
                 self._files = deque(sorted(self._files, key=_spill_order))
@@ -101,12 +102,3 @@ class SpillFolder:
 
 def _spill_order(path: Path) -> str:
     return path.name
-
-
-def fsync_folder(path: Path) -> None:
-    """Make the names in folder `path` durable (what a rename into it changed), as fsync makes a file's bytes."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
