@@ -118,20 +118,24 @@ class StaleFeed:
             self._pruned_at = now
 
     def _learn(self, now: float) -> None:
+        """Add the other hosts' entries not read yet: their numbers first (a few bytes each, the lookback included),
+        then the rows of the unread ones only."""
         while True:
-            entries = self.index.recent_published(max(0, self._after - _LOOKBACK), now - self.window_s, _PAGE)
-            fresh = [e for e in entries if e.feed_id not in self._seen]
-            for entry in fresh:
-                self._seen.add(entry.feed_id)
-                if entry.host != self.host:
+            ids = self.index.published_ids(max(0, self._after - _LOOKBACK), now - self.window_s, self.host, _PAGE)
+            unread = [i for i in ids if i not in self._seen]
+            if unread:
+                for entry in self.index.published(unread[0], unread[-1], self.host):
+                    if entry.feed_id in self._seen:
+                        continue
+                    self._seen.add(entry.feed_id)
                     rows = unpack(entry.records)
                     self.table.check_and_add(rows["hash"], rows["request"], rows["position"], rows["token"],
                                              np.ones(len(rows), np.bool_))
                     self.counter.labels("learnt").inc(len(rows))
-            if entries:
-                self._after = max(self._after, entries[-1].feed_id)
+            if ids:
+                self._after = max(self._after, ids[-1])
                 self._seen = {i for i in self._seen if i > self._after - _LOOKBACK}
-            if len(entries) < _PAGE or not fresh:
+            if len(ids) < _PAGE or not unread:
                 return
 
     def _run(self) -> None:

@@ -231,6 +231,8 @@ CREATE TABLE IF NOT EXISTS stale_feed (
     records {d.blob} NOT NULL
 );
 """
+        if not sqlite:  # the feed's rows are hashes: compressing them (TOAST's default) cost 7x the insert itself
+            self.schema += "ALTER TABLE stale_feed ALTER COLUMN records SET STORAGE EXTERNAL;\n"
         if sqlite:
             self.schema += f"""CREATE TRIGGER IF NOT EXISTS segments_of_a_run BEFORE INSERT ON segments
     WHEN NOT EXISTS (SELECT 1 FROM runs WHERE run_id = NEW.run_id)
@@ -243,8 +245,10 @@ CREATE TABLE IF NOT EXISTS stale_feed (
 
         # ---- the STALE table's feed between hosts (ingest/stale_feed.py)
         self.feed_publish = "INSERT INTO stale_feed (host, written_at, records) VALUES (?, ?, ?)"
-        self.feed_since = ("SELECT feed_id, host, records FROM stale_feed WHERE feed_id > ? AND written_at >= ?"
+        self.feed_since = ("SELECT feed_id FROM stale_feed WHERE feed_id > ? AND written_at >= ? AND host <> ?"
                            " ORDER BY feed_id LIMIT ?")
+        self.feed_records = ("SELECT feed_id, host, records FROM stale_feed WHERE feed_id BETWEEN ? AND ? AND host <> ?"
+                             " ORDER BY feed_id")
         self.feed_prune = "DELETE FROM stale_feed WHERE written_at < ?"
 
         # ---- runs
@@ -606,10 +610,15 @@ class Index:
         with self.transaction() as tx:
             tx.execute(self.sql.feed_publish, (host, written_at, records))
 
-    def recent_published(self, after: int, since: float, limit: int) -> list[FeedEntry]:
-        """The feed's entries numbered above `after` and written at `since` or later, in number order (`limit`)."""
+    def published_ids(self, after: int, since: float, other_than: str, limit: int) -> list[int]:
+        """The numbers of the feed's entries above `after`, written at `since` or later by hosts other than
+        `other_than`, in order (at most `limit`)."""
+        return [int(r["feed_id"]) for r in self.query(self.sql.feed_since, (after, since, other_than, limit))]
+
+    def published(self, first: int, last: int, other_than: str) -> list[FeedEntry]:
+        """The feed's entries numbered `first` to `last` by hosts other than `other_than`, with their rows."""
         return [FeedEntry(int(r["feed_id"]), r["host"], bytes(r["records"]))
-                for r in self.query(self.sql.feed_since, (after, since, limit))]
+                for r in self.query(self.sql.feed_records, (first, last, other_than))]
 
     def prune_published(self, before: float) -> None:
         """Drop the feed's entries written before `before`."""
