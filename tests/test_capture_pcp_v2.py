@@ -27,7 +27,6 @@ recorder under PCP) and that the plugin leaves the mask to vLLM 0.34. One subpro
 
 from __future__ import annotations
 
-import os
 import pickle
 import sys
 from dataclasses import dataclass
@@ -40,6 +39,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from tests.support.stand_ins import KeptHandoff  # noqa: E402
 
 RELEASE = "0.34.0"
 E, K, LAYERS, MAX_TOKENS, MAX_REQS = 64, 4, 2, 128, 8
@@ -145,24 +146,6 @@ def _global_batch(buffers, step: list[Req]):
         positions=buffers.positions[:n], is_padding=buffers.is_padding[:n],
         logits_indices=torch.from_numpy(qsl[1:] - 1), cu_num_logits=torch.arange(r + 1, dtype=torch.int32),
         cu_num_logits_np=np.arange(r + 1, dtype=np.int32), has_structured_output_reqs=False, prompt_lens=None)
-
-
-class _Kept:
-    """Where the sink process would be: keeps each step frame's bytes."""
-
-    pid = os.getpid()
-
-    def __init__(self) -> None:
-        self.frames: list[bytes] = []
-
-    def step_packed(self, view) -> None:
-        self.frames.append(bytes(view))
-
-    def references(self, refs) -> None:
-        pass
-
-    def finish(self, ended) -> None:
-        pass
 
 
 def _moe_layer(layer: int, case: Case):
@@ -283,7 +266,7 @@ class _Rank:
         self.mode = str(choice.mode)
         hooks = self.hooks = StepHooks(
             choice.recorder, par, ordinals, frame=StepFrameBuffer(shape), graph=choice.graph,
-            handoff=_Kept() if par.sends else None, pcp_masks=pcp_padding_mask(par),
+            handoff=KeptHandoff() if par.sends else None, pcp_masks=pcp_padding_mask(par),
             moe_ordinal_by_runner={id(moe): moe.layer_id for moe in self.layers})
         for moe in self.layers:  # the router's capture_fn (binder.py chains the plugin's on_topk into it)
             moe.capture_fn = lambda ids, moe=moe: hooks.on_topk(moe, ids)

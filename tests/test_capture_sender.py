@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import stat
 import threading
 import time
 
@@ -26,6 +25,7 @@ from replay_format import FormatError, FormatVersion
 from replay_format.spill import ItemKind, SpillHeader, created_ns, decode_item, encode_item, item_name
 from tests.support.data import QWEN3_SHAPE, batch_bytes, many_routes
 from tests.support.service import ServiceProcess, calls, free_port
+from tests.support.stand_ins import record_fsyncs
 
 STEP_ROWS = 512
 
@@ -302,23 +302,10 @@ def test_two_spills_of_one_item_at_once_leave_one_file(tmp_path):
         sender.close(0.1)
 
 
-def _record_fsyncs(monkeypatch) -> list[str]:
-    """What each os.fsync from now on syncs: "file", or the folder's path (os.fsync still runs)."""
-    synced: list[str] = []
-    real_fsync = os.fsync
-
-    def recording_fsync(fd: int) -> None:
-        synced.append(os.readlink(f"/proc/self/fd/{fd}") if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", recording_fsync)
-    return synced
-
-
 def test_a_spilled_item_is_fsynced_and_so_is_its_rename(tmp_path, monkeypatch):
     """The spill is durable across a crash of the machine: the item's bytes are fsynced, and after the rename
     that puts it in place, the folder too (before, only the bytes: the new name could be lost with the machine)."""
-    synced = _record_fsyncs(monkeypatch)
+    synced = record_fsyncs(monkeypatch)
     folder = SpillFolder(tmp_path / "spill", 1 << 20, threading.Condition())
     assert folder.write(Item(SpillHeader(ItemKind.BATCH, 0, rows=1), b"x" * 100), "w0")
     assert synced == ["file", str(tmp_path / "spill")]
@@ -333,7 +320,7 @@ def test_items_adopted_from_a_stopped_writer_are_moved_durably(tmp_path, monkeyp
     SpillFolder(root / "dead", 1 << 20, threading.Condition()).write(
         Item(SpillHeader(ItemKind.BATCH, 0, rows=1), b"x" * 100), "dead")
     live = spill_root.claim(root, "live")
-    synced = _record_fsyncs(monkeypatch)
+    synced = record_fsyncs(monkeypatch)
     try:
         assert spill_root.adopt(root, root / "live") == 1
     finally:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import stat
 import threading
 import time
 
@@ -18,6 +16,7 @@ from replay_client.client import ReplayClient, ReplayError
 from replay_format import ARROW_STREAM_MEDIA_TYPE
 from tests.support.data import batch_bytes, many_routes, routes
 from tests.support.service import ServiceProcess
+from tests.support.stand_ins import record_fsyncs
 
 ARROW = {"content-type": ARROW_STREAM_MEDIA_TYPE}
 
@@ -125,14 +124,7 @@ def test_partial_files_never_break_startup(tmp_path):
 def test_one_folder_fsync_on_both_sides(tmp_path, monkeypatch):
     """A store file is fsynced, renamed into place, then its folder fsynced by `replay_format.durable.fsync_dir`: the
     one helper, which the capture sender's spill and its adoption of a stopped writer's items call too."""
-    synced: list[str] = []
-    real_fsync = os.fsync
-
-    def recording_fsync(fd: int) -> None:
-        synced.append(os.readlink(f"/proc/self/fd/{fd}") if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", recording_fsync)
+    synced = record_fsyncs(monkeypatch)
     replay_service.store.durable.write_file(tmp_path / "runs" / "r" / "x.arrow", b"bytes")
     assert synced == ["file", str(tmp_path / "runs" / "r")]
     assert [p.name for p in (tmp_path / "runs" / "r").iterdir()] == ["x.arrow"]  # no .tmp left

@@ -85,23 +85,7 @@ def drive(model_dir: str, out_path: str, capture_mode: str) -> None:
     from capture.vllm.worker import runner as hooks
     from capture.vllm.worker import runner_v2
     from capture.vllm.worker.worker_capture import WorkerCapture
-
-    class KeptHandoff:
-        """Where the sink process would be: keeps each step frame's bytes (the frame buffer is reused)."""
-
-        pid = os.getpid()
-
-        def __init__(self) -> None:
-            self.frames: list[bytes] = []
-
-        def step_packed(self, view) -> None:
-            self.frames.append(bytes(view))
-
-        def references(self, refs) -> None:
-            pass
-
-        def finish(self, ended) -> None:
-            pass
+    from tests.support.stand_ins import KeptHandoff
 
     kept = KeptHandoff()
     shapes = []
