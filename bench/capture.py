@@ -10,7 +10,7 @@ callbacks, step close and hand-off to a real sink process and service) on a stan
 runner, decode steps of the tests' toy model (8 sequences, 2 layers, top-2 of 8) and of
 `--model small` (16 sequences, 8 layers, top-4 of 32), outside the engine: the fixed
 per-step cost without the engine's noise, each step timed (median and quartiles of
-`--steps` x `--repeats` steps), then per part (`step_profile.py`).
+`--steps` x `--repeats` steps), then per part (`capture/vllm/worker/step_profile.py`).
 Spill (`--only spill`): the sender's spill of one step's batch (`SpillFolder.write`: the file written and fsynced,
 renamed, the folder fsynced), beside the same write without the folder's fsync, alternated, in `BENCH_TMP`.
 Medians of several repeats; prints figures, asserts nothing (shared, noisy machines).

@@ -59,9 +59,9 @@ from replay_format.core import RunShape
 from replay_format.rows import RowsMeta, build_rows
 from replay_format.segment import CHECKSUM_KEY, ID_LAYOUT_KEY, IdLayout, SegmentCompression, SegmentMeta, as_stored
 from replay_service.buffers import BufferPool
-from replay_service.ingest.segment import write_segment
 from replay_service.ops.demo import bulk_routes
-from replay_service.store.integrity import open_segment, seal
+from replay_service.store.segments.integrity import open_segment, seal
+from replay_service.store.segments.write import write_segment
 
 SHAPE = RunShape(num_moe_layers=48, top_k=8, num_experts=128)
 REQUEST_ROWS = 1024  # rows per request in a synthetic segment

@@ -85,8 +85,7 @@ def stage_times(rows_per_batch: int, batches: int, rounds: int, tmp: Path) -> di
     times: dict[str, list[float]] = {name: [] for name in (*STAGES, "kernel", "kernel: hash", "kernel: load")}
     store = open_store(ServiceSettings(data_dir=tmp / f"data-{rows_per_batch}"))
     try:
-        pipeline = store.pipeline
-        assert isinstance(pipeline, IngestPipeline)
+        pipeline = IngestPipeline.over(store)
         shape = SHAPE
         for r in range(rounds):
             for _, body, _ in arrow_jobs(planned, f"stages-{rows_per_batch}-{r}", 1):
@@ -111,6 +110,7 @@ def stage_times(rows_per_batch: int, batches: int, rounds: int, tmp: Path) -> di
                 words = np.ascontiguousarray(experts).view(np.uint64)
                 times["kernel: hash"].append(cpu_of(_hash_words, words)[0])
                 times["kernel: load"].append(cpu_of(_count_load, experts, shape.num_moe_layers, shape.top_k, load)[0])
+        pipeline.close()
     finally:
         store.close()
     return times

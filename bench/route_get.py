@@ -7,7 +7,7 @@ each into one numpy array:
   - plain httpx, as a script would write it: `httpx.Client.get(url).content` then
     `pa.ipc.open_stream` / `np.load` (Arrow and .npy).
 The same two `ReplayClient` reads from a second service on a copy of the same data that reads every GET in a
-thread (`REPLAY_HOT_READS=thread`, as before store/on_loop.py), in the same rounds: what reading on the event
+thread (`REPLAY_HOT_READS=thread`, as before placement/on_loop.py), in the same rounds: what reading on the event
 loop changes, end to end.
 The floor of those clients, beside them: the same .npy answer, as many times, from a server that holds its bytes
 and does nothing but send them (`bench/http_floor.py`), read by `ReplayClient`'s own transport and by plain
@@ -22,7 +22,7 @@ the rounds, their spread (min-max) and the ratio to the baseline are printed. As
 Then the service's own time per GET, without a socket or a client: the app (`create_app`, on the same data)
 called as ASGI in this process, one request after another, for Arrow and .npy answers of the whole route and
 of one row, three ways in turn each round: the endpoint as served (its parameters parsed by api/lean.py, a hot
-read on the event loop: store/on_loop.py); the same endpoint as it was before both (`_declared_route`: FastAPI's
+read on the event loop: placement/on_loop.py); the same endpoint as it was before both (`_declared_route`: FastAPI's
 per-parameter dependencies, the read in a thread; added to this app only, matched right after the real one); and
 the work alone (`RouteStore.read_route` and `encode.route_answer`). The differences are what the HTTP layer costs.
 
@@ -141,7 +141,7 @@ ROUTE_PATH = "/v1/runs/{run}/requests/{request}/routes"
 
 
 def _declared_route(app) -> str:
-    """The route GET as it was declared before api/lean.py and store/on_loop.py (FastAPI solving each parameter,
+    """The route GET as it was declared before api/lean.py and placement/on_loop.py (FastAPI solving each parameter,
     the read in a thread), added to `app` right after the served one (the same matching cost); its path template."""
     router = APIRouter(dependencies=[Depends(authorize)])
     path = "/bench/declared/{run}/requests/{request}/routes"

@@ -32,7 +32,8 @@ within each other's spread). Each remote stage also costs several times its loca
 (part 2: a PUT to moto against an O_DIRECT write + fsync; a PostgreSQL transaction of several loopback round
 trips against an in-process SQLite commit), so one replica on PostgreSQL + S3 stores a fraction of today's
 tokens/s on the same cores. The design has one more limit, which this machine does not reach: a run's commits
-are serialised across replicas by its advisory lock (index_backends/postgres.py) and group commit gathers only
+are serialised across replicas by its advisory lock (replay_service/store/index/backends/postgres.py) and group
+commit gathers only
 one replica's queued batches, so one run commits at most 1 / (transaction time) groups per second whatever the
 replica count (uploads overlap: they happen before the lock); the "run per writer" configuration, which shares
 no lock, measures no better here, so on 2 cores the ceiling is CPU, not that lock. What this shows is the
@@ -72,6 +73,7 @@ from replay_format.rows import RowsMeta, build_rows, encode_stream
 from replay_service.app import open_store
 from replay_service.checks.check import check, check_stale
 from replay_service.ingest.decode import decode_batch
+from replay_service.ingest.pipeline import IngestPipeline
 from replay_service.ops.demo import bulk_routes
 from replay_service.settings import ServiceSettings
 from replay_service.store import RouteStore
@@ -163,10 +165,11 @@ def measure_pieces(stores: dict[str, RouteStore], ids: np.ndarray, rounds: int) 
     The first two batches per store are untimed (connections, pools, the run's creation).
     """
     times: dict[str, dict[str, list[float]]] = {name: {"segment": [], "commit": [], "feed": []} for name in stores}
+    pipes = {name: IngestPipeline.over(store) for name, store in stores.items()}
     for r in range(rounds + 2):
-        for name, store in stores.items():
+        for name in stores:
             rows = decode_batch(ARROW_STREAM_MEDIA_TYPE, batch_body(ids, "pieces", "w0", r, r * 8))
-            pipe = store.pipeline
+            pipe = pipes[name]
             run = pipe.runs.for_batch(rows.meta)
             checked = check(rows, run.shape)
             started = time.perf_counter()
@@ -186,6 +189,8 @@ def measure_pieces(stores: dict[str, RouteStore], ids: np.ndarray, rounds: int) 
                 times[name]["segment"].append(written - started)
                 times[name]["commit"].append(done - written)
                 times[name]["feed"].append(fed)
+    for pipe in pipes.values():
+        pipe.close()
     return times
 
 

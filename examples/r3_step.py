@@ -245,8 +245,8 @@ def megatron_on_cpu():
       inside `try: import transformer_engine`, `transformer/moe/moe_utils.py:22-39`), and
       `RouterGatingLinearFunction.forward` reads it (`moe_utils.py:1192`): NameError.
     - the inference RNG tracker (`tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True)`):
-      the attention forks the CUDA RNG state for dropout (`dot_product_attention.py:217`); that tracker's fork is
-      a no-op (dropout is 0 here anyway).
+      the attention forks the CUDA RNG state for dropout (`megatron/core/transformer/dot_product_attention.py:217`);
+      that tracker's fork is a no-op (dropout is 0 here anyway).
     - an explicit causal `attention_mask`: the default one is built with `device="cuda"`
       (`transformer/utils.py:35`); passed in by `MegatronTrainer.forward`.
     """
@@ -365,7 +365,7 @@ class MegatronTrainer:
             # replayed ids' logits are gathered, then softmaxed: moe_utils.py:713-715)
             moe_router_pre_softmax=not cfg["norm_topk_prob"], moe_router_score_function="softmax",
             moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_router_dtype="fp32",
-            moe_token_dispatcher_type="allgather",  # alltoall asks for a CUDA stream (token_dispatcher.py:445)
+            moe_token_dispatcher_type="allgather",  # alltoall: a CUDA stream (megatron/.../token_dispatcher.py:445)
             moe_enable_routing_replay=True, params_dtype=torch.float32, use_cpu_initialization=True,
             bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
             persist_layer_norm=False, gradient_accumulation_fusion=False)
@@ -445,10 +445,11 @@ class TransformersTrainer:
     the routes come from `ReplayClient.verl_batch` (verl's layout: prompts left-padded to `prompt_width`,
     responses right-padded), each layer's `mlp.gate` forward is transformers' own with the top-k ids replaced.
 
-    transformers 5.19 `Qwen3MoeTopKRouter.forward` (modeling_qwen3_moe.py:257-266): logits = linear(h, W);
-    probs = softmax(logits, float32); (values, ids) = topk(probs, k); values /= values.sum() if norm_topk_prob;
-    values cast to the logits' dtype. Replay keeps all of it but the top-k: ids = the replayed ids, values =
-    probs gathered at them (then renormalised), as megatron-core's RouterReplay gathers the scores at the ids."""
+    transformers 5.19 `Qwen3MoeTopKRouter.forward` (transformers/models/qwen3_moe/modeling_qwen3_moe.py:257-266):
+    logits = linear(h, W); probs = softmax(logits, float32); (values, ids) = topk(probs, k); values /= values.sum()
+    if norm_topk_prob; values cast to the logits' dtype. Replay keeps all of it but the top-k: ids = the replayed
+    ids, values = probs gathered at them (then renormalised), as megatron-core's RouterReplay gathers the scores at
+    the ids."""
 
     name = "transformers Qwen3MoeForCausalLM (replay at each layer's mlp.gate, verl's layout)"
 

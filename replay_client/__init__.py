@@ -14,6 +14,15 @@
 from replay_client.client import NotFoundError, ReplayClient, ReplayError, Route, StrictReadError, routes_from_stream
 from replay_client.health import HealthReport, RoutingUnhealthy, Verdict
 from replay_client.openai_ids import Endpoint, choice_request_ids, response_request_ids, stored_request_id
+from replay_client.records import (
+    ExpertLoad,
+    IngestAnswer,
+    RequestSummary,
+    ResponseAnswer,
+    ResponseItemAnswer,
+    RunSummary,
+    VersionRows,
+)
 from replay_client.router_replay import (
     ReplayPlan,
     RouterReplayError,
@@ -25,8 +34,9 @@ from replay_client.router_replay import (
 )
 from replay_client.trainer import RecordedRows, Staleness, TrainerBatch
 
-__all__ = ["Endpoint", "HealthReport", "NotFoundError", "RecordedRows", "ReplayClient", "ReplayError", "ReplayPlan",
-           "Route", "RouterReplayError", "RoutingUnhealthy", "Staleness", "StrictReadError", "TrainerBatch", "Verdict",
-           "check_config", "check_model", "choice_request_ids",
+__all__ = ["Endpoint", "ExpertLoad", "HealthReport", "IngestAnswer", "NotFoundError", "RecordedRows", "ReplayClient",
+           "ReplayError", "ReplayPlan", "RequestSummary", "ResponseAnswer", "ResponseItemAnswer", "Route",
+           "RouterReplayError", "RoutingUnhealthy", "RunSummary", "Staleness", "StrictReadError", "TrainerBatch",
+           "Verdict", "VersionRows", "check_config", "check_model", "choice_request_ids",
            "install_router_fallback", "plan_for_model", "plan_for_rank", "response_request_ids", "routes_from_stream",
            "stored_request_id"]

@@ -11,6 +11,7 @@ import base64
 import io
 import json
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,9 +22,10 @@ import pyarrow as pa
 
 from replay_client.health import HealthReport, RoutingUnhealthy, batch_request_ids, gate_level
 from replay_client.openai_ids import Endpoint, choice_request_ids, stored_request_id
+from replay_client.records import ExpertLoad, IngestAnswer, RequestSummary, ResponseAnswer, RunSummary
 from replay_client.trainer import TrainerBatch, compare_body, megatron_query, verl_query
 from replay_client.transport import NotFoundError, ReplayError, StrictReadError, Transport
-from replay_format import ARROW_STREAM_MEDIA_TYPE, NPY_MEDIA_TYPE, Flag, LayerAxis, RunShape, flag_names
+from replay_format import ARROW_STREAM_MEDIA_TYPE, NPY_MEDIA_TYPE, Flag, LayerAxis, flag_names
 from replay_format.core import Backing
 from replay_format.route import read_routes
 from replay_format.trajectory import TrajectoryInfo, read_trajectory_info
@@ -37,10 +39,13 @@ __all__ = ["NotFoundError", "ReplayClient", "ReplayError", "Route", "StrictReadE
 
 @dataclass
 class Route:
-    """One request's rows `[start, start + n)`, dense by position (a missing one is a GAP row).
+    """A route as the service answers it: one request's rows `[start, start + n)`, dense by position (a missing one
+    is a GAP row), with what the answer says of them (the run's shape, the layer axis, which computation of a
+    recomputed position was served), or a trajectory's turns as one route (`get_trajectory`: `trajectory`, `turn`).
 
-    `experts` holds the layers of `layer_axis`: the run's MoE layers (`moe`), or every model layer
-    with dense ones zero (`model`: vLLM's `routed_experts` layout); `layers` names each.
+    The answer's per-request part alone is the format's `replay_format.route.RequestRoute`; `routes_from_stream`
+    joins each to the answer's metadata. `experts` holds the layers of `layer_axis`: the run's MoE layers (`moe`),
+    or every model layer with dense ones zero (`model`: vLLM's `routed_experts` layout); `layers` names each.
     """
 
     run_id: str
@@ -78,11 +83,15 @@ class Route:
         """(position, flag names) of every flagged row."""
         return [(int(self.positions[i]), flag_names(int(self.flags[i]))) for i in np.flatnonzero(self.flags)]
 
-    def versions(self) -> list[str | None]:
-        """Each row's weight version label (None where unknown: rows written before versions existed, GAP rows)."""
-        if self.weight_versions is None:
-            return [None] * len(self.positions)
-        return self.weight_versions.per_row()
+    def versions(self) -> WeightVersions:
+        """Each row's weight version (unknown: rows written before versions existed, GAP rows), as the format's and
+        the store's routes give it; `.per_row()` lists the labels (None where unknown).
+
+        For one release the answer also reads as that list, as it was (`==` a list, iteration, indexing, `len`),
+        with a DeprecationWarning naming `.per_row()`.
+        """
+        versions = WeightVersions.unknown(len(self.positions)) if self.weight_versions is None else self.weight_versions
+        return _ListedVersions(versions.labels, versions.index)
 
     @property
     def turn(self) -> np.ndarray | None:
@@ -95,6 +104,36 @@ class Route:
         import torch
 
         return torch.from_numpy(self.experts)
+
+
+@dataclass(frozen=True, eq=False)
+class _ListedVersions(WeightVersions):
+    """`Route.versions()`: a `WeightVersions` that also reads, deprecated, as the `list[str | None]` of labels
+    `Route.versions()` answered before (one release)."""
+
+    def _listed(self, what: str) -> list[str | None]:
+        warnings.warn(f"Route.versions() answers a WeightVersions: {what} it as a list of labels is deprecated; use "
+                      "Route.versions().per_row()", DeprecationWarning, stacklevel=3)
+        return self.per_row()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, WeightVersions):
+            return self.per_row() == other.per_row()
+        if isinstance(other, list | tuple):
+            return self._listed("comparing") == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # as WeightVersions' (its index is an array)
+
+    def __iter__(self) -> Iterator[str | None]:
+        return iter(self._listed("iterating"))
+
+    def __getitem__(self, row: Any) -> Any:
+        return self._listed("indexing")[row]
+
+    def __len__(self) -> int:
+        self._listed("taking the len() of")
+        return self.num_rows
 
 
 def npy_view(body: Backing) -> np.ndarray:
@@ -174,19 +213,20 @@ class ReplayClient:
 
     # ---- writers ----------------------------------------------------------
 
-    def ingest(self, batch: pa.RecordBatch | bytes) -> dict:
-        """Post one row batch (replay_format/rows.md; metadata with run_id, writer_id, seq)."""
+    def ingest(self, batch: pa.RecordBatch | bytes) -> IngestAnswer:
+        """Post one row batch (replay_format/rows.md; metadata with run_id, writer_id, seq); what became of it."""
         if isinstance(batch, pa.RecordBatch):
             from replay_format.rows import encode_stream
 
             batch = encode_stream(batch)
-        return self._json("POST", "/v1/ingest", content=batch, headers={"content-type": ARROW_STREAM_MEDIA_TYPE})
+        return IngestAnswer.from_json(
+            self._json("POST", "/v1/ingest", content=batch, headers={"content-type": ARROW_STREAM_MEDIA_TYPE}))
 
-    def finish(self, run_id: str, request_id: str, num_tokens: int, status: str = "finished") -> dict:
+    def finish(self, run_id: str, request_id: str, num_tokens: int, status: str = "finished") -> RequestSummary:
         """Say a request ended with `num_tokens` tokens (`status`: finished or aborted); its summary comes back."""
-        return self._json(
+        return RequestSummary.from_json(self._json(
             "POST", f"/v1/runs/{run_id}/requests/{request_id}/finish", json={"num_tokens": num_tokens, "status": status}
-        )
+        ))
 
     def upload_route(
         self,
@@ -201,7 +241,7 @@ class ReplayClient:
         weight_versions: Sequence[Any] | None = None,
         weight_version: str | None = None,
         prompt_tokens: int | None = None,
-    ) -> dict:
+    ) -> IngestAnswer:
         """A route `(rows, model layers or MoE layers, K)` (e.g. vLLM's `routed_experts`), sent as .npy.
 
         `start`: the first row's position (vLLM's `routed_experts_prompt_start`: a later turn's rows);
@@ -224,13 +264,13 @@ class ReplayClient:
         params.update(_version_options(weight_versions, weight_version, prompt_tokens))
         if "weight_versions" in params:
             params["weight_versions"] = json.dumps(params["weight_versions"], separators=(",", ":"))
-        return self._json(
+        return IngestAnswer.from_json(self._json(
             "POST",
             f"/v1/runs/{run_id}/requests/{request_id}/routes",
             content=buf.getvalue(),
             params=params,
             headers={"content-type": NPY_MEDIA_TYPE},
-        )
+        ))
 
     upload_vllm_output = upload_route
 
@@ -251,7 +291,7 @@ class ReplayClient:
         weight_version: str | None = None,
         prompt_tokens: int | None = None,
         routed_experts_dtype: str | None = None,
-    ) -> dict:
+    ) -> IngestAnswer:
         """SGLang's `meta_info["routed_experts"]` (base64 ids; `num_layers` as SGLang counts them).
 
         `routed_experts_dtype`: `meta_info["routed_experts_dtype"]` as returned (uint8, uint16 or int32: what SGLang
@@ -279,8 +319,8 @@ class ReplayClient:
         if num_hidden_layers is not None:
             doc["num_hidden_layers"] = int(num_hidden_layers)
         doc.update(_version_options(weight_versions, weight_version, prompt_tokens))
-        return self._json("POST", f"/v1/runs/{run_id}/requests/{request_id}/routes", json=doc,
-                          params={"finish": str(finish).lower()})
+        return IngestAnswer.from_json(self._json("POST", f"/v1/runs/{run_id}/requests/{request_id}/routes", json=doc,
+                                                 params={"finish": str(finish).lower()}))
 
     def upload_sglang_response(
         self,
@@ -294,7 +334,7 @@ class ReplayClient:
         moe_layers: Sequence[int] | None = None,
         num_hidden_layers: int | None = None,
         finish: bool = True,
-    ) -> dict:
+    ) -> ResponseAnswer:
         """A whole SGLang `/generate` answer as returned (its JSON: one item, or a batch's list), in one call.
 
         Each item is stored under its `meta_info["id"]` (or `request_ids`: a list in item order, or a dict from
@@ -321,7 +361,8 @@ class ReplayClient:
                 params[name] = int(value)
         if moe_layers is not None:
             params["moe_layers"] = ",".join(str(int(x)) for x in moe_layers)
-        return self._json("POST", f"/v1/runs/{run_id}/responses/sglang", json=body, params=params)
+        return ResponseAnswer.from_json(self._json("POST", f"/v1/runs/{run_id}/responses/sglang", json=body,
+                                                   params=params))
 
     def upload_vllm_response(
         self,
@@ -333,7 +374,7 @@ class ReplayClient:
         moe_layers: Sequence[int] | None = None,
         num_hidden_layers: int | None = None,
         finish: bool = True,
-    ) -> dict:
+    ) -> ResponseAnswer:
         """A whole vLLM answer as returned, every choice in one call (replay_format/vllm_response.md).
 
         `response`: the `openai` client's `Completion` or `ChatCompletion`, their JSON (a dict), or an offline
@@ -357,23 +398,25 @@ class ReplayClient:
                 params[name] = int(value)
         if moe_layers is not None:
             params["moe_layers"] = ",".join(str(int(x)) for x in moe_layers)
-        return self._json("POST", f"/v1/runs/{run_id}/responses/vllm", json=body, params=params)
+        return ResponseAnswer.from_json(self._json("POST", f"/v1/runs/{run_id}/responses/vllm", json=body,
+                                                   params=params))
 
     # ---- readers ----------------------------------------------------------
 
-    def runs(self) -> list[dict]:
+    def runs(self) -> list[RunSummary]:
         """Every run's summary."""
-        return self._json("GET", "/v1/runs")["runs"]
+        return [RunSummary.from_json(run) for run in self._json("GET", "/v1/runs")["runs"]]
 
-    def run(self, run_id: str) -> dict:
-        """One run's summary: shape (`num_moe_layers`, `top_k`, `num_experts`, `moe_layers`), counts, flags."""
-        return self._json("GET", f"/v1/runs/{run_id}")
+    def run(self, run_id: str) -> RunSummary:
+        """One run's summary: its shape (`num_moe_layers`, `top_k`, `num_experts`, `moe_layers`: `.shape`), counts,
+        rows per flag."""
+        return RunSummary.from_json(self._json("GET", f"/v1/runs/{run_id}"))
 
-    def request(self, run_id: str, request_id: str) -> dict:
+    def request(self, run_id: str, request_id: str) -> RequestSummary:
         """One request's summary."""
-        return self._json("GET", f"/v1/runs/{run_id}/requests/{request_id}")
+        return RequestSummary.from_json(self._json("GET", f"/v1/runs/{run_id}/requests/{request_id}"))
 
-    def requests(self, run_id: str, flag: str | Flag | None = None, page_size: int = 500) -> Iterator[dict]:
+    def requests(self, run_id: str, flag: str | Flag | None = None, page_size: int = 500) -> Iterator[RequestSummary]:
         """Every request summary of a run (optionally only those with `flag`), following the cursor."""
         cursor = None
         while True:
@@ -383,14 +426,14 @@ class ReplayClient:
             if cursor:
                 params["cursor"] = cursor
             page = self._json("GET", f"/v1/runs/{run_id}/requests", params=params)
-            yield from page["items"]
+            yield from (RequestSummary.from_json(item) for item in page["items"])
             cursor = page["next_cursor"]
             if not cursor:
                 return
 
-    def expert_load(self, run_id: str) -> dict:
+    def expert_load(self, run_id: str) -> ExpertLoad:
         """Tokens per expert per MoE layer over the run's clean rows."""
-        return self._json("GET", f"/v1/runs/{run_id}/expert-load")
+        return ExpertLoad.from_json(self._json("GET", f"/v1/runs/{run_id}/expert-load"))
 
     def get_route(
         self, run_id: str, request_id: str, start: int = 0, end: int | None = None, strict: bool = False,
@@ -506,10 +549,7 @@ class ReplayClient:
         `agreement_series`); `weight_version`: the trainer's weight version it was made against. Both are kept in
         the stored answer.
         """
-        info = self.run(run_id)
-        shape = RunShape(info["num_moe_layers"], info["top_k"], info["num_experts"], tuple(info["moe_layers"]),
-                         info.get("num_hidden_layers", 0))
-        body = compare_body(run_id, shape, request_ids, positions, experts)
+        body = compare_body(run_id, self.run(run_id).shape, request_ids, positions, experts)
         params: dict[str, Any] = {}
         if label is not None:
             params["label"] = label

@@ -18,7 +18,7 @@ What megatron-core does without this module (each shown by tests/test_trainer_ro
   tokens are routed to no expert at all, silently (the fallback checks the shape).
 - `moe_router_fusion=True` returns TE's fused top-k before the replay hook is consulted
   (moe/moe_utils.py:652-666): replay silently does nothing. `check_config` refuses it and the others.
-- MTP layers build one more `RouterReplay` each (after the decoder's, gpt_model.py:209-219), so
+- MTP layers build one more `RouterReplay` each (after the decoder's, megatron/core/models/gpt/gpt_model.py:209-219), so
   `RouterReplay.set_replay_data` of a stage's recorded layers fails on the count; engines record no MTP
   route, so the plan gives those routers rows of -1 (their own top-k, through the fallback).
 - A rank's virtual pipeline chunks hold non-contiguous model layers (chunk v of rank p starts at
@@ -355,7 +355,8 @@ def stage_layers(config: Any, pp_rank: int, vp_stage: int | None = None) -> rang
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     if getattr(config, "pipeline_model_parallel_layout", None) is not None:
-        # 0.16.1 drops pp_rank for layouts (transformer_block.py:92, transformer_layer.py:52) and asks the
+        # 0.16.1 drops pp_rank for layouts (megatron/core/transformer/transformer_block.py:92,
+        # megatron/core/transformer/transformer_layer.py:52) and asks the
         # process's own pipeline rank: only the built model knows
         raise RouterReplayError("a custom pipeline_model_parallel_layout: use plan_for_model(model), which reads "
                                 "the layers megatron-core built")
@@ -366,7 +367,8 @@ def stage_layers(config: Any, pp_rank: int, vp_stage: int | None = None) -> rang
 def plan_for_rank(config: Any, pp_rank: int = 0, moe_layers: Sequence[int] | None = None) -> ReplayPlan:
     """The plan of pipeline rank `pp_rank` from its config alone (before the model is built): its VPP chunks
     in order, each chunk's MoE layers, then the MTP routers in the last chunk of the last rank (the MTP layer
-    copies the chunk's last layer spec, gpt_layer_specs.py:700, so it has a router when that layer is MoE).
+    copies the chunk's last layer spec, megatron/core/models/gpt/gpt_layer_specs.py:700, so it has a router when that
+    layer is MoE).
 
     `moe_layers`: the run's; it must equal the config's MoE pattern.
     """

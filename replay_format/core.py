@@ -1,13 +1,12 @@
 """What every format shares: flags, ids, the expert dtype, a run's shape, versions, errors.
 
-Imports only numpy and pyarrow: the inference worker, the sink process, the service
-and the trainer all import it. Each message format is a module beside this one with
-its spec (`<name>.md`) next to it; `README.md` lists them.
+Imports only numpy and pyarrow: the inference worker, the sink process, the service and the trainer all import it.
+Each message format is a module beside this one with its spec (`<name>.md`) next to it; `README.md` lists them.
 
 Vocabulary (one meaning per word, in code, on the wire and in the API):
 - *model layer*: index of a decoder layer in the model, `0 .. num_hidden_layers-1`.
-- *MoE layer*: a model layer with a router. `moe_layers` lists their model-layer
-  indices; a row holds `num_moe_layers` of them, in that order.
+- *MoE layer*: a model layer with a router. `moe_layers` lists their model-layer indices; a row holds
+  `num_moe_layers` of them, in that order.
 - *MoE ordinal*: position in `moe_layers` (`0 .. num_moe_layers-1`).
 """
 

@@ -3,7 +3,8 @@
 The specs say their files are written beside (`<name>.tmp`), fsynced and renamed into place (spill.md,
 compare.md); the rename is durable only once the folder itself is fsynced. `fsync_dir` is that one step, the one
 helper both sides use: the capture sender's spill (`capture.sender.spill`, `capture.vllm.sink.spill_root`) and the
-service's store (`replay_service.store.durable` and the writers above it). Standard library only; no message here.
+service's store (`replay_service.store.segments.durable` and the writers above it). Standard library only; no
+message here.
 """
 
 from __future__ import annotations

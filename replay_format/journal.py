@@ -1,6 +1,6 @@
 """Run journal lines: what the index knows that no segment says, one JSON line per event (spec: journal.md).
 
-`replay_service.store.journal` appends them (`encode_entry`, after the index transaction that made the event
+`replay_service.store.lifecycle.journal` appends them (`encode_entry`, after the index transaction that made the event
 committed) and `replay-service reindex` reads them back (`parse_journal`) to rebuild a lost index. A line
 without a version (written before this module) is read as 1.0: the keys are the same.
 """

@@ -3,7 +3,7 @@
 A segment is one Arrow IPC *file* holding one record batch of the row batch's schema (rows.md) plus the keys
 below in its schema metadata: enough to rebuild its index rows (`SegmentMeta`), its checksums, and where its
 buffers lie for ranged reads. The service writes it (`replay_service.ingest.segment`), checks it when opening it
-(`replay_service.store.integrity`, `replay_service.store.ranges`) and rebuilds its index from it
+(`replay_service.store.segments.integrity`, `replay_service.store.segments.ranges`) and rebuilds its index from it
 (`replay-service reindex`). Only the service reads segments.
 """
 

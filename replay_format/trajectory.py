@@ -1,14 +1,12 @@
 """Trajectory answers: several requests (turns) read back as one route (spec: trajectory.md).
 
-A multi-turn conversation (turn k's prompt is turn k-1's whole sequence plus new text) or a partial
-rollout resubmitted as a new request (prompt + partial output) is stored as one request per turn.
+A multi-turn conversation or a partial rollout resubmitted as a new request is stored as one request per turn;
 `POST /v1/runs/{run}/routes/trajectory` composes them at read time into one route over positions
-`0 .. rows of the last turn - 1`, each position taken from one turn by a `RecomputeRule` (the route
-answer's `recompute` key). The answer is a route answer (route.md) with one record batch (named after
-the last turn, each row with its weight version); `TrajectoryInfo` says which turn each row came from,
-as spans over positions. It travels in the stream's schema metadata (`TrajectoryMeta`, keys
-`trajectory_*`, which a plain route reader ignores) and, for every format (Arrow, `.npy`, JSON), in
-the `X-Trajectory-*` headers.
+`0 .. rows of the last turn - 1`, each position taken from one turn by a `RecomputeRule` (the route answer's
+`recompute` key). The answer is a route answer (route.md) with one record batch, named after the last turn;
+`TrajectoryInfo` says which turn each row came from, as spans over positions. It travels in the stream's schema
+metadata (`TrajectoryMeta`, keys `trajectory_*`, which a plain route reader ignores) and, for every format (Arrow,
+`.npy`, JSON), in the `X-Trajectory-*` headers.
 """
 
 from __future__ import annotations

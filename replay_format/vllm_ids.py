@@ -1,27 +1,13 @@
 """Which request id a vLLM route is stored under, from what a user of vLLM holds (mirrors vLLM 0.32).
 
 Used by the client (`replay_client.openai_ids` re-exports it) and by the service, which stores a whole response's
-choices under these ids (`replay_format/vllm_response.md`).
+choices under these ids (`replay_format/vllm_response.md`). The plugin stores a route under the engine request's
+*external* id (vLLM's 8-hex suffix stripped), which is not the id a user sees: `stored_request_id` maps a response's
+`id` (`cmpl-...` + `-{prompt index}` for completions, `chatcmpl-...` for chat, `RequestOutput.request_id` offline)
+and, with `n > 1`, the `{index}_` child prefix; `response_request_ids` / `choice_request_ids` give every choice's id.
+An id the service cannot store raises ValueError (the plugin stored no rows for it).
 
-The plugin stores a route under the *external* id of the engine request (it strips the
-8 hex characters vLLM appends, vllm/v1/engine/input_processor.py:371; `capture/vllm/sink/book.py`
-`external_id`). That id is not the one a user sees:
-
-- `/v1/completions`: the response's `id` is `cmpl-{X-Request-Id or body request_id or uuid}`
-  (vllm/entrypoints/openai/completion/serving.py:141, base from
-  vllm/entrypoints/serve/engine/serving.py:133-142); each prompt of the request is its own
-  engine request `{id}-{prompt_index}` (completion/serving.py:177).
-- `/v1/chat/completions`: the response's `id` is `chatcmpl-{...}` (chat_completion/serving.py:314-316)
-  and is the engine request id itself: one conversation per request (serving.py:339-341, 405).
-- offline `LLM.generate`: the engine request id is a counter, `str(next(request_counter))`
-  (vllm/entrypoints/common/offline.py:579), and `RequestOutput.request_id` carries it
-  (vllm/v1/engine/output_processor.py:394).
-- `n > 1` (all three): the engine request is split into children `{index}_{request id}`
-  (vllm/v1/engine/parallel_sampling.py:94; async_llm.py:536, llm_engine.py:305), stored as
-  `{index}_{external id}`. `index` is the child's `CompletionOutput.index`: a chat choice's
-  `index` (chat_completion/serving.py:1112), and for completions choice `i` is prompt `i // n`,
-  child `i % n` (completion/serving.py:328 streaming; non-streaming, choices are numbered in prompt,
-  then child order, serving.py:521-582, children ordered by index, parallel_sampling.py:124).
+Design (each rule's vLLM source): docs/design/vllm_request_ids.md.
 """
 
 from __future__ import annotations

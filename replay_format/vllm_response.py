@@ -1,17 +1,12 @@
 """vLLM's answers with their routed experts, as returned (spec: vllm_response.md).
 
-Three bodies carry them, told apart by their `object` field (`ResponseObject`):
-- the OpenAI server's completions response (`"text_completion"`, vllm/entrypoints/openai/completion/protocol.py
-  `CompletionResponse`), one `routed_experts` per choice;
-- its chat response (`"chat.completion"`, chat_completion/protocol.py `ChatCompletionResponse`);
-- the offline `LLM.generate`'s `RequestOutput`, which is a Python object, not JSON: `request_output_json` writes it
-  in the same terms (`"vllm.request_output"`, this project's body; the client sends it).
-
-`routed_experts` is vLLM's `numpy2base64` (vllm/utils/serial_utils.py:67): base64 of `np.save(array,
-allow_pickle=False)`, an array `(rows, num_hidden_layers, top_k)` of uint8, uint16 or int32 whose rows are positions
-`[routed_experts_prompt_start, T - 1)` (completion/protocol.py:670-679). `read_npy` reads it without pickles and
-checks its header against its length before anything is allocated. Which stored id each choice is:
-`replay_format.vllm_ids`.
+Three bodies carry them, told apart by their `object` field (`ResponseObject`): the OpenAI server's completions
+response (`"text_completion"`, one `routed_experts` per choice), its chat response (`"chat.completion"`), and the
+offline `LLM.generate`'s `RequestOutput`, a Python object that `request_output_json` writes in the same terms
+(`"vllm.request_output"`, this project's body). `routed_experts` is vLLM's `numpy2base64` of an array
+`(rows, num_hidden_layers, top_k)` over positions `[routed_experts_prompt_start, T - 1)`; `decode_routed_experts` and
+`read_npy` read it without pickles, checking the header against the length before anything is allocated. Which
+stored id each choice is: `replay_format.vllm_ids`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Weight versions: which weights computed each row (spec: rows.md, "Weight versions").
 
-A *weight version* is the label an inference engine holds for the weights it is running: vLLM's
-`EngineCore._weight_version` (`"default"` until `set_weight_version` / `update_weight_version` /
-`finish_weight_update(weight_version=...)` sets another), SGLang's `weight_version`. It is a user
-string, bounded here by `LABEL_RULE`.
-
-Two spellings, one meaning:
-- per row, `WeightVersions`: the distinct labels and an int16 index per row (`UNKNOWN` = -1: rows
-  written before versions existed, or by a writer that does not know). It is the `weight_version`
-  column of a row batch (dictionary<int16, utf8>, nullable) and of a route answer.
-- over positions, `VersionSpan`s: `[start, end)` runs of one label, the shape of vLLM's
-  `WeightVersionSpan(version, start, end)` (there over output-token indexes; here over row positions).
-  Summaries, `.npy` headers and engine-output uploads use spans.
+A *weight version* is the label an inference engine holds for the weights it is running (vLLM's
+`EngineCore._weight_version`, SGLang's `weight_version`): a user string, bounded here by `LABEL_RULE`
+(`check_label`). Two spellings, one meaning: per row, `WeightVersions` (the distinct labels and an int16 index per
+row, `UNKNOWN` = -1; the `weight_version` column of a row batch and of a route answer, `COLUMN_TYPE`), and over
+positions, `VersionSpan`s (`[start, end)` runs of one label, the shape of vLLM's `WeightVersionSpan`, here over row
+positions; used by summaries, `.npy` headers and engine-output uploads). `RecomputeRule` says which of a position's
+rows computed under different versions is served.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The FastAPI app factory: settings and store in, routers and web view mounted; `open_store` wires a store."""
+"""The FastAPI app factory: settings and store in, one ingest pipeline over the store, routers and web view mounted."""
 
 from __future__ import annotations
 
@@ -72,23 +72,21 @@ class LatencyMiddleware:
 
 
 def open_store(settings: ServiceSettings, processes: Processes = Processes.ONE) -> RouteStore:
-    """The store `settings` name, with its ingest pipeline: what the app and every command-line tool open
-    (`processes`: this one alone, or one of `serve`'s workers; store/processes.py)."""
-    return RouteStore(settings, IngestPipeline.for_store, processes)
+    """The store `settings` name: what the app and every command-line tool open (`processes`: this one alone, or
+    one of `serve`'s workers; placement/processes.py). Batches go through an `IngestPipeline.over` it."""
+    return RouteStore(settings, processes)
 
 
 async def retention_loop(store: RouteStore, settings: ServiceSettings) -> None:
     """Retention passes every `retention_interval_s` while a limit is set or segments are in an object store (its
-    orphans are collected by every pass); store/retention.py logs each run and orphan removed."""
+    orphans are collected by every pass); store/lifecycle/retention.py logs each run and orphan removed."""
     from starlette.concurrency import run_in_threadpool
-
-    from replay_service.store.retention import collect
 
     if not (settings.retention_max_bytes or settings.retention_max_age_s or settings.segments_url):
         return
     while True:
         try:
-            await run_in_threadpool(collect, store, settings.retention_max_bytes, settings.retention_max_age_s)
+            await run_in_threadpool(store.retention_pass, settings.retention_max_bytes, settings.retention_max_age_s)
         except Exception:  # a failed pass is logged and tried again next time, never ends the loop
             logging.getLogger("replay_service").exception("retention pass failed")
         await asyncio.sleep(settings.retention_interval_s)
@@ -104,9 +102,8 @@ def create_app(settings: ServiceSettings | None = None, store: RouteStore | None
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.store = store or open_store(settings, processes)
-        feed = getattr(app.state.store.pipeline, "feed", None)
-        if feed is not None:  # replicas: the STALE feed counts what it moves in /metrics
-            feed.counter = app.state.metrics.stale_feed_rows
+        # the one ingest pipeline over the store: the ingest endpoints and the engines' answers store through it
+        app.state.ingest = IngestPipeline.over(app.state.store, feed_counter=app.state.metrics.stale_feed_rows)
         app.state.ingest_slots = asyncio.Semaphore(settings.max_concurrent_ingests)
         app.state.body_buffers = BufferPool(keep=settings.max_concurrent_ingests)
         retention = asyncio.create_task(retention_loop(app.state.store, settings))
@@ -114,6 +111,7 @@ def create_app(settings: ServiceSettings | None = None, store: RouteStore | None
             yield
         finally:
             retention.cancel()
+            app.state.ingest.close()
             if store is None:
                 app.state.store.close()
 

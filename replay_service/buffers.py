@@ -1,14 +1,11 @@
-"""Reused page-aligned buffers for request bodies and segment staging.
+"""Reused page-aligned buffers for request bodies and segment staging, and the budget of body bytes in flight.
 
-Why reuse: first touching fresh memory is not free. On the 2-core VMs this
-project is measured on, a 12.6 MB ingest body or segment image in newly
-allocated memory cost 20-35 ms of CPU in page faults (about 10 us per 4 KiB
-page), more than checking its rows. A few buffers that are touched once and
-then reused take that off every request. Page alignment also lets segments be
-written with O_DIRECT (ingest/segment.py).
+`BufferPool` keeps at most `keep` page-aligned buffers for reuse (first touching fresh memory costs page faults,
+more than checking the rows; page alignment allows O_DIRECT writes): `take`, `give`, `borrowed`. A buffer taken while
+none is free is new and is dropped on return when the pool is full, so memory stays bounded. `ByteBudget` bounds the
+bytes of request bodies held at once: a body reserves its size, or waits.
 
-Memory stays bounded: the pool keeps at most `keep` buffers; a buffer taken
-while none is free is new and is dropped on return when the pool is full.
+Design: docs/design/service_workers.md.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ class NotFound(ServiceError):
 
 
 class RunDeleted(NotFound):
-    """A run deleted while a read or a write of it was under way (store/retention.py): nothing of it is served."""
+    """A run deleted while a read or a write of it was under way (store/lifecycle/retention.py): nothing of it is
+    served."""
 
     @classmethod
     def during_read(cls, run_id: str) -> RunDeleted:
@@ -75,7 +76,7 @@ class StorageFull(ServiceError):
 
 
 class DamagedSegment(ServiceError):
-    """A stored segment failed its checksum or cannot be read: its rows are never served (store/integrity.py).
+    """A stored segment failed its checksum or cannot be read: its rows are never served (store/segments/integrity.py).
 
     `path` is the segment's path under the data directory; `newly_found` is True the first time this process
     found it damaged (metrics count segments once, refused requests each time).

@@ -52,7 +52,7 @@ class ServiceMetrics:
             ["direction"], registry=r)
         self.route_reads = Counter(
             "replay_route_reads",
-            "Route GETs by where they were read (settings.ReadPlace): event_loop (store/on_loop.py) or thread",
+            "Route GETs by where they were read (settings.ReadPlace): event_loop (placement/on_loop.py) or thread",
             ["place"], registry=r)
 
     def count_damaged(self, newly_found: bool) -> None:

@@ -21,7 +21,7 @@ class StaleTableScope(enum.StrEnum):
 
 
 class ReadPlace(enum.Enum):
-    """Where a route GET is read: on the event loop that received it, or in a worker thread (store/on_loop.py)."""
+    """Where a route GET is read: on the event loop that received it, or in a worker thread (placement/on_loop.py)."""
 
     EVENT_LOOP = "event_loop"
     THREAD = "thread"
@@ -118,17 +118,17 @@ class ServiceSettings(BaseSettings):
     segments_url: str | None = Field(
         default=None, description="where segments are stored: unset for <data_dir>/runs (local files), or "
         "s3://bucket/prefix for an S3-compatible bucket (endpoint, region and credentials from AWS_ENDPOINT_URL, "
-        "AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY); store/segment_store.py")
+        "AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY); store/segments/places.py")
     orphan_grace_s: float = Field(
         default=3600.0, gt=0, description="a bucket object no index row names is deleted once older than this "
         "(retention passes, `replay-service gc --orphans`); longer than any ingest, which may still commit it")
     index_url: str | None = Field(
         default=None, description="the index: unset for <data_dir>/index.sqlite (SQLite, one service's workers), or "
         "postgresql://user:password@host:port/database for a PostgreSQL database that any number of replicas share "
-        "(store/index_backends/); a replica that cannot reach it refuses to start")
+        "(store/index/backends/); a replica that cannot reach it refuses to start")
     hot_reads: ReadPlace = Field(
         default=ReadPlace.EVENT_LOOP, description="where a hot route GET is read: event_loop (an Arrow or .npy "
-        "answer of a local store's opened segments, when nothing there would wait: store/on_loop.py) or thread "
+        "answer of a local store's opened segments, when nothing there would wait: placement/on_loop.py) or thread "
         "(every read handed to a worker thread, as before)")
     direct_io: bool = Field(
         default=True,

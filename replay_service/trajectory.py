@@ -1,22 +1,13 @@
 """Trajectories: the requests (turns) of one conversation or rollout, composed into one route at read time.
 
-A multi-turn conversation stores one request per turn, turn k's prompt being turn k-1's whole sequence
-plus new text; a partial rollout resubmitted (prompt + partial output) is a new request too. Nothing
-links them at capture: the reader names the turns, in order, and `read_trajectory` answers one route
-over positions `0 .. rows of the last turn - 1`, each position taken from one turn by the
-`RecomputeRule`:
+`read_trajectory(store, run_id, turns, rule, ...)` answers one route over positions `0 .. rows of the last turn - 1`,
+each position taken from one turn by the `RecomputeRule`: `first` (default: earlier turns are immutable) or `latest`
+(the newest computation); within a turn the same rule picks among its own computations. A position no turn holds is
+GAP; each row keeps its turn's flags and weight version, and `TrajectoryInfo` says which turn it came from. Turns must
+continue one another (`check_growing`: each at least as long as the one before, tokens agreeing; Conflict naming the
+turn and position otherwise). Each turn is read once and folded in: memory holds the composed route and one turn.
 
-- `first` (default): from the first turn that holds a row there. Earlier turns are immutable: each
-  turn's rows are the ones that turn sampled its tokens with, never overwritten by a later turn's
-  recompute of the prefix (under newer weights, or after a cache reset);
-- `latest`: from the last turn that holds a row there (the newest computation).
-
-Within a turn the same rule picks among its own computations of a position. A position no turn holds
-is a GAP row. Each row keeps its turn's flags and weight version; `TrajectoryInfo` says which turn
-each row came from. Turns must continue one another: a later turn is at least as long as the one
-before, and where two turns know the token at a position, they agree (Conflict naming the turn and
-the position otherwise). Each turn is read once and folded in, so a trajectory holds the composed route
-and one turn at a time.
+Design: docs/design/service_data.md.
 """
 
 from __future__ import annotations
@@ -31,8 +22,8 @@ from replay_format.trajectory import NO_TURN, TrajectoryInfo
 from replay_format.weight_versions import UNKNOWN, RecomputeRule, WeightVersions
 from replay_service.errors import Conflict, InvalidInput
 from replay_service.store import RouteStore
-from replay_service.store.reads import RouteRows
-from replay_service.store.summaries import RequestRecord
+from replay_service.store.requests.rows import RouteRows
+from replay_service.store.requests.summaries import RequestRecord
 
 
 @dataclass

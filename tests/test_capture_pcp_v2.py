@@ -5,8 +5,8 @@ one gloo world per case (`tests/support/gloo_fork.py`). Every rank builds vLLM 0
 cpu) and its own `InputBuffers`, and runs three scheduler steps through the plugin's V2 hooks
 (`runner_v2.patch_v2_runner`) on vLLM's `GPUModelRunner` class, whose four hooked methods are first replaced by
 stand-ins doing what vLLM's do around the hook points: `prepare_inputs` builds the step's global `InputBatch` and
-hands it to the manager's real `partition_batch` (`model_runner.py:1662`), which returns this rank's batch;
-`execute_model` runs the MoE layers on that batch in vLLM's forward context (`is_padding` as
+hands it to the manager's real `partition_batch` (`vllm/v1/worker/gpu/model_runner.py:1662`), which returns this
+rank's batch; `execute_model` runs the MoE layers on that batch in vLLM's forward context (`is_padding` as
 `model_runner.py:2146` sets it), each layer gathering its (token id, position) rows over the PCP gloo group as
 `MoERunner._maybe_dispatch` does (`dist.all_gather`, rank-major; not with all2all kernels), then routing them with
 a deterministic router of token id, position and layer that marks padding rows -1 as vLLM's routers do
@@ -162,7 +162,8 @@ def _padding_mask_reader():
 
     try:
         from vllm.model_executor.layers.fused_moe.router.base_router import get_moe_padding_mask
-    except ImportError:  # vLLM 0.33 has no shared helper: its routers read the mask so (0.33 deep_gemm_mega_moe.py:757)
+    except ImportError:  # vLLM 0.33 has no shared helper: its routers read the mask so
+        # (0.33: vllm/model_executor/layers/fused_moe/deep_gemm_mega_moe.py:757)
         def get_moe_padding_mask(num_tokens: int):
             return get_forward_context().is_padding[:num_tokens]
     return get_moe_padding_mask
@@ -268,7 +269,7 @@ class _Rank:
             choice.recorder, par, ordinals, frame=StepFrameBuffer(shape), graph=choice.graph,
             handoff=KeptHandoff() if par.sends else None, pcp_masks=pcp_padding_mask(par),
             moe_ordinal_by_runner={id(moe): moe.layer_id for moe in self.layers})
-        for moe in self.layers:  # the router's capture_fn (binder.py chains the plugin's on_topk into it)
+        for moe in self.layers:  # the router's capture_fn (capture/vllm/worker/binder.py chains on_topk into it)
             moe.capture_fn = lambda ids, moe=moe: hooks.on_topk(moe, ids)
         closes = choice.recorder.end_step_into
 

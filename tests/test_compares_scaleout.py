@@ -1,4 +1,5 @@
-"""Stored comparisons with replicas (compares.py): on PostgreSQL + a bucket any replica reads what another stored.
+"""Stored comparisons with replicas (replay_service/store/tables/compares.py): on PostgreSQL + a bucket any replica
+reads what another stored.
 
 Before, the mismatch file stayed in the storing replica's `<data>/compares/` while its index row was shared, so
 another replica named the comparison in its list and then failed to read it. Two real replicas (separate data

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from replay_service.settings import ServiceSettings
-from replay_service.store import segment_store
+from replay_service.store.segments import places as segment_store
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())

@@ -13,10 +13,10 @@ from replay_format import RunShape
 from replay_format.rows import RowsMeta, build_rows
 from replay_format.segment import SegmentCompression, SegmentMeta
 from replay_service.buffers import BufferPool
-from replay_service.ingest.segment import write_segment
 from replay_service.settings import ServiceSettings
-from replay_service.store.files import SegmentCache, heap_bytes
-from replay_service.store.integrity import open_segment, seal, segment_crc
+from replay_service.store.segments.cache import SegmentCache, heap_bytes
+from replay_service.store.segments.integrity import open_segment, seal, segment_crc
+from replay_service.store.segments.write import write_segment
 
 SHAPES = {
     "uint8 top-8 x48": RunShape(num_moe_layers=48, top_k=8, num_experts=128),

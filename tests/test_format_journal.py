@@ -35,7 +35,8 @@ def test_every_event_reads_back_as_written_with_its_version():
 
 
 def test_lines_written_before_versions_read_as_1_0():
-    """The service's lines as it wrote them before this format had a version (store/journal.py, 2026-12-03)."""
+    """The service's lines as it wrote them before this format had a version (store/lifecycle/journal.py,
+    2026-12-03)."""
     old = (b'{"t":5,"event":"run","created_at":1700000000.5}\n'
            b'{"t":6,"event":"end","request_id":"a","num_tokens":16,"status":"finished"}\n'
            b'{"t":7,"event":"references","references":[["c",0,4,"a"]]}\n')

@@ -65,7 +65,11 @@ def test_the_checkout_keeps_every_contract():
      "service-not-client", "replay_service.errors -> replay_client"),
     ("capture.vllm.engine_core.scheduler", "import capture.vllm.worker",
      "engine-core-not-worker", "capture.vllm.engine_core.scheduler -> capture.vllm.worker"),
-], ids=["service-imports-client", "engine-core-imports-worker"])
+    ("replay_service.store.runs", "from replay_service.ingest.result import IngestResult",
+     "store-not-ingest", "replay_service.store.runs -> replay_service.ingest.result"),
+    ("replay_service.store.segments.places", "from replay_service.store.segments.write import write_segment",
+     "segment-file-floors", "replay_service.store.segments.places -> replay_service.store.segments.write"),
+], ids=["service-imports-client", "engine-core-imports-worker", "store-imports-ingest", "segment-places-import-writer"])
 def test_a_planted_import_breaks_its_contract(tree, module, line, contract, chain):
     before = broken(lint(tree)[1])  # the checkout's own state (empty once every contract holds)
     plant(tree, module, line)

@@ -1,4 +1,4 @@
-"""The PostgreSQL index (store/index_backends/postgres.py) where only it can be shown: replicas sharing one database.
+"""The PostgreSQL index (store/index/backends/postgres.py) where only it can be shown: replicas sharing one database.
 
 A real server (tests/support/postgres.py: initdb + pg_ctl on loopback, as `nobody` when run as root). The
 contract suite runs on it too: `REPLAY_TEST_INDEX=postgresql pytest tests/<files>` gives the
@@ -22,6 +22,7 @@ from replay_format.rows import Rows, RowsMeta
 from replay_service.app import open_store
 from replay_service.checks.check import check
 from replay_service.errors import IndexTooNew, IndexUnreachable, RunDeleted
+from replay_service.ingest.pipeline import IngestPipeline
 from replay_service.settings import ServiceSettings
 from replay_service.store.index import SCHEMA_VERSION, Index
 from tests.support.data import batch_bytes, many_routes
@@ -115,7 +116,7 @@ def test_a_password_is_not_repeated_in_the_refusal():
 def test_pooled_sessions_ask_the_server_to_notice_a_lost_replica(postgres):
     """Each pooled session carries the server-side liveness settings (SERVER_LIVENESS; shown end to end by
     test_replicas.py's cut mid-commit), except where the URL's `options` set one: the operator's value wins."""
-    from replay_service.store.index_backends.postgres import SERVER_LIVENESS, PostgresBackend
+    from replay_service.store.index.backends.postgres import SERVER_LIVENESS, PostgresBackend
 
     def settings(url: str) -> dict[str, str]:
         backend = PostgresBackend(url)
@@ -296,6 +297,7 @@ def test_a_batch_in_flight_when_another_replica_deletes_its_run(tmp_path, postgr
     (RunDeleted), nothing kept; the next batch of that id on the same replica starts a fresh run."""
     a, b = (open_store(ServiceSettings(data_dir=tmp_path / "data", fsync=False, index_url=postgres_url))
             for _ in range(2))  # two replicas on one index and one directory
+    pipeline = IngestPipeline.over(b)  # B's
     try:
         rng = np.random.default_rng(4)
 
@@ -304,20 +306,21 @@ def test_a_batch_in_flight_when_another_replica_deletes_its_run(tmp_path, postgr
                         np.arange(first, first + 8, dtype=np.int32), np.arange(8, dtype=np.int32),
                         experts.reshape(8, -1), np.zeros(8, np.uint16))
 
-        b.ingest(rows(0, 0, many_routes(rng, 8, SMALL)))
+        pipeline.ingest(rows(0, 0, many_routes(rng, 8, SMALL)))
         late = rows(1, 8, many_routes(rng, 8, SMALL))
         state = b.registry.for_batch(late.meta)  # B's pipeline, up to the commit
-        segment = b.pipeline.segments.write(check(late, state.shape))
+        segment = pipeline.segments.write(check(late, state.shape))
         a.delete_run("race")  # another replica
         with pytest.raises(RunDeleted, match="deleted while this batch was"):  # its folder went, or its run row
-            b.pipeline.committer.commit(segment, state)
+            pipeline.committer.commit(segment, state)
         assert not b.has_run("race")
         fresh = many_routes(rng, 8, SMALL)
-        assert b.ingest(rows(1, 0, fresh)).stored
+        assert pipeline.ingest(rows(1, 0, fresh)).stored
         assert a.read_route("race", "r").experts.tobytes() == b.read_route("race", "r").experts.tobytes()
         assert b.read_route("race", "r").experts.tobytes() == fresh.reshape(8, -1).tobytes()
         assert a.run_summary("race").rows == 8
     finally:
+        pipeline.close()
         a.close()
         b.close()
 
@@ -328,7 +331,7 @@ def test_once_the_index_is_found_gone_calls_ask_the_server_instead_of_waiting_on
     IndexUnreachable at once; once the server is back the first call goes on at once on a fresh pool. Before, every
     call of the outage waited out the pool's wait, and so did the first call after it (the pool backing off).
     The later waits are an hour here: a call that waits on the pool does not answer within the test."""
-    from replay_service.store.index_backends import postgres
+    from replay_service.store.index.backends import postgres
     from tests.support.postgres import Cluster
 
     def answer(call):  # what `call` answers or raises, or "no answer" while it still waits (a daemon thread)

@@ -30,11 +30,11 @@ from replay_format.segment import (
     SegmentMeta,
 )
 from replay_service.errors import DamagedSegment
-from replay_service.ingest.segment import object_image, segment_image
-from replay_service.store.files import SegmentCache
-from replay_service.store.integrity import open_segment, seal
-from replay_service.store.ranges import SERVED, TAIL_BYTES, buffer_offsets, ranged_metadata
-from replay_service.store.segment_store import S3Segments
+from replay_service.store.segments.cache import SegmentCache
+from replay_service.store.segments.integrity import open_segment, seal
+from replay_service.store.segments.places import S3Segments
+from replay_service.store.segments.ranges import SERVED, TAIL_BYTES, buffer_offsets, ranged_metadata
+from replay_service.store.segments.write import object_image, segment_image
 from tests.support.data import batch_bytes, routes
 from tests.support.s3 import MotoS3
 from tests.support.service import ServiceProcess

@@ -22,6 +22,7 @@ from replay_format.trainer_query import SequenceRef
 from replay_format.weight_versions import INDEX_TYPE, MAX_LABELS, UNKNOWN, RecomputeRule, WeightVersions
 from replay_service.api.encode import npy_header, npy_parts
 from replay_service.app import open_store
+from replay_service.ingest.pipeline import IngestPipeline
 from replay_service.settings import ServiceSettings
 from replay_service.trainer.reads import micro_batch_runs, stored_sequences
 from replay_service.trajectory import read_trajectory
@@ -39,9 +40,10 @@ def _versioned_rows(n: int) -> Rows:
 
 def test_reads_do_not_look_up_version_spans(tmp_path, monkeypatch):
     store = open_store(ServiceSettings(data_dir=tmp_path / "data", fsync=False))
+    pipeline = IngestPipeline.over(store)
     try:
         rows = _versioned_rows(40)
-        store.ingest(rows)
+        pipeline.ingest(rows)
         store.finish("costs", "a", 41, "finished")
         summary = store.request_summary("costs", "a").to_json()
         assert summary["weight_versions"] == [{"version": "v1", "start": 0, "end": 20},
@@ -115,9 +117,10 @@ def test_each_read_takes_its_run_once(tmp_path, monkeypatch):
     from replay_service.trainer.reads import read_slice
 
     store = open_store(ServiceSettings(data_dir=tmp_path / "data", fsync=False))
+    pipeline = IngestPipeline.over(store)
     try:
         rows = _versioned_rows(40)
-        store.ingest(rows)
+        pipeline.ingest(rows)
         store.finish("costs", "a", 41, "finished")
         looked_up: list[str] = []
         get = store.registry.get

@@ -1,4 +1,4 @@
-"""Hot route reads on the event loop (store/on_loop.py) and the SQLite index's reader connections.
+"""Hot route reads on the event loop (placement/on_loop.py) and the SQLite index's reader connections.
 
 - A query of a thread without a transaction runs on a read-only connection: it does not wait for another
   thread's open transaction (a group commit's fsync, another worker's write lock), sees only committed rows, and
@@ -25,9 +25,10 @@ from replay_client.client import ReplayClient
 from replay_format import ARROW_STREAM_MEDIA_TYPE
 from replay_service.app import open_store
 from replay_service.ingest.decode import decode_batch
+from replay_service.ingest.pipeline import IngestPipeline
+from replay_service.placement import on_loop
 from replay_service.settings import ServiceSettings
-from replay_service.store import on_loop
-from replay_service.store.index_backends.sqlite import SqliteBackend
+from replay_service.store.index.backends.sqlite import SqliteBackend
 from tests.support.data import batch_bytes, routes
 from tests.support.service import ServiceProcess
 
@@ -90,10 +91,11 @@ def stored(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
     rng = np.random.default_rng(3)
     sent = {rid: routes(rng, rows) for rid, rows in LENGTHS.items()}
     store = open_store(ServiceSettings(data_dir=data, fsync=False))
+    pipeline = IngestPipeline.over(store)
     try:
         for seq, (rid, ids) in enumerate(sent.items()):
             body = batch_bytes(RUN, "w", seq, [rid] * len(ids), np.arange(len(ids)), ids)
-            store.ingest(decode_batch(ARROW_STREAM_MEDIA_TYPE, body))
+            pipeline.ingest(decode_batch(ARROW_STREAM_MEDIA_TYPE, body))
     finally:
         store.close()
     return data, sent

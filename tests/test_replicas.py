@@ -324,7 +324,7 @@ def test_three_replicas_survive_a_kill_and_a_network_cut(tmp_path):
 
 HOLDER = """
 import sys
-from replay_service.store.index_backends.postgres import PostgresBackend
+from replay_service.store.index.backends.postgres import PostgresBackend
 tx = PostgresBackend(sys.argv[1]).begin()
 tx.lock_runs([sys.argv[2]])  # as a commit leader does, before its batches' rows
 print("locked", flush=True)
@@ -333,7 +333,8 @@ sys.stdin.read()  # alive and idle in its transaction until the test closes stdi
 
 
 def test_a_replica_cut_off_mid_commit_does_not_hold_its_runs_lock(tmp_path):
-    """A replica cut off the network while its transaction holds a run's lock (commit.py: lock_runs, then the
+    """A replica cut off the network while its transaction holds a run's lock (replay_service/ingest/commit.py:
+    lock_runs, then the
     batches' rows) must not stall every other replica's commits of that run for as long as its session lives at the
     server: the server ends that session well inside the cut. Before SERVER_LIVENESS the session stayed idle in
     transaction with the lock for the whole cut (in a real network, until the server's 2-hour keepalive)."""

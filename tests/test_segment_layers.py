@@ -33,10 +33,10 @@ from replay_format.segment import (
 )
 from replay_service.buffers import BufferPool
 from replay_service.errors import DamagedSegment
-from replay_service.ingest.segment import object_image, write_segment
-from replay_service.store.files import SegmentCache
-from replay_service.store.integrity import open_segment, seal
-from replay_service.store.segment_store import S3Segments
+from replay_service.store.segments.cache import SegmentCache
+from replay_service.store.segments.integrity import open_segment, seal
+from replay_service.store.segments.places import S3Segments
+from replay_service.store.segments.write import object_image, write_segment
 from tests.support.data import skewed_routes
 from tests.support.service import ServiceProcess
 from tests.test_service_compression import SHAPE, check_reads, reindex_from_segments, run_cli, store_sent

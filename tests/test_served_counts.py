@@ -14,6 +14,7 @@ from replay_format.rows import Rows, RowsMeta
 from replay_service.app import open_store
 from replay_service.checks.check import check
 from replay_service.ingest.commit import served_counts
+from replay_service.ingest.pipeline import IngestPipeline
 from replay_service.settings import ServiceSettings
 from replay_service.store.index import RequestCounts
 from tests.support.data import many_routes
@@ -80,12 +81,13 @@ def test_a_stored_batch_counts_as_its_rows_say(tmp_path):
     """Through the store: each request's summary counts the batch's served rows and flags; a resend counts nothing
     more; a batch whose positions are held already (the spans found by one query) shadows them."""
     store = open_store(ServiceSettings(data_dir=tmp_path / "data", fsync=False))
+    pipeline = IngestPipeline.over(store)
     try:
         rng = np.random.default_rng(5)
         rows = _rows(rng)
         checked = check(rows, SHAPE)
-        store.ingest(rows)
-        store.ingest(rows)  # a retry: a duplicate, nothing counted twice
+        pipeline.ingest(rows)
+        pipeline.ingest(rows)  # a retry: a duplicate, nothing counted twice
         expected = {c.request_id: c for c in served_counts(checked, checked.shadowed, checked.request_spans())}
         for request_id, want in expected.items():
             got = store.index.request("counts", request_id)
@@ -94,7 +96,7 @@ def test_a_stored_batch_counts_as_its_rows_say(tmp_path):
             assert got["n_zero"] == want.counts.get(Flag.ZERO, 0) and got["n_stale"] == want.counts.get(Flag.STALE, 0)
             assert got["unclean"] == want.unclean and got["flag_bits"] == want.flag_bits
         resent = _rows(np.random.default_rng(5), seq=1)  # the same rows under a new seq: every position held
-        store.ingest(resent)
+        pipeline.ingest(resent)
         again = {r: store.index.request("counts", r)["rows"] for r in expected}
         assert again == {r: c.rows for r, c in expected.items()}
     finally:

@@ -10,7 +10,7 @@ import numpy as np
 
 import capture.sender.spill
 import replay_format.durable
-import replay_service.store.durable
+import replay_service.store.segments.durable
 from capture.vllm.sink import spill_root
 from replay_client.client import ReplayClient, ReplayError
 from replay_format import ARROW_STREAM_MEDIA_TYPE
@@ -125,9 +125,9 @@ def test_one_folder_fsync_on_both_sides(tmp_path, monkeypatch):
     """A store file is fsynced, renamed into place, then its folder fsynced by `replay_format.durable.fsync_dir`: the
     one helper, which the capture sender's spill and its adoption of a stopped writer's items call too."""
     synced = record_fsyncs(monkeypatch)
-    replay_service.store.durable.write_file(tmp_path / "runs" / "r" / "x.arrow", b"bytes")
+    replay_service.store.segments.durable.write_file(tmp_path / "runs" / "r" / "x.arrow", b"bytes")
     assert synced == ["file", str(tmp_path / "runs" / "r")]
     assert [p.name for p in (tmp_path / "runs" / "r").iterdir()] == ["x.arrow"]  # no .tmp left
     helper = replay_format.durable.fsync_dir
-    assert replay_service.store.durable.fsync_dir is helper
+    assert replay_service.store.segments.durable.fsync_dir is helper
     assert capture.sender.spill.fsync_dir is helper and spill_root.fsync_dir is helper

@@ -19,9 +19,10 @@ from replay_format import ARROW_STREAM_MEDIA_TYPE
 from replay_format.rows import Rows, RowsMeta
 from replay_service.app import open_store
 from replay_service.errors import Conflict, Forbidden, RunDeleted
+from replay_service.ingest.pipeline import IngestPipeline
+from replay_service.ingest.result import IngestOutcome
 from replay_service.ownership import Actor, acting
 from replay_service.settings import ServiceSettings
-from replay_service.store.ingest_stage import IngestOutcome
 from tests.support.data import QWEN3_SHAPE, batch_bytes, many_routes, routes
 from tests.support.service import ServiceProcess
 
@@ -45,24 +46,25 @@ def _until(condition: Callable[[], bool], what: str) -> None:
 
 def test_one_group_keeps_its_good_batches_and_answers_each_failure_to_its_batch(tmp_path):
     store = open_store(ServiceSettings(data_dir=tmp_path / "data", fsync=True))  # fsync: folders synced per group
+    pipeline = IngestPipeline.over(store)
     rng = np.random.default_rng(7)
     owner_a, owner_b = Actor("writer-a", admin=False), Actor("writer-b", admin=False)
     sent = {name: routes(rng, 16) for name in ("first", "owned", "lead", "g1", "g2", "c1", "c2", "late", "gone")}
     token = acting.set(owner_a)
     try:
-        store.ingest(_rows("run", "wa", 0, "owned", sent["owned"]))  # writer-a owns request "owned"
+        pipeline.ingest(_rows("run", "wa", 0, "owned", sent["owned"]))  # writer-a owns request "owned"
     finally:
         acting.reset(token)
-    store.ingest(_rows("run", "w", 0, "first", sent["first"]))
-    store.ingest(_rows("gone", "w", 0, "first", sent["first"]))
-    committer = store.pipeline.committer
+    pipeline.ingest(_rows("run", "w", 0, "first", sent["first"]))
+    pipeline.ingest(_rows("gone", "w", 0, "first", sent["first"]))
+    committer = pipeline.committer
     answers: dict[str, object] = {}
 
     def send(name: str, rows: Rows, actor: Actor | None = None) -> threading.Thread:
         def go() -> None:
             acting.set(actor)  # this thread's context: the batch's writer
             try:
-                answers[name] = store.ingest(rows).outcome
+                answers[name] = pipeline.ingest(rows).outcome
             except Exception as exc:  # the answer to this batch
                 answers[name] = exc
         thread = threading.Thread(target=go)

@@ -22,6 +22,7 @@ from replay_format import ARROW_STREAM_MEDIA_TYPE, NPY_MEDIA_TYPE, RunShape
 from replay_format.rows import RowsMeta, build_rows, encode_stream, read_rows, read_stream
 from replay_service.api.models import RouteJson
 from replay_service.app import open_store
+from replay_service.ingest.pipeline import IngestPipeline
 from replay_service.settings import ServiceSettings
 from tests.support.data import routes
 from tests.support.formats import with_metadata
@@ -194,7 +195,7 @@ def test_an_index_without_num_hidden_layers_reads_it_as_derived(tmp_path):
     shape = RunShape(2, 2, 16, (2, 5), 9)
     ex = routes(np.random.default_rng(6), 3, shape)
     table, md = read_stream(encode_stream(build_rows(RowsMeta("old", "w", 0, shape), ["a"] * 3, np.arange(3), ex)))
-    store.ingest(read_rows(table, RowsMeta.from_metadata(md)))
+    IngestPipeline.over(store).ingest(read_rows(table, RowsMeta.from_metadata(md)))
     assert store.run_summary("old").shape.num_hidden_layers == 9
     store.close()
     with sqlite3.connect(data / "index.sqlite") as conn:  # as the previous release left it

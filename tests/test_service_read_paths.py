@@ -22,6 +22,7 @@ from replay_format.route import read_routes
 from replay_format.rows import Rows, RowsMeta
 from replay_service.api import encode
 from replay_service.app import open_store
+from replay_service.ingest.pipeline import IngestPipeline
 from replay_service.ops.connections import PROTOCOL, BoundedH11Protocol, BoundedHttpToolsProtocol
 from replay_service.settings import ServiceSettings
 from tests.support.data import QWEN3_SHAPE, routes, store_requests
@@ -116,11 +117,12 @@ def test_the_trainer_slice_has_a_length_and_every_byte(stored):
 @pytest.mark.parametrize("axis", list(LayerAxis))
 def test_a_batch_past_the_held_bound_streams_the_same_bytes(tmp_path, monkeypatch, axis):
     store = open_store(ServiceSettings(data_dir=tmp_path / "data", fsync=False))
+    pipeline = IngestPipeline.over(store)
     try:
         rng = np.random.default_rng(3)
         ids = routes(rng, 40)
         positions = np.concatenate([np.arange(25), np.arange(15)]).astype(np.int32)
-        store.ingest(Rows(RowsMeta(RUN, "w", 0, QWEN3_SHAPE), ["x", "y"], np.array([0] * 25 + [1] * 15, np.int32),
+        pipeline.ingest(Rows(RowsMeta(RUN, "w", 0, QWEN3_SHAPE), ["x", "y"], np.array([0] * 25 + [1] * 15, np.int32),
                           positions, np.zeros(40, np.int32), ids.reshape(40, -1), np.zeros(40, np.uint16)))
         store.finish(RUN, "x", 26, "finished")
         store.finish(RUN, "y", 20, "finished")  # 4 GAP rows at its end
@@ -143,11 +145,12 @@ def test_a_batch_past_the_held_bound_streams_the_same_bytes(tmp_path, monkeypatc
 def test_rows_without_token_ids_read_back_as_no_token(tmp_path):
     # the store's and the client's fast path for a column of nulls only (a writer that sends no token ids)
     store = open_store(ServiceSettings(data_dir=tmp_path / "data", fsync=False))
+    pipeline = IngestPipeline.over(store)
     try:
         ids = routes(np.random.default_rng(4), 6)
         tokens = np.array([5, -1, 7, 8, -1, 9], np.int32)
         for seq, (name, sent) in enumerate((("none", np.full(6, -1, np.int32)), ("some", tokens))):
-            store.ingest(Rows(RowsMeta(RUN, "w", seq, QWEN3_SHAPE), [name], np.zeros(6, np.int32),
+            pipeline.ingest(Rows(RowsMeta(RUN, "w", seq, QWEN3_SHAPE), [name], np.zeros(6, np.int32),
                               np.arange(6, dtype=np.int32), sent, ids.reshape(6, -1), np.zeros(6, np.uint16)))
             route = store.read_route(RUN, name, 0, 6)
             assert route.token_ids.dtype == np.int32 and route.token_ids.tolist() == sent.tolist()

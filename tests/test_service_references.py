@@ -3,7 +3,7 @@ request stored there, in either arrival order, under retries and kill -9, and st
 
 A reference (`POST /v1/runs/{run}/references`) says "request R's positions [start, end) are the rows
 request S stored at the same positions" (vLLM served them from S's KV blocks). The service mirrors
-S's rows into R's spans (replay_service/store/references.py): no row is copied.
+S's rows into R's spans (replay_service/store/requests/references.py): no row is copied.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from replay_format import Flag, RunShape
 from replay_format.request_notes import Reference
 from replay_format.rows import Rows, RowsMeta
 from replay_service.app import open_store
+from replay_service.ingest.pipeline import IngestPipeline
 from replay_service.settings import ServiceSettings
 from replay_service.store.index import SCHEMA_VERSION
 from tests.support.data import batch_bytes, routes
@@ -353,6 +354,7 @@ def test_too_many_references_unknown_runs_and_bad_run_ids(url):
 def test_an_index_of_schema_2_is_migrated_keeping_which_row_is_served(tmp_path):
     data = tmp_path / "data"
     store = open_store(ServiceSettings(data_dir=data, fsync=False))
+    pipeline = IngestPipeline.over(store)
     rng = np.random.default_rng(17)
     first, second = routes(rng, 4, SHAPE), routes(rng, 4, SHAPE)
 
@@ -360,8 +362,8 @@ def test_an_index_of_schema_2_is_migrated_keeping_which_row_is_served(tmp_path):
         return Rows(RowsMeta("old", "w", seq, SHAPE), [request], np.zeros(4, np.int32), np.arange(4, dtype=np.int32),
                     np.arange(4, dtype=np.int32), experts.reshape(4, -1), np.zeros(4, np.uint16))
 
-    store.ingest(rows(0, "a", first))
-    store.ingest(rows(1, "a", second))  # a later, differing copy: CONFLICT, never served
+    pipeline.ingest(rows(0, "a", first))
+    pipeline.ingest(rows(1, "a", second))  # a later, differing copy: CONFLICT, never served
     store.close()
     # As the previous release left it; spans in reverse rowid order, so only segment order says which came first.
     with sqlite3.connect(data / "index.sqlite") as conn:

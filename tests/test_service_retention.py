@@ -159,14 +159,16 @@ def test_a_read_that_named_a_deleted_segment_is_a_404_even_after_its_run_is_crea
     it, so RunDeleted (404). A segment the index still names and whose file is gone stays damage."""
     from replay_service.app import open_store
     from replay_service.errors import DamagedSegment, RunDeleted
+    from replay_service.ingest.pipeline import IngestPipeline
     from replay_service.settings import ServiceSettings
 
     store = open_store(ServiceSettings(data_dir=tmp_path / "data"))
+    pipeline = IngestPipeline.over(store)
     try:
         def ingest(seq: int) -> None:
             body = batch_bytes("again", "w", seq, ["x"] * 4, np.arange(4, dtype=np.int32),
                                routes(np.random.default_rng(seq), 4, SHAPE).reshape(4, -1), shape=SHAPE)
-            store.ingest(decode_batch("", body))
+            pipeline.ingest(decode_batch("", body))
 
         ingest(0)
         (old,) = store.index.indexed_paths()
@@ -218,16 +220,18 @@ def test_a_read_whose_run_was_deleted_and_created_again_under_it_is_a_404_not_ga
     the run it took before the row."""
     from replay_service.app import open_store
     from replay_service.errors import RunDeleted
+    from replay_service.ingest.pipeline import IngestPipeline
     from replay_service.settings import ServiceSettings
 
     store = open_store(ServiceSettings(data_dir=tmp_path / "data", fsync=False))
+    pipeline = IngestPipeline.over(store)
     try:
         def ingest(seq: int, request: str) -> None:
             ids = routes(np.random.default_rng(seq), 4, SHAPE).reshape(4, -1)
             ids[1, 1] = ids[1, 0]  # a DUPLICATE row
             ids[2, 0] = SHAPE.num_experts  # an OUT_OF_RANGE row
             body = batch_bytes("again", "w", seq, [request] * 4, np.arange(4, dtype=np.int32), ids, shape=SHAPE)
-            store.ingest(decode_batch("", body))
+            pipeline.ingest(decode_batch("", body))
 
         ingest(0, "r")
         store.finish("again", "r", 5, "finished")

@@ -17,10 +17,10 @@ from replay_service.errors import IndexNeedsRebuild
 from replay_service.ops.reindex import reindex
 from replay_service.ops.verify import verify_store
 from replay_service.settings import ServiceSettings
-from replay_service.store.files import SegmentCache
 from replay_service.store.index import Index
-from replay_service.store.retention import collect_orphans
-from replay_service.store.segment_store import S3Segments, open_segment_store
+from replay_service.store.lifecycle.retention import collect_orphans
+from replay_service.store.segments.cache import SegmentCache
+from replay_service.store.segments.places import S3Segments, open_segment_store
 from tests.support.data import two_halves
 from tests.support.s3 import MotoS3
 from tests.support.service import ServiceProcess, free_port

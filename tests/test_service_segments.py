@@ -12,7 +12,7 @@ import pytest
 from replay_format import RunShape
 from replay_format.rows import RowsMeta, build_rows
 from replay_service.buffers import BufferPool
-from replay_service.ingest import segment as files
+from replay_service.store.segments import write as files
 
 SHAPE = RunShape(num_moe_layers=48, top_k=8, num_experts=128)
 

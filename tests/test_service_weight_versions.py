@@ -31,9 +31,9 @@ from replay_format.rows import RowsMeta, build_rows, encode_stream
 from replay_format.segment import WEIGHT_VERSIONS_KEY, SegmentMeta, segment_versions
 from replay_format.weight_versions import WeightVersions
 from replay_service.errors import DamagedSegment
-from replay_service.ingest.segment import object_image
-from replay_service.store.integrity import seal
-from replay_service.store.ranges import BufferOffsets, read_rows
+from replay_service.store.segments.integrity import seal
+from replay_service.store.segments.ranges import BufferOffsets, read_rows
+from replay_service.store.segments.write import object_image
 from tests.support.data import QWEN3_SHAPE, routes
 from tests.support.service import ServiceProcess, calls
 
@@ -330,8 +330,8 @@ def test_bad_labels_in_a_batch_and_in_a_read_are_4xx_naming_them(shared_service)
 
 
 def test_ranged_reads_check_and_serve_the_versions(tmp_path):
-    """A bucket segment's blocks are read by byte ranges (store/ranges.py): the versions come from the footer and
-    are checked by the block CRCs, so a label changed in the footer is refused, not served."""
+    """A bucket segment's blocks are read by byte ranges (store/segments/ranges.py): the versions come from the footer
+    and are checked by the block CRCs, so a label changed in the footer is refused, not served."""
     n = 9000  # three blocks
     ex = routes(np.random.default_rng(23012), n, SMALL).reshape(n, -1)
     labels = ["v1"] * 5000 + [None] * 1000 + ["v2"] * 3000

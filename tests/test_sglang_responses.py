@@ -72,7 +72,7 @@ def generate_item(rid: str, prompt: list[int], output: list[int], model_route: n
     meta: dict = {"id": rid, "finish_reason": {"type": "length", "length": len(output)}, "prompt_tokens": len(prompt),
                   "weight_version": current, "num_retractions": 0, "reasoning_tokens": 0,
                   "completion_tokens": len(output), "cached_tokens": 0}
-    if events is not None:  # a finished request always has spans (output_streamer.py:541-548)
+    if events is not None:  # a finished request has spans (managers/scheduler_components/output_streamer.py:541-548)
         spans = version_spans(events, current, len(output))
         meta["weight_versions"], meta["weight_version"] = spans, spans[-1]["version"]
     seqlen = len(prompt) + len(output)

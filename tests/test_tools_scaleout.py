@@ -28,11 +28,12 @@ from replay_client.client import ReplayClient
 from replay_format.rows import Rows, RowsMeta
 from replay_service.app import open_store
 from replay_service.errors import IndexNeedsRebuild
+from replay_service.ingest.pipeline import IngestPipeline
 from replay_service.ops import cli
 from replay_service.settings import ServiceSettings
-from replay_service.store.files import QUARANTINE_DIR
-from replay_service.store.journal import JOURNAL_DIR, JOURNAL_NAME
-from replay_service.store.segment_store import S3Segments
+from replay_service.store.lifecycle.journal import JOURNAL_DIR, JOURNAL_NAME
+from replay_service.store.segments.cache import QUARANTINE_DIR
+from replay_service.store.segments.places import S3Segments
 from tests.support.data import QWEN3_SHAPE, batch_bytes, routes, two_halves
 from tests.support.service import ServiceProcess, calls
 
@@ -233,9 +234,11 @@ def test_a_shared_data_directory_is_swept_past_the_grace_only(postgres, tmp_path
     data = tmp_path / "data"
     settings = ServiceSettings(data_dir=data, index_url=postgres.new_database())
     first = open_store(settings)
+    pipeline = IngestPipeline.over(first)
     experts = routes(np.random.default_rng(4), 8)
-    first.ingest(Rows(RowsMeta(RUN, "w", 0, QWEN3_SHAPE), ["r"], np.zeros(8, np.int32), np.arange(8, dtype=np.int32),
+    pipeline.ingest(Rows(RowsMeta(RUN, "w", 0, QWEN3_SHAPE), ["r"], np.zeros(8, np.int32), np.arange(8, dtype=np.int32),
                       np.arange(8, dtype=np.int32), experts.reshape(8, -1), np.zeros(8, np.uint16)))
+    pipeline.close()
     first.close()
     folder = data / "runs" / RUN
     written, unfinished = folder / f"{'b' * 32}.arrow", folder / f"{'c' * 32}.arrow.tmp"

@@ -2,7 +2,7 @@
 
 miles does not install here; `fill_replay_data` (miles/backends/training_utils/replay_data.py) is
 restated in `tests/support/trainers.py` (`miles_rank_rows`, line by line). It is slime's packing with
--1 padding rows (replayed as experts 0..K-1 by `replay_base.py`); `register_replay_list_moe`
+-1 padding rows (replayed as experts 0..K-1 by `miles/utils/replay_base.py`); `register_replay_list_moe`
 (megatron_utils/replay_utils.py) reads `replay_data[:, layer_id]` by model layer, so the rows carry
 every model layer: `layer_axis="model"`.
 """

@@ -239,9 +239,9 @@ def test_check_config_names_every_setting_that_defeats_replay_and_its_fix():
 
 def test_the_fused_router_never_consults_router_replay(monkeypatch):
     """megatron-core 0.16.1's `topk_routing_with_score_function(fused=True)` returns TE's fused top-k
-    (moe_utils.py:652-666) before the replay hook. TE is not on this machine: its kernel is stood in for by
-    the unfused routing without replay (what the fused kernel computes). The replayed ids are ignored and
-    `get_replay_topk` is never called; check_model refuses the router."""
+    (megatron/core/transformer/moe/moe_utils.py:652-666) before the replay hook. TE is not on this machine: its
+    kernel is stood in for by the unfused routing without replay (what the fused kernel computes). The replayed
+    ids are ignored and `get_replay_topk` is never called; check_model refuses the router."""
     calls = []
     real_topk = moe_utils.topk_routing_with_score_function
 
@@ -430,7 +430,7 @@ def test_verl_r3_takes_t_or_t_minus_1_rows_and_leaves_each_last_token_native():
     """verl 0.9.1's own code: `align_r3_router_replay_data` keeps T rows, appends a zero row to T-1 rows and
     refuses any other count; `build_r3_replay_mask` replays every token but the last of each sequence with a
     response. (Before that, its agent loop copies min(rows, T) rows into a zero tensor of T rows,
-    agent_loop.py:129-141: longer routes are truncated there, shorter ones zero-filled.)"""
+    verl/experimental/agent_loop/agent_loop.py:129-141: longer routes are truncated there, shorter ones zero-filled.)"""
     utils = pytest.importorskip("verl.utils.megatron.router_replay_utils")
 
     def jagged(parts):

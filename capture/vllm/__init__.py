@@ -1,23 +1,13 @@
 """routing-replay vLLM plugin: capture MoE routing inside vLLM workers and stream it to the service.
 
-Entry point (pyproject.toml): `[project.entry-points."vllm.general_plugins"]
-routing_replay = "capture.vllm:register"`. vLLM calls `register()` in every process
-(front end, engine core, each worker). It does nothing unless `ROUTING_REPLAY_URL` is
-set (see `capture.vllm.config` for the variables). When active it checks every hook point
-by name and parameters (`capture.vllm.hook_points`; the version number decides nothing), patches the
-scheduler (`capture.vllm.engine_core`: finish/abort events) and the model runners this vLLM ships (V1 in
-0.32/0.33, V2 always: `capture.vllm.worker`), and each worker logs one line once its routers are bound. When the
-user turned on vLLM's own `enable_return_routed_experts`, the workers bind nothing and the
-engine core tees the rows vLLM's aux-output connector commits instead
-(`capture.vllm.engine_core.routed_experts_tee`; one log line says which path runs).
-Errors are raised, not logged: vLLM does not catch exceptions from a plugin's function,
-so a misconfigured or unsupported setup stops at startup instead of recording garbage.
+Entry point `capture.vllm:register` (`vllm.general_plugins` in pyproject.toml), which vLLM calls in every process
+(front end, engine core, each worker). It does nothing unless `ROUTING_REPLAY_URL` is set (`capture.vllm.config`);
+when active it checks every hook point by name and parameters (`capture.vllm.hook_points`), then patches what that
+process runs: the scheduler (`capture.vllm.engine_core`) and the model runners (`capture.vllm.worker`), or, with
+vLLM's own `enable_return_routed_experts` on, the engine core's tee of the rows vLLM commits. Errors are raised, not
+logged (vLLM does not catch a plugin's exceptions), so an unsupported setup stops at startup.
 
-By process: `config.py`, `log.py` and `hook_points.py` run in every vLLM process; `engine_core/` in
-the engine core; `worker/` in each worker; `sink/` in the sink process each sending
-worker (or the engine core's tee) starts (no torch, no vLLM), and its client (`sink/handoff.py`,
-`sink/launch.py`) in the process that starts it. Engine core and worker are siblings: neither imports
-the other; what the engine core tells the workers travels as `scheduler_notes.SchedulerNotes`.
+Design: docs/design/vllm_plugin.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """Plugin settings, read from the environment of every vLLM process (and the sink's token variable).
 
-| variable | meaning |
-|---|---|
-| `ROUTING_REPLAY_URL` | replay service base URL; unset = the plugin does nothing |
-| `ROUTING_REPLAY_RUN_ID` | run id routes are stored under (required when the URL is set) |
-| `ROUTING_REPLAY_TOKEN` | optional bearer token for the service |
-| `ROUTING_REPLAY_SPILL_DIR` | where unsent batches are spilled (default `./replay-spill/<run_id>`) |
-| `ROUTING_REPLAY_VERBOSE` | `1`: log one line per captured step |
-| `ROUTING_REPLAY_CAPTURE_MODE` | `auto` (default: `graph_safe` on CUDA, `eager` elsewhere), `eager`, `graph_safe` |
-| `ROUTING_REPLAY_PD_ROLE` | `auto` (default: a request is prefill-only when vLLM's P/D protocol says so), `prefill` |
+`ROUTING_REPLAY_URL` (the service's base URL; unset: the plugin does nothing), `ROUTING_REPLAY_RUN_ID` (the run
+routes are stored under; required with the URL), `ROUTING_REPLAY_TOKEN` (optional bearer token),
+`ROUTING_REPLAY_SPILL_DIR` (unsent batches; default `./replay-spill/<run_id>`), `ROUTING_REPLAY_VERBOSE` (`1`: a log
+line per captured step), `ROUTING_REPLAY_CAPTURE_MODE` (`auto`: `graph_safe` on CUDA, `eager` elsewhere; `eager`;
+`graph_safe`), `ROUTING_REPLAY_PD_ROLE` (`auto`: vLLM's P/D protocol says which requests are prefill-only;
+`prefill`: every request that ends on this engine is decoded on another). A wrong value raises `PluginConfigError`.
 
-`prefill`: every request that ends on this engine is decoded on another (P/D disaggregation with a KV connector
-that has no per-request protocol, e.g. ExampleConnector shared by two engines; `capture.vllm.kv_connectors`).
+Design: docs/design/vllm_plugin.md.
 """
 
 from __future__ import annotations
@@ -74,7 +70,7 @@ def _truthy(value: str | None) -> bool:
 
 @dataclass(frozen=True)
 class PluginConfig:
-    """The plugin's settings (the table above)."""
+    """The plugin's settings (the variables in the module docstring)."""
 
     url: str
     run_id: str

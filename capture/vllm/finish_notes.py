@@ -1,27 +1,13 @@
 """Finish notes not yet delivered to a worker, kept in a file: the engine core writes them, a sink reads them.
 
-Runs in two processes: the engine core (`FinishJournal`, from `engine_core/scheduler.py`) and the
-sink (`read_notes`, `live_writers`, from `sink/process.py`). No vLLM, numpy or network import.
+Runs in two processes: the engine core (`FinishJournal`, from `engine_core/scheduler.py`) and the sink
+(`read_notes`, `live_writers`, from `sink/process.py`). No vLLM, numpy or network import. File:
+`<spill root>/.finish-notes/<engine core pid>.jsonl`, a format header line, then one
+`{"id", "status": "finished" | "aborted", "num_tokens"}` per line; a note is written when the scheduler frees the
+request and leaves once the step that carried it has run. Rewritten in place, so a reader skips lines it cannot
+parse; a clean exit with nothing undelivered removes the file, and files of engine cores gone `STALE_S` are removed.
 
-Why: the engine core tells the workers how a request ended only with the NEXT `SchedulerOutput`
-(`engine_core/scheduler.py`). When vLLM stops, that next step may never reach a worker: a SIGINT or
-SIGTERM to the process group stops the worker at once (vLLM's worker handler raises `SystemExit`,
-`vllm/v1/executor/multiproc_executor.py:871-882`), the engine core aborts the requests still running
-after it has no worker left to tell (`vllm/v1/engine/core.py:1641-1650`), and the API server
-force-kills the engine core's process tree (`vllm/v1/utils.py:605-658`). So each engine core also
-keeps the notes its workers have not received in a journal file; a sink whose stream ends while it
-holds rows of requests without a finish reads the journals and finishes them from there.
-
-File: `<spill root>/.finish-notes/<engine core pid>.jsonl` (the spill root is
-`ROUTING_REPLAY_SPILL_DIR`, whose other subdirectories are the sinks'), one JSON object per line: first
-`{"format": "routing-replay.finish-notes", "format_version": "1.0"}` (a reader skips a file whose major
-version it does not know), then one note per line,
-`{"id": <engine-internal request id>, "status": "finished" | "aborted", "num_tokens": T}`. A note is
-written when the scheduler frees the request and leaves the file once the step that carried it has
-run (the workers executed it). The file is rewritten in place (new contents, then truncated to
-them), so a reader may see a stale or cut last line: it skips lines it cannot parse, and a stale
-note is one its sink has already had. An engine core that exits cleanly with nothing undelivered
-removes its file; files of engine cores gone for `STALE_S` are removed by the next engine core.
+Design: docs/design/vllm_plugin.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """Which vLLM KV connectors the capture works with, and which requests end on this engine to be decoded elsewhere.
 
 Read by the worker's start-up check (`worker/startup_checks.py`) and the engine core's scheduler patch
-(`engine_core/scheduler.py`); neither imports the other.
+(`engine_core/scheduler.py`); neither imports the other. `SUPPORT` maps each connector the capture knows to what it
+does with its KV (`OFFLOAD`: a loaded block is referenced to the request that computed it; `DISAGG`: prefill/decode
+disaggregation, both engines' rows spliced by the service; `REFUSED`, with the reason); `connector_problems` says why
+a configuration is refused at start-up (a refused connector, or one not named). `is_prefill_only`: a request that
+ends here to be decoded elsewhere (vLLM's `do_remote_decode`, `kv_role="kv_producer"`, or `PdRole.PREFILL`).
 
-A KV connector makes the engine use KV it did not compute in this request: a prefix loaded back from an
-offload tier, or a prompt prefilled by another engine. The router never runs for those positions here, so
-their rows must come from the computation that produced the KV:
-
-- **Offload** (a tier this engine writes and reads back): vLLM's scheduler reports every load the same way,
-  whatever the connector (`KVCacheManager.allocate_slots(..., num_external_computed_tokens)`), and names each
-  block by the hash chain of its tokens. The engine core keeps which request computed each block hash
-  (`engine_core/prefix_hits.py`), so a block that left device memory and came back still names its source: the
-  request is sent a reference, as for a prefix-cache hit. A block this engine never computed (another engine's,
-  or before the plugin started) has no source: those positions read GAP, never another request's rows.
-- **Prefill/decode disaggregation**: the prefill engine records the prompt's rows and sends no finish
-  (`Ended.remote_decode`); the decode engine records the rows it computes and finishes the request; both
-  write under the id the user gave both engines, and the service splices them by position. A prefill
-  request is recognised by vLLM's own P/D protocol (`kv_transfer_params["do_remote_decode"]`, the proxy's
-  flag for NixlConnector, MooncakeConnector and MoRIIOConnector), by `kv_role="kv_producer"`, or, for
-  connectors without either (ExampleConnector shared between two engines), by `ROUTING_REPLAY_PD_ROLE=prefill`
-  (`capture.vllm.config.PdRole`).
-
-Connectors whose KV does not come from a model's computation of the same tokens are refused at start-up,
-with the reason; so is any connector not named here (`SUPPORT`), since what it loads is not known.
+Design: docs/design/vllm_plugin.md.
 """
 
 from __future__ import annotations

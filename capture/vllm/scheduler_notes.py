@@ -1,20 +1,12 @@
 """What the engine core tells the workers with one step: a typed record on vLLM's `SchedulerOutput`.
 
-Runs in two processes: the engine core writes it (`attach`, from `engine_core/scheduler.py`) and each
-worker reads it (`notes_of`, from `worker/step_hooks.py`); neither side imports the other. The record
-rides on the `SchedulerOutput` instance under one attribute, `ATTRIBUTE`, and reaches the workers with
-it (vLLM pickles the instance with its dict). It is attached only to a step that has something to say.
+Runs in two processes: the engine core writes it (`attach`, from `engine_core/scheduler.py`) and each worker reads
+it (`notes_of`, from `worker/step_hooks.py`); neither side imports the other. `SchedulerNotes` rides on the
+`SchedulerOutput` instance under `ATTRIBUTE` (vLLM pickles the instance with its dict), attached only to a step that
+has something to say: `finished` (how each freed request ended, with its length), `prefix_hits` (references of the
+requests this step schedules) and `weight_version` (on the first step and after a change; else None).
 
-- `finished`: how each request the scheduler freed since the last step ended, with its length. Workers
-  see only `SchedulerOutput.finished_req_ids` (finished *or* aborted, no length); a freed request
-  without a note is sent as finished, with the length its sink counted.
-- `prefix_hits`: the prefix-cache hits of the requests this step schedules (new, or resumed after
-  preemption), as references in the engine's request ids (`engine_core/prefix_hits.py`).
-- `weight_version`: the engine core's weight version (`engine_core/weight_version.py`), on the first
-  step and on the first step after it changed; None on every other step. A worker keeps the last one
-  it was told and stamps every step it sends with it.
-
-Later notes of the engine core for its workers belong here too, as fields of the same record.
+Design: docs/design/vllm_plugin.md.
 """
 
 from __future__ import annotations

@@ -1,30 +1,13 @@
 """GraphStepRecorder: a step recorder whose per-layer write is graph safe (CUDA graphs, torch.compile).
 
-Runs in the inference worker (torch). Engine neutral: the engine's hook calls
+Runs in the inference worker (torch). Engine neutral: `begin_step()` (eager prologue: sets the device step
+counter), `write(layer_idx, rows)` inside the forward or a captured graph (fixed-shape device copies of the ids and
+the counter; no host sync, no use of the real token count), `start_close(n_real)` after the forward (async copy to
+pinned memory), `end_step_into(experts)` off the forward path (wait, flag, fill `[n_real, L, K]`). Its rows mean
+what `StepRecorder`'s do (STALE for unwritten or out-of-range rows), except that it cannot see a layer written twice
+or one that wrote more rows than the step has. On CPU the same code runs eagerly and the close is a plain copy.
 
-    rec = GraphStepRecorder(RunShape(num_moe_layers=48, top_k=8, num_experts=128), max_tokens=8192, device="cuda")
-    rec.begin_step()               # eager step prologue: the device step counter := the step (one fill)
-    rec.write(layer_idx, rows)     # inside the forward (and inside a captured graph): rows [n_padded, K]
-    rec.start_close(n_real)        # after the forward returns: async copy of rows 0..n_real-1 to pinned memory
-    flags = rec.end_step_into(experts)   # off the forward path: wait, flag, fill `experts` [n_real, L, K]
-
-Why it is graph safe. A captured CUDA graph replays the kernels it recorded; the Python
-callback that recorded them is not called again. So `write` does only fixed-shape device work
-whose shape is the tensor's static (padded) shape: it copies the layer's ids into
-`ids[:n_padded, layer]` and the *device* step counter into `stamps[:n_padded, layer]`. It reads
-no tensor value on the host (no `.item()`, no sync), branches on nothing but static shapes and
-Python ints fixed per layer, and never looks at the real token count. The counter is a device
-tensor: a replay reads its current value, so setting it in the eager step prologue
-(`begin_step`) stamps every replayed write with this step. The real count is used only at the
-close (`start_close`), on the host, off the forward path.
-
-The rows it hands back mean what `StepRecorder`'s do (`recorder.py`): a (row, layer) whose stamp
-is not this step (the layer did not run, or wrote fewer rows) makes the row `Flag.STALE`; an id
-outside `[0, num_experts)` is stored as the dtype's maximum, stamped `-step` and makes the row
-STALE too. What it cannot see, unlike the eager recorder: a layer written twice in a step (the
-later write wins) and a layer that wrote more rows than the step has (the padding).
-
-On CPU the same code runs eagerly (or under `torch.compile`) and the close is a plain copy.
+Design: docs/design/capture.md.
 """
 
 from __future__ import annotations

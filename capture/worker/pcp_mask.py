@@ -1,26 +1,13 @@
 """Give the router a padding mask with the same rows, in the same order, as the logits it routes.
 
-Runs in the inference worker (torch.distributed), around the engine's router call.
+Runs in the inference worker (torch.distributed), around the engine's router call. Under PCP the router sees the
+dispatched, PCP-gathered rows while the forward context's `is_padding` holds this rank's own: `install(ctx,
+forward_pass=..., dispatch=NaiveDispatch(...))` gathers the mask the same way, sets it on the context for the block
+and puts the original back on any exit; no collective runs when `needed()` is false, the context holds no mask, or
+there is neither PCP nor a dispatch. The gathered mask is cached per `forward_pass`, keyed on no mask values (writes
+that bypass torch's version counter need `invalidate()`); `needed` must agree on every rank, or the gather deadlocks.
 
-Under PCP (non-all2all path) the engine gathers hidden states and router logits rank-major
-over the PCP group, after any naive DP/EP dispatch (vLLM `MoERunner._maybe_dispatch`), so
-the router sees `P x dispatched` rows while `ctx.is_padding` holds this rank's own rows.
-`PcpPaddingMask.install(ctx, ...)` gathers the mask the same way (dispatch group first,
-with the dispatch's per-rank sizes, then PCP), installs it as `ctx.<attr>` for the block,
-and puts the original object back on normal and exceptional exit.
-
-    masks = PcpPaddingMask(pcp_group, pcp_size, needed=lambda: envs.VLLM_MOE_SKIP_PADDING)
-    with masks.install(forward_context, forward_pass=step, dispatch=NaiveDispatch(dp_group, sizes)):
-        topk_weights, topk_ids = router.select_experts(...)   # reads forward_context.is_padding
-
-No collective runs when `needed()` is false, when the context holds no mask, or when there
-is neither PCP nor a dispatch. The gathered mask is cached within one `forward_pass` (any
-hashable the caller changes every pass; None disables caching) and rebuilt when the mask
-object, its shape, its storage or its in-place version counter (`Tensor._version`, bumped
-by every in-place torch write) changes. The cache key deliberately uses no mask values:
-every rank of the group must make the same hit/miss decision or the gather deadlocks, and
-a rank whose values happen to be unchanged would skip it. Writes that bypass the version
-counter (`.data`, a numpy view) need `invalidate()`. `needed` must agree on every rank.
+Design: docs/design/capture.md.
 """
 
 from __future__ import annotations

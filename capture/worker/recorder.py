@@ -1,29 +1,13 @@
 """StepRecorder: one step's routing rows, with a per-(row, layer) write stamp.
 
-Runs in the inference worker (torch; the router's callback writes into it).
+Runs in the inference worker (torch; the router's callback writes into it). `begin_step()`, then
+`record(layer_idx, rows)` per MoE layer (restored `[n, K]` ids, any int dtype), then
+`end_step(request_ids, positions, token_ids)` -> `RecordedStep` (experts `[n, L, K]` + flags). Buffers are allocated
+once. A row any layer of which was not written this step, a step with more rows recorded than it has, and an id
+outside `[0, num_experts)` (stored as the dtype's maximum, never cast) are flagged `Flag.STALE`, never silent data.
+Nothing raises mid-step: a capture bug must not take the inference engine down.
 
-    rec = StepRecorder(RunShape(num_moe_layers=48, top_k=8, num_experts=128), max_tokens=8192)
-    rec.begin_step()
-    rec.record(layer_idx, rows)          # per MoE layer (0..L-1): restored [n, K] ids, any int dtype
-    out = rec.end_step(request_ids, positions, token_ids)   # RecordedStep: experts [n, L, K] + flags
-
-Buffers are allocated once. On a device: `[max_tokens, L, K]` ids (uint8/uint16,
-`replay_format.expert_dtype`) and write stamps (the step, per (row, layer)); `record` writes
-rows `0..n-1` of one layer and stamps them. On CPU: a layer-major int64 stage that `record`
-copies the ids into as they are, with the layer's row count as its stamp; `end_step`
-range-checks and narrows the whole step at once (fewer calls per layer: they dominate
-inside an engine). `end_step` flags `Flag.STALE` every row any layer of which was not
-written this step, so a layer that wrote only a TP shard (seed 002), or
-rows left from an earlier step, arrive flagged, never as silent data. If a layer recorded
-more rows than the step has, the rows do not line up with the scheduler's and the whole
-step is flagged STALE.
-
-Ids outside `[0, num_experts)` (e.g. a `-1` padding id) are never cast: that element is
-stored as the dtype's maximum (255 / 65535), the (row, layer) is stamped "invalid" rather
-than written, and the row is flagged STALE (a writer flag the service keeps; its own range
-check adds OUT_OF_RANGE whenever num_experts is below 256 / 65536). Nothing raises
-mid-step: a capture bug must not take the inference engine down. On a device the check
-runs there without a sync.
+Design: docs/design/capture.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """restore_rows: one MoE layer's `topk_ids` on this rank -> this DP rank's rows in scheduler order.
 
-Runs in the inference worker (torch, torch.distributed). Inverts the forward path of
-`capture.worker.sharding` with real collectives: TP all-gather (shards padded to the
-largest piece, then trimmed; split order), PCP un-gather (the padding mask gathered
-rank-major over the PCP group, padding rows dropped, restore index applied), then this
-DP rank's span of each PCP block. Every row count comes from the sharding, and the local
-shard's length is only checked against it.
+Runs in the inference worker (torch, torch.distributed). Inverts the forward path of `capture.worker.sharding` with
+real collectives: TP all-gather, PCP un-gather (padding mask gathered, padding dropped, restore index applied), then
+this DP rank's span of each PCP block. Every row count comes from the sharding; the local shard's length is only
+checked against it (ValueError). An engine that keeps its own PCP restore index (vLLM's Model Runner V2) is restored
+with `gather_rank_rows` and `restore_pcp_order`, after `check_pcp_restore_index`.
 
-An engine that partitions each step itself and keeps its own restore index (vLLM's Model Runner V2:
-each PCP rank gets DualChunkSwap rows, some requests replicated on every rank) is restored with
-`gather_rank_rows` (rows the router saw only locally) and `restore_pcp_order` (the engine's index
-applied), after `check_pcp_restore_index` checked the index against the gathered padding mask.
+Design: docs/design/capture.md.
 """
 
 from __future__ import annotations

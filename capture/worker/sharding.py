@@ -1,26 +1,12 @@
 """RowSharding: how one MoE layer's `topk_ids` rows lie on one rank, from rank-invariant values.
 
-Runs in the inference worker (pure Python; the restore that uses it needs torch).
+Runs in the inference worker (pure Python; the restore that uses it needs torch). `Strategy` says where a rank's
+rows are (local, naive_dp, padded_dp, sequence_parallel, alltoall, mc2, fused_mc2). `RowSharding.plan(chunk)` is
+the `ShardPlan`: every row count of the forward path (PCP chunk, DP dispatch, PCP gather, TP split), which
+`capture.worker.restore` inverts. Under PCP, `tokens_across_dp` lists each DP rank's per-PCP-rank chunk rows (what
+entered the dispatch) and `num_tokens` is this DP rank's real tokens (the restored row count).
 
-The forward path of one DP rank's rows, in the order vLLM applies it
-(`MoERunner._forward_impl`: `_maybe_dispatch` = naive DP/EP dispatch, then the PCP
-all-gather; then `_apply_quant_method`, whose prepare step pads and TP-splits for the
-All2All/MC2 strategies; the router runs on what is left):
-
-1. PCP chunk: this rank's `chunk` rows (real tokens plus PCP padding; equal on every
-   PCP rank, since the engine all-gathers them). Without PCP, `chunk = num_tokens`.
-   `sequence_parallel` pads the chunk to a multiple of `tp_size` and keeps this TP
-   rank's even piece here, in model code, before the MoE layer.
-2. DP dispatch (`naive_dp`: every DP rank's rows concatenated; `padded_dp`: each
-   padded to `max(tokens_across_dp)`).
-3. PCP gather: the blocks of all PCP ranks, rank-major.
-4. TP split of the whole gathered batch (`alltoall`: pad to `max(B, tp_size)` only when
-   smaller, `tensor_split`; `mc2`/`fused_mc2`: pad to `padded_num_tokens`, split).
-
-`ShardPlan` (from `RowSharding.plan(chunk)`) holds every row count of that path; the
-restore (`capture.worker.restore`) inverts it. Under PCP, `tokens_across_dp` lists each DP rank's per-PCP-rank
-chunk rows (what entered the dispatch), and `num_tokens` is the real tokens of this DP
-rank (the restored row count).
+Design: docs/design/capture.md.
 """
 
 from __future__ import annotations

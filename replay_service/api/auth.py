@@ -1,24 +1,13 @@
 """Bearer tokens and roles: who may call which route, for which runs.
 
-Tokens come from `REPLAY_TOKENS_FILE`, one `token role [run-prefix]` per line (`#` starts a comment);
-roles are `read` < `write` < `admin` (each implies the ones before it); a run prefix limits the token to
-runs whose id starts with it. The file is read at start-up and again on a reload (`Tokens.reload`: the admin call
-`POST /v1/admin/reload-tokens`, or SIGHUP to `serve`), which switches every process of the service to it at once and
-only when every line parses; a file that does not keeps the tokens in use. `serve`'s workers never read the file
-themselves: they hold the snapshot their parent wrote (`Tokens.share`), so a replacement worker holds the same
-tokens as the others.
+Tokens come from `REPLAY_TOKENS_FILE`, one `token role [run-prefix]` per line; roles are `read` < `write` < `admin`,
+and a run prefix limits a token to runs whose id starts with it. `Tokens` holds them: `reload` (the admin call, or
+SIGHUP to `serve`) switches every process at once, only to a file that parses; `serve`'s workers hold their parent's
+snapshot (`Tokens.share`). `authorize`, on every router, finds the route's `Need` (`ROUTE_NEEDS`, else by method),
+answers 401 (no or unknown token) or 403 (wrong role, run outside the prefix) and sets the store's acting writer.
+Without a tokens file nothing is checked, and `serve` listens on loopback only unless `--insecure` (`listen_refusal`).
 
-`authorize` is installed on every router in the app factory. It finds the route's `Need` in one table
-(`ROUTE_NEEDS`, else by method: GET/HEAD read, POST write, DELETE admin), answers 401 for a missing or
-unknown token and 403 for a wrong role or a run outside the token's prefix, and sets the caller as the
-store's acting writer (`replay_service.ownership`). Where a route's run is not in its path it says where
-it is: a trainer body names runs per sequence (checked here: FastAPI has parsed the body before it solves
-dependencies), an ingest body's Arrow metadata (checked by the store once decoded, before anything is
-stored). `/healthz` is open (liveness probes carry no token); so are the API docs (`/docs`,
-`/openapi.json`: the schema is public code, no data) and the web view's files (the page loads, its API
-calls need a token). `/metrics` needs a read token (Prometheus scrapes with `authorization:`).
-
-Without a tokens file nothing is checked: the service then listens on loopback only (`cli serve`).
+Design: docs/design/service_workers.md.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from starlette.requests import ClientDisconnect
 from replay_format import ID_RULE, valid_id
 from replay_service.buffers import BufferPool, ByteBudget
 from replay_service.errors import BodyTimeout, ClientClosed, InvalidInput, TooLarge
+from replay_service.ingest.pipeline import IngestPipeline
 from replay_service.metrics import ServiceMetrics
 from replay_service.settings import ServiceSettings
 from replay_service.store import RouteStore
@@ -31,6 +32,11 @@ async def get_settings(request: Request) -> ServiceSettings:
 async def get_store(request: Request) -> RouteStore:
     """The app's store."""
     return request.app.state.store
+
+
+async def get_ingest(request: Request) -> IngestPipeline:
+    """The app's ingest pipeline over its store."""
+    return request.app.state.ingest
 
 
 async def get_metrics(request: Request) -> ServiceMetrics:
@@ -57,6 +63,7 @@ async def request_id_param(request: Annotated[str, Path(description=f"request id
 
 Settings = Annotated[ServiceSettings, Depends(get_settings)]
 Store = Annotated[RouteStore, Depends(get_store)]
+Ingest = Annotated[IngestPipeline, Depends(get_ingest)]
 Metrics = Annotated[ServiceMetrics, Depends(get_metrics)]
 RunId = Annotated[str, Depends(run_id_param)]
 RequestId = Annotated[str, Depends(request_id_param)]

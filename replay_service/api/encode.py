@@ -33,7 +33,7 @@ from replay_format.route import RequestRoute, RouteMeta, encode_routes
 from replay_format.weight_versions import RecomputeRule, VersionSpan
 from replay_service.errors import InvalidInput, StrictRefusal
 from replay_service.store import RouteStore
-from replay_service.store.reads import RouteRows
+from replay_service.store.requests.rows import RouteRows
 
 
 class RouteFormat(enum.StrEnum):

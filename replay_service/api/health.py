@@ -13,8 +13,8 @@ from replay_format.weight_versions import check_label
 from replay_service.api.deps import RunId, Settings, Store
 from replay_service.api.models import ERRORS
 from replay_service.errors import InvalidInput
-from replay_service.health.checks import Check, Thresholds
 from replay_service.health.gather import batch_health, run_health, set_thresholds, thresholds_of
+from replay_service.health.rules import Check, Thresholds
 from replay_service.health.series import agreement_series, health_series
 
 router = APIRouter(prefix="/v1", tags=["health"], responses=ERRORS)

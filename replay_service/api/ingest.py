@@ -1,7 +1,7 @@
 """Writers: batches of rows, whole routes from engine outputs, and request ends.
 
-Thin: each handler reads its body, hands it to the ingest pipeline (`replay_service.ingest`)
-through the store, counts the outcome and shapes the answer.
+Thin: each handler reads its body, hands it to the app's ingest pipeline (`replay_service.ingest`), counts the
+outcome and shapes the answer.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from replay_format import ARROW_STREAM_MEDIA_TYPE, JSON_MEDIA_TYPE, NPY_MEDIA_TY
 from replay_format.rows import POSITION_MAX
 from replay_service.api.deps import (
     BodyLimits,
+    Ingest,
     Metrics,
     RequestId,
     RunId,
@@ -36,14 +37,15 @@ from replay_service.ingest.decode import (
     parse_moe_layers,
     parse_weight_versions,
 )
+from replay_service.ingest.pipeline import IngestPipeline
 from replay_service.ingest.responses import ResponseItem
+from replay_service.ingest.result import IngestOutcome, IngestResult
 from replay_service.ingest.sglang_responses import ResponseOptions, decode_sglang_response
 from replay_service.ingest.uploads import store_items, store_upload
 from replay_service.ingest.vllm_responses import VllmResponseOptions, decode_vllm_response
 from replay_service.metrics import ServiceMetrics
 from replay_service.settings import ServiceSettings
-from replay_service.store import RequestStatus, RouteStore
-from replay_service.store.ingest_stage import IngestOutcome, IngestResult
+from replay_service.store import RequestStatus
 
 T = TypeVar("T")
 
@@ -114,7 +116,7 @@ def _answer(metrics: ServiceMetrics, result: IngestResult) -> IngestAnswer:
 @router.post("/ingest", summary="Store a batch of rows (Arrow IPC stream, idempotent on run_id, writer_id, seq)",
              response_model=IngestAnswer, responses={**CONFLICT, **BODY_LIMITS, **STORAGE_FULL},
              openapi_extra={"requestBody": {"required": True, "content": {ARROW_STREAM_MEDIA_TYPE: {}}}})
-async def ingest(request: Request, store: Store, settings: Settings, metrics: Metrics) -> IngestAnswer:
+async def ingest(request: Request, pipeline: Ingest, settings: Settings, metrics: Metrics) -> IngestAnswer:
     """The body is a row batch (replay_format/rows.md); a retry of a stored batch is answered `duplicate`."""
     content_type = request.headers.get("content-type", "")
     # Bodies in memory are bounded by the byte budget, held from the body's first byte; the slot
@@ -124,7 +126,7 @@ async def ingest(request: Request, store: Store, settings: Settings, metrics: Me
                              request.app.state.body_buffers) as body:
         async with request.app.state.ingest_slots:
             try:
-                result = await run_in_threadpool(lambda: store.ingest(decode_batch(content_type, body)))
+                result = await run_in_threadpool(lambda: pipeline.ingest(decode_batch(content_type, body)))
             except (ServiceError, FormatError):
                 metrics.batches.labels(IngestOutcome.REJECTED.value).inc()
                 raise
@@ -150,7 +152,7 @@ async def upload_route(
     run: RunId,
     request: RequestId,
     http: Request,
-    store: Store,
+    pipeline: Ingest,
     settings: Settings,
     metrics: Metrics,
     num_experts: int | None = Query(None, ge=1, le=65536, description="needed when the run is new (npy)"),
@@ -183,9 +185,10 @@ async def upload_route(
                             parse_weight_versions(weight_versions), weight_version, prompt_tokens)
 
     def store_route(body: bytes | memoryview) -> IngestResult:
+        store = pipeline.store
         run_shape = store.run_shape(run) if store.has_run(run) else None
         upload = decode_route(content_type, body, run, request, run_shape, options)
-        return store_upload(store, run, request, upload, finish)  # refused before anything is stored
+        return store_upload(pipeline, run, request, upload, finish)  # refused before anything is stored
 
     return _answer(metrics, await _store_body(http, settings, metrics, store_route))
 
@@ -214,7 +217,7 @@ async def _store_body(http: Request, settings: ServiceSettings, metrics: Service
 async def upload_sglang_response(
     run: RunId,
     http: Request,
-    store: Store,
+    pipeline: Ingest,
     settings: Settings,
     metrics: Metrics,
     num_experts: int | None = NUM_EXPERTS,
@@ -238,12 +241,12 @@ async def upload_sglang_response(
     """
     options = ResponseOptions(num_experts, parse_moe_layers(moe_layers), num_hidden_layers, num_layers, top_k, start,
                               settings.max_batch_requests)
-    return await _store_answer(http, store, settings, metrics, run, finish, "an SGLang answer",
+    return await _store_answer(http, pipeline, settings, metrics, run, finish, "an SGLang answer",
                                lambda body, shape: decode_sglang_response(body, run, shape, options))
 
 
-async def _store_answer(http: Request, store: RouteStore, settings: ServiceSettings, metrics: ServiceMetrics, run: str,
-                        finish: bool, what: str,
+async def _store_answer(http: Request, pipeline: IngestPipeline, settings: ServiceSettings, metrics: ServiceMetrics,
+                        run: str, finish: bool, what: str,
                         decode: Callable[[bytes | memoryview, RunShape | None], list[ResponseItem]]) -> ResponseAnswer:
     """An engine's whole answer (JSON), decoded by `decode` into items, every item checked before any is stored."""
     if BodyKind.of(http.headers.get("content-type", "")) != BodyKind.JSON:
@@ -251,8 +254,9 @@ async def _store_answer(http: Request, store: RouteStore, settings: ServiceSetti
                                    f"{media_type(http.headers.get('content-type', '')) or 'no content type'}")
 
     def store_answer(body: bytes | memoryview) -> list[tuple[ResponseItem, IngestResult]]:
+        store = pipeline.store
         items = decode(body, store.run_shape(run) if store.has_run(run) else None)
-        return list(zip(items, store_items(store, run, items, finish), strict=True))  # all checked before any stored
+        return list(zip(items, store_items(pipeline, run, items, finish), strict=True))  # all checked before any stored
 
     done = await _store_body(http, settings, metrics, store_answer)
     return ResponseAnswer(items=[ResponseItemAnswer(index=item.index, request_id=item.request_id,
@@ -271,7 +275,7 @@ async def _store_answer(http: Request, store: RouteStore, settings: ServiceSetti
 async def upload_vllm_response(
     run: RunId,
     http: Request,
-    store: Store,
+    pipeline: Ingest,
     settings: Settings,
     metrics: Metrics,
     num_experts: int | None = NUM_EXPERTS,
@@ -295,5 +299,5 @@ async def upload_vllm_response(
     """
     options = VllmResponseOptions(num_experts, parse_moe_layers(moe_layers), num_hidden_layers, start, n,
                                   settings.max_batch_requests)
-    return await _store_answer(http, store, settings, metrics, run, finish, "a vLLM answer",
+    return await _store_answer(http, pipeline, settings, metrics, run, finish, "a vLLM answer",
                                lambda body, shape: decode_vllm_response(body, run, shape, options))

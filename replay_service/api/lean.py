@@ -1,15 +1,12 @@
 """Hot reads' parameters, parsed in one call each instead of by FastAPI's dependency solving.
 
-A hot endpoint takes only the `Request` and asks this module for its parameters. They are the same ones: the
-query is the same pydantic model (its errors answer the same 422 as FastAPI's, `loc` starting with "query"), the
-ids pass the same rule (`deps.checked_id`), and the auth gate stays the router's dependency (`auth.authorize`).
-The OpenAPI document lists the parameters from the same model (`openapi_parameters`), so clients and the schema
-fuzzer see no difference.
+A hot endpoint takes only the `Request` and asks this module for its parameters (`query`, `path_id`). They are the
+same ones: the query is the same pydantic model (its errors answer the same 422 as FastAPI's, `loc` starting with
+"query"), the ids pass the same rule (`deps.checked_id`), and the auth gate stays the router's dependency
+(`auth.authorize`). The OpenAPI document lists the parameters from the same model (`openapi_parameters`), so clients
+and the schema fuzzer see no difference.
 
-What it saves, measured by `bench/route_get.py` (the app called in process, call by call in turn with the same
-endpoint declared parameter by parameter, 2026-12-03): 10-170 us of a GET's ~1 ms HTTP layer (0.93-1.04 ms as
-served, 1.05-1.10 declared). Dependency solving was not the main fixed cost on this machine; the largest piece
-was the read's hand-off to a thread and back, which a hot read of a local store now skips (store/on_loop.py).
+Design (what it saves, measured): docs/design/service_workers.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Writers: prefix-cache references (a request's positions served by rows another request stored).
 
-Thin: validates the body (`models.ReferenceBatch`), hands it to the store (`store/references.py` resolves
+Thin: validates the body (`models.ReferenceBatch`), hands it to the store (`store/requests/references.py` resolves
 each reference now or when its source's rows arrive) and answers counts.
 """
 

@@ -66,7 +66,7 @@ def request_summary(run: RunId, request: RequestId, store: Store) -> dict:
 )
 async def get_route(request: Request) -> PartsResponse:
     """The hot read (the web view's and every script's first): parameters parsed by api/lean.py; read and
-    encoded on the event loop when nothing there would wait (store/on_loop.py: a local store, its segments
+    encoded on the event loop when nothing there would wait (placement/on_loop.py: a local store, its segments
     opened, an Arrow or .npy answer), else in a thread; the parts sent as views of the route's arrays."""
     run = lean.path_id(request, "run", "run id")
     request_id = lean.path_id(request, "request", "request id")

@@ -1,4 +1,4 @@
-"""Runs: list, summary, expert load; delete and pin (retention: store/retention.py)."""
+"""Runs: list, summary, expert load; delete and pin (retention: store/lifecycle/retention.py)."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ The bodies here validate what the trainer runs and become the trainer query (rep
 
 from __future__ import annotations
 
+import warnings
 from typing import Annotated, Any, ClassVar
 
 from fastapi import APIRouter
@@ -34,8 +35,8 @@ SLICE_ANSWER = {200: binary_answer(ARROW_STREAM_MEDIA_TYPE, description="a train
                                    "of this rank (replay_format/trainer_slice.md)"), **CONFLICT, **LAYOUT_LIMITS}
 
 
-class Sequence(BaseModel):
-    """One sequence of the micro-batch."""
+class SequenceRefBody(BaseModel):
+    """One sequence of the micro-batch (the body's form of the query's `SequenceRef`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -55,7 +56,7 @@ class _Common(BaseModel):
     # an unknown field is refused, never ignored: a misspelt (or pre-rename) stage field would serve every layer
     model_config = ConfigDict(extra="forbid")
 
-    sequences: list[Sequence] = Field(min_length=1, description="the micro-batch, in order")
+    sequences: list[SequenceRefBody] = Field(min_length=1, description="the micro-batch, in order")
     moe_ordinals: list[Int32] | None = Field(None, description="MoE ordinals of this pipeline stage (default: all; "
                                            "moe axis only)")
     model_layer_range: tuple[Int32, Int32] | None = Field(
@@ -92,8 +93,8 @@ def _frozen(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
-class MegatronQuery(_Common):
-    """One rank of a Megatron micro-batch."""
+class MegatronQueryBody(_Common):
+    """One rank of a Megatron micro-batch (the body of the query's `MegatronQuery`)."""
 
     packing: Packing = Packing.THD
     convention: Convention | None = Field(
@@ -124,8 +125,8 @@ class MegatronQuery(_Common):
     QUERY = tq.MegatronQuery
 
 
-class VerlQuery(_Common):
-    """A verl micro-batch, dense."""
+class VerlQueryBody(_Common):
+    """A verl micro-batch, dense (the body of the query's `VerlQuery`)."""
 
     QUERY = tq.VerlQuery
 
@@ -133,6 +134,19 @@ class VerlQuery(_Common):
         description="prompt tokens of each sequence (before left padding)")
     prompt_width: int = Field(ge=1, le=INT32_MAX, description="padded prompt length (left-padded)")
     response_width: int = Field(ge=0, le=INT32_MAX, description="padded response length (right-padded)")
+
+
+# The bodies' names before they took `Body` (`Sequence` hid `collections.abc.Sequence`, the others the trainer
+# query's records): deprecated, answered by `__getattr__` with a DeprecationWarning, for one release.
+_RENAMED = {"Sequence": "SequenceRefBody", "MegatronQuery": "MegatronQueryBody", "VerlQuery": "VerlQueryBody"}
+
+
+def __getattr__(name: str) -> Any:
+    new = _RENAMED.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"{__name__}.{name} is deprecated: it is {new}", DeprecationWarning, stacklevel=2)
+    return globals()[new]
 
 
 async def _answered(store: Store, query: tq.TrainerQuery, settings: Settings) -> PartsResponse:
@@ -149,7 +163,7 @@ async def _answered(store: Store, query: tq.TrainerQuery, settings: Settings) ->
     response_class=PartsResponse,
     responses=SLICE_ANSWER,
 )
-async def megatron(body: MegatronQuery, store: Store, settings: Settings) -> PartsResponse:
+async def megatron(body: MegatronQueryBody, store: Store, settings: Settings) -> PartsResponse:
     return await _answered(store, body.query(), settings)
 
 
@@ -159,5 +173,5 @@ async def megatron(body: MegatronQuery, store: Store, settings: Settings) -> Par
     response_class=PartsResponse,
     responses=SLICE_ANSWER,
 )
-async def verl(body: VerlQuery, store: Store, settings: Settings) -> PartsResponse:
+async def verl(body: VerlQueryBody, store: Store, settings: Settings) -> PartsResponse:
     return await _answered(store, body.query(), settings)

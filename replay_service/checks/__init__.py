@@ -5,6 +5,6 @@
     kernels.py   the compiled row checks `check.py` runs, and the STALE check's table of recent rows
 
 Below the store: these modules read rows and nothing else (no index, no files). The ingest pipeline runs them as
-its stage 2 (`replay_service.ingest`); the store's reference resolution (store/references.py) and
+its stage 2 (`replay_service.ingest`); the store's reference resolution (store/requests/references.py) and
 `replay-service reindex` (ops/reindex.py) apply the same rules.
 """

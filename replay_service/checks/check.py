@@ -1,19 +1,13 @@
 """The check (ingest stage 2): the service's verdict on every row of a batch (rows.md, "Flags").
 
-`check` takes a decoded batch (`Rows`) alone: it drops writer padding, sorts rows by
-(request, position), runs the compiled row checks (ZERO, DUPLICATE, OUT_OF_RANGE, content
-hashes, expert load; `kernels.py`), keeps the writer's STALE bits and settles positions the
-batch repeats. `check_stale` then compares rows with recently stored ones (the STALE content
-check). The result, `CheckedRows`, is what the segment stage writes.
+`check(rows, shape)` takes a decoded batch alone: it drops writer padding, sorts rows by (request, position), runs
+the compiled row checks (ZERO, DUPLICATE, OUT_OF_RANGE, content hashes, expert load; `kernels.py`), keeps the
+writer's STALE bits and settles positions the batch repeats; `check_stale` then compares rows with recently stored
+ones. The result, `CheckedRows`, is what the segment stage writes. CONFLICT and recompute are decided here and only
+here, by `judge_repeats` (rows.md, "Weight versions"): identical ids are a resend; differing ids are a CONFLICT under
+equal or unknown weight versions and a *recompute* (both kept, nothing flagged) under two known, different ones.
 
-CONFLICT and recompute are decided here and only here, by `judge_repeats` (rows.md, "Weight versions"): the
-same position twice is a resend when the ids are identical, whatever the versions (stored once, served once); a
-CONFLICT when they differ and the two rows' weight versions are equal or either is unknown (a capture bug); and a
-*recompute* when they differ under two known, different versions (new weights computed the position again: both
-kept, nothing flagged, the request counts the position). Every earlier row at the position is compared, not only
-the served one. The first stored row is the one served by default (`RecomputeRule.FIRST`). The check stage applies
-the rule within a batch, the commit stage to rows already stored, and prefix-cache references to the rows they
-mirror; reads only pick a row per position (`store/reads.py`).
+Design: docs/design/service_data.md.
 """
 
 from __future__ import annotations

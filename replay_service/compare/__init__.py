@@ -4,5 +4,5 @@
     agreement.py    the figures (pure numpy): router- and token-level mismatch, Jaccard, worst tokens and layers
 
 The feature's other rooms are on their own floors: the body's format in `replay_format/compare.py`, the stored
-comparisons in `store/compares.py`, the HTTP routes in `api/compares.py`.
+comparisons in `store/tables/compares.py`, the HTTP routes in `api/compares.py`.
 """

@@ -1,15 +1,12 @@
 """Rollout-vs-training routing agreement (pure numpy): the R3 paper's metrics.
 
-For tokens the trainer sent that have a clean recorded row, per (token, layer):
-the top-k *sets* (order inside top-k does not matter) are compared.
+For tokens the trainer sent that have a clean recorded row, per (token, layer), the top-k *sets* are compared
+(`compare_rows`, in chunks of `CHUNK_ROWS`) and tallied per request (`Tally`, `add_request`). `finish` gives the
+router-level mismatch (fraction of (token, layer) whose sets differ), the token-level mismatch (fraction of tokens
+with any layer differing) and the mean Jaccard |A & B| / |A | B|, overall and per layer, with the worst layers and
+tokens. A route compared with itself gives 0, 0 and 1.0.
 
-- router-level mismatch: fraction of (token, layer) whose sets differ;
-- token-level mismatch: fraction of tokens with any layer differing;
-- Jaccard: |A & B| / |A | B|, averaged over (token, layer).
-
-R3 (arXiv 2510.11370) reports about 10% router-level and 94% token-level
-mismatch on Qwen3-30B-A3B without replay. A route compared with itself gives
-0, 0 and 1.0.
+Design: docs/design/service_data.md.
 """
 
 from __future__ import annotations

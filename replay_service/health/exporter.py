@@ -1,22 +1,12 @@
 """Per-run health on `/metrics`: a Prometheus collector that reads the index when it is scraped.
 
-Nothing is kept in the process: each scrape asks the index (`recent_runs`) for every run's health over the last
-REPLAY_HEALTH_WINDOW_S seconds, so any replica answers for the whole service (they share the index) and a
-restarted one answers at once. Families (docs: deploy/prometheus/README.md):
+`RunHealthCollector` keeps nothing: each scrape asks the index (`recent_runs`) for every run's health over the last
+REPLAY_HEALTH_WINDOW_S seconds, so any replica answers for the whole service. Per-run families (`SERIES_PER_RUN` at
+most each) only for the REPLAY_METRICS_MAX_RUNS runs written most recently; every run is counted in
+`replay_runs{verdict}`, and `replay_runs_not_exported` says how many were left out. A failed read never fails the
+scrape: `replay_health_scrape_errors_total` goes up and the per-run families are left out.
 
-    replay_run_verdict{run}                      0 ok, 1 warn, 2 fail
-    replay_run_recent_rows{run}                  rows written in the window
-    replay_run_recent_flagged_rows{run,flag}     of those, per flag (ZERO STALE OUT_OF_RANGE DUPLICATE CONFLICT GAP)
-    replay_run_open_requests{run}                requests not ended
-    replay_run_router_mismatch{run}              the newest comparison's router mismatch (absent without one)
-    replay_runs{verdict}                         every run, by verdict (ok, warn, fail; zeros included)
-    replay_runs_not_exported                     runs beyond the cap, without per-run series
-    replay_health_scrape_errors_total            index reads that failed during a scrape
-
-Bounded cardinality: per-run series (10 per run at most) only for the REPLAY_METRICS_MAX_RUNS runs written most
-recently; every other run is still counted in `replay_runs{verdict}`, and `replay_runs_not_exported` says how many
-were left out, so the series of a scrape are at most 10 x the cap plus a constant however many runs the store
-holds. A failed read never fails the scrape: the error counter goes up and the per-run families are left out.
+Design: docs/design/service_data.md; the families: deploy/prometheus/README.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The health of a run, a recent window of it, or a training batch: figures read from the store, then judged.
 
-    scope sums (store/health.py)  ->  judge (report.py)  ->  findings: requests and first positions
+    scope sums (store/tables/health.py)  ->  judge (report.py)  ->  findings: requests and first positions
 
 The sums come from the index in one statement (no route is read for a clean scope). A finding names up to
 `REPLAY_HEALTH_WHERE` requests of its kind, by id; a request's first position of the kind is its first flagged
@@ -16,7 +16,6 @@ import numpy as np
 
 from replay_format import Flag
 from replay_service.errors import InvalidInput
-from replay_service.health.checks import BATCH_ONLY, ROW_FLAG_CHECKS, Check, Thresholds
 from replay_service.health.report import (
     AgreementPoint,
     Finding,
@@ -26,11 +25,12 @@ from replay_service.health.report import (
     judge,
     version_figures,
 )
+from replay_service.health.rules import BATCH_ONLY, ROW_FLAG_CHECKS, Check, Thresholds
 from replay_service.health.verdict import Level
 from replay_service.store import RouteStore
 from replay_service.store.index import Row
+from replay_service.store.requests.summaries import RequestRecord
 from replay_service.store.runs import RunState
-from replay_service.store.summaries import RequestRecord
 
 
 def thresholds_of(store: RouteStore, run_id: str) -> Thresholds:

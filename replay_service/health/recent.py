@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from replay_service.health.checks import ROW_FLAG_CHECKS, Thresholds
 from replay_service.health.gather import newest_agreement, thresholds_of
 from replay_service.health.report import Scope, judge, version_figures
+from replay_service.health.rules import ROW_FLAG_CHECKS, Thresholds
 from replay_service.health.verdict import Level
 from replay_service.store import RouteStore
 

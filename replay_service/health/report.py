@@ -11,9 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from replay_service.health.checks import BATCH_ONLY, Check, Thresholds
+from replay_service.health.rules import BATCH_ONLY, Check, Thresholds
 from replay_service.health.verdict import Level, Limit
-from replay_service.store.health import ScopeTotals
+from replay_service.store.tables.health import ScopeTotals
 
 
 class Scope(enum.StrEnum):

@@ -10,7 +10,7 @@ import numpy as np
 
 from replay_service.health.report import AgreementPoint, version_order
 from replay_service.store import RouteStore
-from replay_service.store.health import TICK_FLAGS
+from replay_service.store.tables.health import TICK_FLAGS
 
 
 def imbalance(load: np.ndarray) -> tuple[float | None, float | None]:

@@ -1,24 +1,12 @@
 """Ingest stage 4, commit: written segments become acknowledged rows, many batches per index transaction.
 
-Group commit, as databases do: a batch whose segment is written joins a queue; if no commit is under way
-its thread leads one, else it waits while the current one runs and the next leader takes every batch that
-arrived meanwhile. A leader fsyncs each run folder of the group once (the segments' renames; each segment's
-data was fsynced by its own writer, in parallel), takes the group's run locks (by run id), and commits the
-whole group in ONE index transaction (one WAL fsync), each batch inside its own savepoint: a batch that fails
-(403 ownership, Conflict, a run deleted meanwhile, any error) is rolled back to its savepoint, its segment
-deleted and its error answered to its own writer only; the others commit. Every waiter is answered only
-after the transaction committed (acknowledged means durable); if the commit itself fails, no batch of the
-group is acknowledged.
-
-Per batch, under its run's lock: a concurrent retry of the same (run, writer, seq) is answered as a
-duplicate (a retry in the same group sees the first inside the transaction); rows at positions already
-held are settled by the check stage's rule against every row held there (`check.judge_repeats`: identical is a
-resend; different is CONFLICT on the served row, recorded as a late flag, unless both rows' weight versions are
-known and differ: a recompute, counted once per position on the request); then the segment, its spans, the
-requests' counters, the served rows' weight-version spans and the run's totals are written, with the spans that
-prefix-cache references mirror from the new rows into the requests referencing them (`store/references.py`: a
-reference that arrived before its source's rows resolves here). Each batch is committed in its writer's context
-(`ownership.acting`). The answer is an `IngestResult`.
+Contract (`Committer.commit`): a batch is answered only once the transaction holding it committed (acknowledged means
+durable). Batches waiting together commit as one group: run folders synced once, runs locked in run-id order, one
+savepoint per batch, so a batch that fails (Forbidden, Conflict, RunDeleted, any error) is rolled back and its segment
+deleted while the others commit. Per batch: a retry of a stored (run, writer, seq) is a duplicate; rows at positions
+already held are settled by `judge_repeats`; then its index rows, health ticks and run totals are written and
+prefix-cache references resolved. The answer is an `IngestResult`.
+Design: docs/design/ingest.md ("Group commit", "Settling repeats at commit").
 """
 
 from __future__ import annotations
@@ -35,14 +23,14 @@ from replay_format import Flag, RunShape
 from replay_format.weight_versions import UNKNOWN, WeightVersions
 from replay_service.checks.check import CheckedRows, judge_repeats
 from replay_service.errors import Conflict, RunDeleted
+from replay_service.ingest.result import IngestOutcome, IngestResult
 from replay_service.ingest.segment import Segment, SegmentWriter
 from replay_service.ownership import claim_requests
-from replay_service.store.health import TICK_FLAGS, HealthTables
 from replay_service.store.index import COUNTED_FLAGS, HeldRows, Index, IndexTransaction, RequestCounts
-from replay_service.store.ingest_stage import IngestOutcome, IngestResult
-from replay_service.store.reads import RowReader
-from replay_service.store.references import Resolver
+from replay_service.store.requests.references import Resolver
+from replay_service.store.requests.rows import RowReader
 from replay_service.store.runs import RunState
+from replay_service.store.tables.health import TICK_FLAGS, HealthTables
 
 
 @dataclass
@@ -73,7 +61,7 @@ class Committer:
         self.index = index
         self.reader = reader
         self.segments = segments
-        self.health = health  # each batch's rows and load in its ingest-time bucket (store/health.py)
+        self.health = health  # each batch's rows and load in its ingest-time bucket (store/tables/health.py)
         self.health_bucket_s = health_bucket_s
         self._queue: list[_Waiting] = []
         self._turn = threading.Condition()  # guards the queue and `_leading`
@@ -158,7 +146,7 @@ class Committer:
         failed = self.segments.store.sync(sorted({w.segment.path for w in unsynced}))
         for waiting in unsynced:
             exc = failed.get(waiting.segment.path)
-            if exc is not None:  # its run folder is gone: the run was deleted under the write (retention.py)
+            if exc is not None:  # its run folder is gone: the run was deleted under the write (lifecycle/retention.py)
                 # here, or by another replica sharing this directory (its run row is gone from the index)
                 deleted = waiting.run.deleted or self.index.run(waiting.run.run_id) is None
                 waiting.error = RunDeleted(

@@ -1,10 +1,10 @@
-"""Ingest stage 1, decode: request bodies become `Rows` (replay_format.rows), or a named error.
+"""Ingest stage 1, decode: request bodies become `Rows` (replay_format.rows), or a named error; nothing is stored.
 
-Two endpoints send rows. `POST /v1/ingest` takes row batches (rows.md) and nothing else.
-`POST /v1/runs/{run}/requests/{request}/routes` takes one request's whole route, or one turn of it
-from a start position, in the form the engine handed it out: `.npy` or SGLang JSON
-(`engine_outputs.py`), or an Arrow row batch whose run, writer and request come from the URL.
-Nothing is stored until a body has decoded.
+Contract: `decode_batch` reads a `POST /v1/ingest` body (an Arrow row batch, rows.md); `decode_route` reads one
+request's route, or one turn of it from a start position, as `.npy`, SGLang JSON (engine_outputs.py) or an Arrow
+batch whose run, writer and request come from the URL, into an `Upload` (its rows, start and implied length).
+Engines' whole answers: sglang_responses.py and vllm_responses.py.
+Design: docs/design/ingest.md ("Decoding bodies").
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
-"""Whole routes as engines hand them out, decoded into row batches (`Rows`).
+"""Whole routes as engines hand them out (vLLM `.npy`, SGLang base64 JSON), decoded into row batches (`Rows`).
 
-Two shapes arrive: vLLM's `routed_experts` as a `.npy` array `(rows, layers, top_k)` and SGLang's
-`meta_info["routed_experts"]` as base64 inside JSON, of the dtype `meta_info["routed_experts_dtype"]` names (uint8,
-uint16 or int32; absent: int32, as SGLang's own readers assume; `sglang_ids_dtype`). Both hold every model layer
-(dense ones as zeros: vLLM sizes its buffer by `get_total_num_hidden_layers()`, SGLang by `num_hidden_layers`),
-or a caller may send only the MoE layers; only MoE layers are stored (`choose_layers` says which,
-never by guessing). Rows start at `start` (vLLM's `routed_experts_prompt_start`, SGLang's
-`routed_experts_start_len`: a later turn of a conversation). Everything here raises `FormatError`
-(its `UndecodableError` when the body is not .npy or JSON at all), `InvalidInput` or `Conflict`
-(an array that fits neither of the run's axes), naming the problem.
-
-Weight versions (rows.md, "Weight versions"): vLLM's `CompletionOutput.weight_versions` and SGLang's
-`meta_info["weight_versions"]` are spans over OUTPUT tokens. Output token j is sampled from the forward at
-position P-1+j (P: the prompt's tokens), so a span `[s, e)` holds the rows at positions `[P-1+s, P-1+e)`; the
-prompt's rows 0..P-2 take output token 0's version (the prefill that ran them; an upload knows no more).
-`upload_versions` turns the spans into a version per row (`spans_to_rows`): spans that leave a row uncovered,
-overlap, or reach past the route's last token, and labels that break the rule, are refused naming them.
+Contract: `engine_route_rows` turns an `EngineRoute` into rows at positions `start ..` under the writer
+`upload_writer(request, start)` (a retry of a turn is idempotent), storing only the MoE layers (`choose_layers`: the
+caller's list, else the run's, never guessed); `upload_versions` maps weight-version spans over output tokens onto
+rows. Errors are `FormatError` (`UndecodableError` for a body that is not .npy or JSON), `InvalidInput` or
+`Conflict` (an array that fits neither of the run's axes), naming the problem.
+Design: docs/design/ingest.md ("Engine outputs", "Weight versions of an upload").
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
-"""The ingest pipeline: one batch through decode -> check -> segment -> commit.
+"""The ingest pipeline over one store: a decoded batch through check -> segment -> commit.
 
-    body --decode.py--> Rows --checks/check.py--> CheckedRows --segment.py--> Segment --commit.py--> IngestResult
+    Rows --checks/check.py--> CheckedRows --segment.py--> Segment --commit.py--> IngestResult
 
-Decoding happens before this (the API decodes the body it was sent; `decode.py`); `IngestPipeline.ingest`
-runs the rest in order. A retry of a stored batch is answered after the check stage (its digest is
-known then) and goes no further. `IngestPipeline.for_store` builds the pipeline a store is opened with
-(`replay_service.app.open_store`); the store calls it through `store/ingest_stage.py`'s `BatchIngest`.
+The app builds one over its store (`IngestPipeline.over`); the ingest endpoints, the engines' answers
+(`uploads.py`) and the demo call `ingest`. Contract: a batch is acknowledged only once its segment is durable and
+its index rows are committed; a retry of a stored batch is answered after the check stage and stores nothing.
 """
 
 from __future__ import annotations
@@ -22,19 +21,20 @@ from replay_service.checks.check import check, check_stale, content_check_applie
 from replay_service.checks.recent import RecentRows
 from replay_service.errors import RunDeleted, StorageFull
 from replay_service.ingest.commit import Committer
+from replay_service.ingest.result import IngestResult
 from replay_service.ingest.segment import SegmentWriter
-from replay_service.ingest.stale_feed import StaleFeed
+from replay_service.ingest.stale_feed import FeedCounter, StaleFeed
+from replay_service.ownership import current_actor
 from replay_service.store import RouteStore
-from replay_service.store.ingest_stage import IngestResult
-from replay_service.store.runs import RunRegistry
 
 
 class IngestPipeline:
     """The stages, wired to one store's run registry, segment writer, STALE table and committer."""
 
-    def __init__(self, runs: RunRegistry, segments: SegmentWriter, committer: Committer, recent: RecentRows,
+    def __init__(self, store: RouteStore, segments: SegmentWriter, committer: Committer, recent: RecentRows,
                  stale_min_entropy_bits: float, feed: StaleFeed | None = None) -> None:
-        self.runs = runs
+        self.store = store
+        self.runs = store.registry
         self.segments = segments
         self.committer = committer
         self.recent = recent
@@ -44,8 +44,9 @@ class IngestPipeline:
         recent_rows.warm_up()
 
     @classmethod
-    def for_store(cls, store: RouteStore) -> IngestPipeline:
-        """The pipeline of `store`, with the settings it was opened with (`RouteStore`'s `pipeline` argument)."""
+    def over(cls, store: RouteStore, feed_counter: FeedCounter | None = None) -> IngestPipeline:
+        """The pipeline over `store`, with the settings it was opened with; `feed_counter` counts the rows the
+        STALE feed moves between replicas (the app's `replay_stale_feed_rows_total`)."""
         settings = store.settings
         staging = BufferPool(keep=settings.max_concurrent_ingests)  # segment images before they are written
         segments = SegmentWriter(store.segments, staging, fsync=settings.fsync, direct=settings.direct_io,
@@ -54,13 +55,32 @@ class IngestPipeline:
         feed = None
         if settings.stale_feed and settings.index_url is not None:  # replicas share a PostgreSQL index
             feed = StaleFeed(store.index, recent, recent.id, settings.stale_feed_interval_s,
-                             settings.stale_feed_window_s).start()
-        return cls(store.registry, segments, Committer(store.index, store.reader, segments, store.health,
+                             settings.stale_feed_window_s)
+            if feed_counter is not None:
+                feed.counter = feed_counter
+            feed.start()
+        return cls(store, segments, Committer(store.index, store.reader, segments, store.health,
                                                           settings.health_bucket_s),
                    recent, settings.stale_min_entropy_bits, feed)
 
     def ingest(self, rows: Rows) -> IngestResult:
-        """Store one decoded batch; idempotent on (run_id, writer_id, seq)."""
+        """Store one decoded batch; idempotent on (run_id, writer_id, seq).
+
+        Forbidden when the caller's token may not write the batch's run (checked before anything is stored); a
+        batch of a new run creates it with the batch's shape, and the run's journal records its creation.
+        """
+        actor = current_actor()
+        if actor is not None:  # an ingest body names its run inside: checked once decoded, before anything is stored
+            actor.require_run(rows.meta.run_id)
+        new_run = self.runs.get(rows.meta.run_id) is None
+        if new_run:
+            self.store.cache.revive_run(rows.meta.run_id)  # a deleted run's id again: a missing segment is damage
+        result = self._stages(rows)
+        if new_run:
+            self.store.journal_run_created(rows.meta.run_id)
+        return result
+
+    def _stages(self, rows: Rows) -> IngestResult:
         run = self.runs.for_batch(rows.meta)  # a new run is created with this batch's shape
         checked = check(rows, run.shape)
         duplicate = self.committer.find_duplicate(checked)
@@ -75,7 +95,7 @@ class IngestPipeline:
             except (FileNotFoundError, FileExistsError):
                 if not run.deleted and self.runs.get(rows.meta.run_id) is not None:  # (deleted by another replica)
                     raise
-                # Its folder went to the trash under this write (retention.py): the batch of a deleted run.
+                # Its folder went to the trash under this write (lifecycle/retention.py): a deleted run's batch.
                 raise RunDeleted(f"run {rows.meta.run_id!r} was deleted while this batch was being stored; "
                                  "nothing was stored (send it again to start a fresh run)") from None
             result = self.committer.commit(segment, run)  # deletes the segment itself when the commit fails
@@ -84,7 +104,7 @@ class IngestPipeline:
         return result
 
     def close(self) -> None:
-        """Publish what the STALE feed holds and stop it (a no-op without replicas)."""
+        """Publish what the STALE feed holds and stop it (a no-op without replicas); the store stays open."""
         if self.feed is not None:
             self.feed.close()
 
@@ -97,7 +117,7 @@ _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 def storage_full_refused() -> Iterator[None]:
     """Turn a full disk into `StorageFull` (507): the writer keeps the batch and retries once space returns.
 
-    A full index disk is turned into StorageFull by the index backend itself (store/index_backends/).
+    A full index disk is turned into StorageFull by the index backend itself (store/index/backends/).
     """
     try:
         yield

@@ -1,50 +1,23 @@
-"""Ingest stage 3, segment: a checked batch becomes one durable Arrow IPC file (segment.md).
+"""Ingest stage 3, segment: a checked batch becomes one durable segment file (the bytes: store/segments/write.py).
 
-The file is written and its data fsynced before the run's lock is taken, so concurrent ingests
-overlap their writes and fsyncs; its folder's fsync (the rename) is left to the commit stage, which
-syncs each run folder once for a whole group of batches (commit.py). A segment is acknowledged
-once the commit stage's index rows name it (store/files.py says what start-up does with
-files no row names).
-
-In an object store (`REPLAY_SEGMENTS_URL`, store/segment_store.py) the same image is uploaded as one object,
-complete when the upload returns: nothing for the commit stage to sync. Uncompressed, it also carries block
-checksums and its buffers' offsets, so reads fetch only the rows they serve (`object_image`, store/ranges.py).
-
-A segment carries what its index rows say (segment.md): the batch's run, writer, seq,
-shape, digest, when it was written and the padding dropped per request, the rows' weight versions (as runs in
-its metadata, not a column: segment.md, "Weight versions"), and a CRC32C over all of it and the rows
-(`store/integrity.py`), checked whenever the segment is opened for reading.
+The file is written and its data fsynced before the run's lock is taken, so concurrent ingests overlap their
+writes and fsyncs; its folder's fsync (the rename) is left to the commit stage, which syncs each run folder once
+per group of batches (commit.py). A segment is acknowledged once the commit stage's index rows name it. In a
+bucket (`REPLAY_SEGMENTS_URL`) the image is one upload, complete when it returns: nothing left to sync.
 """
 
 from __future__ import annotations
 
-import errno
-import json
 import logging
-import os
-import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
-
-from replay_format.durable import fsync_dir
-from replay_format.segment import (
-    BUFFER_OFFSETS_KEY,
-    CHECKSUM_KEY,
-    IdLayout,
-    SegmentCompression,
-    SegmentMeta,
-    as_stored,
-)
-from replay_service.buffers import PAGE, BufferPool
+from replay_format.segment import IdLayout, SegmentCompression
+from replay_service.buffers import BufferPool
 from replay_service.checks.check import CheckedRows
 from replay_service.errors import SegmentStoreUnreachable
-from replay_service.store.durable import tmp_path
-from replay_service.store.integrity import seal
-from replay_service.store.ranges import buffer_offsets, fill_offsets, ranged_metadata
-from replay_service.store.segment_store import LocalSegments, S3Segments, SegmentStore
+from replay_service.store.segments.places import LocalSegments, S3Segments, SegmentStore
+from replay_service.store.segments.write import object_image, sealed_batch, segment_batch, segment_meta, write_segment
 
 log = logging.getLogger("replay_service")
 
@@ -82,7 +55,7 @@ class SegmentWriter:
             self.store.put(path, image)
             return Segment(checked, path, image.size, meta.written_ns)
         assert isinstance(self.store, LocalSegments)
-        batch = as_stored(seal(segment_batch(checked, meta)))
+        batch = sealed_batch(checked, meta)
         size = write_segment(self.store.root / path, batch, self.staging, fsync=self.fsync, direct=self.direct,
                              compression=self.compression, sync_folder=False)
         return Segment(checked, path, size, meta.written_ns, folder_unsynced=self.fsync)
@@ -91,133 +64,10 @@ class SegmentWriter:
         """Delete a segment the index will not name (a concurrent retry won, or the commit failed).
 
         An object store that does not answer keeps it: no index row names it, so the orphan collector deletes it
-        after its grace period (retention.py); the batch's own answer is not changed by a failed cleanup.
+        after its grace period (store/lifecycle/retention.py); the batch's own answer is not changed by a failed
+        cleanup.
         """
         try:
             self.store.delete(segment.path)
         except SegmentStoreUnreachable as exc:
             log.warning("could not delete the unindexed segment %s (%s); orphan collection will", segment.path, exc)
-
-
-def segment_meta(checked: CheckedRows, id_layout: IdLayout = IdLayout.ROWS) -> SegmentMeta:
-    """What the segment of `checked` says beside its rows (everything its index rows record)."""
-    rows = checked.rows
-    padding = {rows.request_ids[i]: int(checked.padding_dropped[i]) for i in np.flatnonzero(checked.padding_dropped)}
-    return SegmentMeta(rows.meta, checked.digest, time.time_ns(), padding, weight_versions=rows.weight_versions,
-                       id_layout=id_layout)
-
-
-def segment_batch(checked: CheckedRows, meta: SegmentMeta) -> pa.RecordBatch:
-    """The unsealed record batch of a segment: the rows with the service's flags, `meta` as its schema metadata.
-
-    The rows' weight versions are in `meta` (runs, segment.md "Weight versions"), not a `weight_version` column.
-    """
-    return replace(checked.rows, weight_versions=None).to_record_batch(checked.flags, meta.to_metadata())
-
-
-def segment_image(batch: pa.RecordBatch, compression: SegmentCompression = SegmentCompression.NONE) -> pa.Buffer:
-    """`batch` as a whole Arrow IPC file image in memory (an object store's upload)."""
-    sink = pa.BufferOutputStream()
-    _write_ipc_file(sink, batch, compression.ipc_options())
-    return sink.getvalue()
-
-
-def object_image(batch: pa.RecordBatch, compression: SegmentCompression = SegmentCompression.NONE) -> pa.Buffer:
-    """An unsealed segment batch sealed, as the whole image an object store holds.
-
-    Uncompressed, it also carries its block checksums and its buffers' offsets (segment.md, "Blocks";
-    store/ranges.py), so a read fetches only the blocks of the rows it asks for. Finding the offsets takes a
-    second image build (a copy of the batch in memory, small beside the upload); local segments, read through a
-    memory map, carry neither.
-    """
-    if compression is not SegmentCompression.NONE:  # compressed buffers have no byte range per row
-        return segment_image(as_stored(seal(batch)), compression)
-    md = ranged_metadata(batch)
-    first = segment_image(batch.replace_schema_metadata({**md, CHECKSUM_KEY: "0" * 8}))  # the checksum's width
-    md = fill_offsets(md, first)
-    image = segment_image(seal(batch.replace_schema_metadata(md)))
-    if json.loads(md[BUFFER_OFFSETS_KEY]) != buffer_offsets(image):  # same widths, same places: checked, never assumed
-        raise RuntimeError("a segment's buffers moved between its two image builds")
-    return image
-
-
-def write_segment(path: Path, batch: pa.RecordBatch, staging: BufferPool, fsync: bool = True,
-                  direct: bool = True, compression: SegmentCompression = SegmentCompression.NONE,
-                  sync_folder: bool = True) -> int:
-    """Write `batch` as an Arrow IPC file at `path` atomically; returns its size in bytes.
-
-    With `fsync`, the file's data is fsynced before its rename, and its folder after it unless
-    `sync_folder` is False (the ingest commit syncs each run folder once per group: commit.py).
-
-    The file image is built in a reused staging buffer and, with `direct`, written
-    with O_DIRECT: the bytes go to disk without first being copied into freshly
-    allocated page cache (measured: most of the write's CPU on the bench VM, see
-    buffers.py). Reads later fault the pages in from disk. A filesystem without
-    O_DIRECT (tmpfs) gets an ordinary buffered write. With `compression` (segment.md,
-    "Compression") the image is encoded and compressed once, then copied into the staging buffer.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_path(path)
-    options = compression.ipc_options()
-    compressed = None
-    if compression is SegmentCompression.NONE:
-        counter = pa.MockOutputStream()  # sized first, then written straight into the staging buffer
-        _write_ipc_file(counter, batch, options)
-        size = counter.size()
-    else:  # compressing twice (size, then image) would double the codec's cost
-        sink = pa.BufferOutputStream()
-        _write_ipc_file(sink, batch, options)
-        compressed = sink.getvalue()
-        size = compressed.size
-    padded = -(-size // PAGE) * PAGE  # O_DIRECT writes whole aligned blocks; truncated back below
-    try:
-        with staging.borrowed(padded) as image:
-            if compressed is None:
-                _write_ipc_file(pa.FixedSizeBufferWriter(pa.py_buffer(image)), batch, options)
-            else:
-                image[:size] = memoryview(compressed).cast("B")
-            fd, direct = _open_new(tmp, direct)
-            try:
-                try:
-                    _write_all(fd, image if direct else image[:size])
-                except OSError as exc:
-                    if not direct or exc.errno != errno.EINVAL:
-                        raise
-                    os.close(fd)  # the filesystem took O_DIRECT at open but not on write
-                    fd, direct = _open_new(tmp, direct=False)
-                    _write_all(fd, image[:size])
-                if direct:
-                    os.ftruncate(fd, size)
-                if fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a failed write (ENOSPC) leaves no partial file; the API answers 507
-        raise
-    if fsync and sync_folder:
-        fsync_dir(path.parent)
-    return size
-
-
-def _open_new(path: Path, direct: bool) -> tuple[int, bool]:
-    """A new file for writing, and whether it is open with O_DIRECT."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    if direct and hasattr(os, "O_DIRECT"):
-        try:
-            return os.open(path, flags | os.O_DIRECT, 0o644), True
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-    return os.open(path, flags, 0o644), False
-
-
-def _write_all(fd: int, data: memoryview) -> None:
-    while data:  # a regular file takes it in one call; a short write is still no reason to lose bytes
-        data = data[os.write(fd, data):]
-
-
-def _write_ipc_file(sink, batch: pa.RecordBatch, options: pa.ipc.IpcWriteOptions) -> None:
-    with pa.ipc.new_file(sink, batch.schema, options=options) as writer:
-        writer.write_batch(batch)

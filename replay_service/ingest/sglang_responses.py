@@ -1,19 +1,10 @@
 """A whole SGLang `/generate` answer as returned (one item, or a batch's list), decoded into one upload per item.
 
-What SGLang 0.5.23 puts in each item (its `tokenizer_manager.py`, `_handle_batch_output`): `{"text", "output_ids",
-"meta_info"}` (`prompt_token_ids` too when the request asked `return_prompt_token_ids`), `meta_info` holding `id`
-(the request id), `prompt_tokens` (len(origin_input_ids)), `completion_tokens` (the output tokens through the stop),
-`weight_version` (the server's label) and, for a finished request, `weight_versions` (spans over output tokens,
-utils/weight_versions.py `add_weight_versions_to_meta_info`), and `routed_experts` (base64 of the capturer's int32
-`(rows, num_hidden_layers, top_k)` buffer) when the request asked `return_routed_experts`. SGLang after 0.5.23
-(srt/state_capturer/routed_experts_wire.py) narrows the ids to `SGLANG_ROUTED_EXPERTS_DTYPE` (uint8 or uint16,
-int32 again when an id does not fit) and names the dtype sent in `meta_info["routed_experts_dtype"]`; absent, int32.
-
-The rows cover positions `[routed_experts_start_len, prompt_tokens + completion_tokens - 1)`; the start is a request
-field (one for a whole batch: io_struct.py `GenerateReqInput.routed_experts_start_len`, copied to every item), so
-the caller says it. A batched `/generate` answers a list in the order of its prompts (`n > 1` samples each under an
-id of its own). Every item is decoded and checked before anything is stored (`decode_sglang_response`): an error
-names the item's index and request id, and nothing of the answer is stored.
+Contract (`decode_sglang_response`): each item's `meta_info.routed_experts` (of `routed_experts_dtype`, int32 when
+absent) becomes rows at positions `[start, prompt_tokens + completion_tokens - 1)`, `start` being the request's
+`routed_experts_start_len` (the caller's, one per answer), under `meta_info.id` or the caller's `request_ids`. Every
+item is decoded and checked before any is stored; an error names the item's index and request id.
+Design: docs/design/ingest.md ("SGLang's /generate answers").
 """
 
 from __future__ import annotations
@@ -99,7 +90,8 @@ def _item_upload(item: object, meta: object, run_id: str, request_id: str, run_s
     ids = sglang_ids(meta["routed_experts"], sglang_ids_dtype(meta, "meta_info."), "meta_info.")
     prompt, completion = _count(meta, "prompt_tokens"), _count(meta, "completion_tokens")
     start = options.start
-    if start > prompt:  # SGLang aborts such a request (scheduler.py: "is higher than the number of input tokens")
+    # SGLang aborts such a request (sglang/srt/managers/scheduler.py: "is higher than the number of input tokens")
+    if start > prompt:
         raise InvalidInput(f"routed_experts_start_len={start} is beyond the prompt's {prompt} tokens")
     rows = prompt + completion - 1 - start
     if rows < 1:

@@ -1,13 +1,10 @@
 """The STALE table's feed between hosts: replicas on one PostgreSQL index learn each other's recently stored rows.
 
-Each host keeps its own table (`checks/recent.py`). Under replicas a process notes the rows it stored (`note`: the
-rows its table remembered, after their batch committed); a thread publishes them to the index every
-`interval_s`, one entry per flush (24 bytes a row: hash, request key, position, token id), and adds every other
-host's entries to this host's table, so a copy reaching this replica is flagged when its original went through
-another. Nothing waits on it in an ingest. What it cannot see: a copy that reaches another replica before the feed
-carried its original there (under two intervals and a query), and entries older than `window_s` (pruned; a
-replica that starts learns the last window's). An entry is published once; a flush that fails is dropped (the
-table is lossy by design) and counted.
+Contract: `note` queues the rows this process stored and its table remembered (bounded; no ingest waits on the
+feed); a thread (`start`, `close`) publishes them to the index every `interval_s` and adds every other host's entries
+of the last `window_s` to this host's table (checks/recent.py). Lossy by design: a flush that fails is dropped and
+counted, never retried.
+Design: docs/design/ingest.md ("The STALE feed between replicas").
 """
 
 from __future__ import annotations

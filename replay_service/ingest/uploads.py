@@ -1,4 +1,4 @@
-"""Decoded route uploads stored: one request's route (or one turn of it), or every item of an engine's answer.
+"""Decoded route uploads stored through the ingest pipeline: one request's route (or a turn), or an engine's answer.
 
 An upload that cannot land is refused before anything is stored (`RouteStore.check_upload`: a start past the
 request's end, a finish that disagrees); an answer of many items checks every item first, so a refusal stores none
@@ -10,25 +10,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from replay_service.ingest.decode import Upload
+from replay_service.ingest.pipeline import IngestPipeline
 from replay_service.ingest.responses import ResponseItem
-from replay_service.store import RouteStore
-from replay_service.store.ingest_stage import IngestResult
+from replay_service.ingest.result import IngestResult
 
 
-def store_upload(store: RouteStore, run_id: str, request_id: str, upload: Upload, finish: bool) -> IngestResult:
+def store_upload(pipeline: IngestPipeline, run_id: str, request_id: str, upload: Upload,
+                 finish: bool) -> IngestResult:
     """Store one request's upload (checked first); its batch's answer."""
-    store.check_upload(run_id, request_id, upload.start, upload.num_tokens, finish)
-    return _store(store, run_id, request_id, upload, finish)
+    pipeline.store.check_upload(run_id, request_id, upload.start, upload.num_tokens, finish)
+    return _store(pipeline, run_id, request_id, upload, finish)
 
 
-def store_items(store: RouteStore, run_id: str, items: Sequence[ResponseItem], finish: bool) -> list[IngestResult]:
+def store_items(pipeline: IngestPipeline, run_id: str, items: Sequence[ResponseItem],
+                finish: bool) -> list[IngestResult]:
     """Store every item of an engine's answer, each checked before the first is stored; their answers in order."""
     for item in items:
-        store.check_upload(run_id, item.request_id, item.upload.start, item.upload.num_tokens, finish)
-    return [_store(store, run_id, item.request_id, item.upload, finish) for item in items]
+        pipeline.store.check_upload(run_id, item.request_id, item.upload.start, item.upload.num_tokens, finish)
+    return [_store(pipeline, run_id, item.request_id, item.upload, finish) for item in items]
 
 
-def _store(store: RouteStore, run_id: str, request_id: str, upload: Upload, finish: bool) -> IngestResult:
-    result = store.ingest(upload.rows)
-    store.end_upload(run_id, request_id, upload.start, upload.num_tokens, finish)
+def _store(pipeline: IngestPipeline, run_id: str, request_id: str, upload: Upload, finish: bool) -> IngestResult:
+    result = pipeline.ingest(upload.rows)
+    pipeline.store.end_upload(run_id, request_id, upload.start, upload.num_tokens, finish)
     return result

@@ -1,17 +1,12 @@
 """A whole vLLM answer as returned (completions, chat, or the offline `RequestOutput`), decoded into one upload per
 choice (`replay_format/vllm_response.md`).
 
-Each choice is stored under the id the plugin would store it under, from the answer alone
-(`replay_format.vllm_ids`: `cmpl-<id>-<prompt>`, `chatcmpl-<id>`, the offline request id; `<i>_` before it for
-`n > 1`), at `start` (the request's `routed_experts_prompt_start`: one for the whole request), with its array's
-dtype and layers as sent, its tokens where the answer carries them (`return_token_ids`; the offline output always),
-and its weight-version spans (the offline output; the OpenAI server's answers carry none).
-
-What can be checked is checked before anything is stored, and a refusal names the choice: a choice without
-`routed_experts` (the server runs without `--enable-return-routed-experts`, or the request was aborted before its
-first forward), a start beyond its prompt, and an array shorter or longer than its tokens say (a truncated or
-foreign array). The tokens are known from the choice's `prompt_token_ids` / `token_ids` when the request asked for
-them, else from `usage` (a response's prompts and completions in all, so every choice's rows must add up to it).
+Contract (`decode_vllm_response`): each choice is stored under the id the plugin would store it under
+(`replay_format.vllm_ids`), at the request's `routed_experts_prompt_start`, with its dtype and layers as sent, its
+tokens and weight-version spans where the answer carries them. Every choice is checked before any is stored (no
+`routed_experts`, a start beyond its prompt, an array longer or shorter than its tokens or `usage` say); a refusal
+names the choice.
+Design: docs/design/ingest.md ("vLLM's answers").
 """
 
 from __future__ import annotations

@@ -79,9 +79,14 @@ def serve(
             "start-up: deleted %d unfinished segment writes, quarantined %d unindexed segments (under %s)",
             len(store.swept.removed), len(store.swept.quarantined), data / "quarantine")
     if demo:
+        from replay_service.ingest.pipeline import IngestPipeline
         from replay_service.ops.demo import load_demo
 
-        summary = load_demo(store)
+        demo_pipeline = IngestPipeline.over(store)
+        try:
+            summary = load_demo(demo_pipeline)
+        finally:
+            demo_pipeline.close()
         typer.echo(f"demo run {summary.run_id!r}: {summary.requests} requests, {summary.rows} rows")
     from replay_service.ops.workers import WorkerCannotStart, reload_tokens_on_sighup, run_workers, worker_count
 
@@ -146,7 +151,7 @@ def reindex(
     before segment 2.2).
     """
     from replay_service.ops.reindex import reindex as rebuild
-    from replay_service.store.segment_store import open_segment_store
+    from replay_service.store.segments.places import open_segment_store
 
     settings = ServiceSettings(data_dir=data)
     try:
@@ -193,7 +198,7 @@ def verify(
     major, a damaged line) is named.
     """
     from replay_service.ops.verify import verify_store
-    from replay_service.store.segment_store import open_segment_store
+    from replay_service.store.segments.places import open_segment_store
 
     settings = ServiceSettings(data_dir=data)
     try:
@@ -217,8 +222,8 @@ def verify(
 
 
 # delete, gc and export work on the store, not through the API: they need no token and no running service, and
-# use the service's own code and settings (store/retention.py, ops/export.py): the index and segments are where
-# REPLAY_INDEX_URL and REPLAY_SEGMENTS_URL put them, as for `serve`. delete and gc change the index: run them
+# use the service's own code and settings (store/lifecycle/retention.py, ops/export.py): the index and segments are
+# where REPLAY_INDEX_URL and REPLAY_SEGMENTS_URL put them, as for `serve`. delete and gc change the index: run them
 # with the service stopped (on a running one: DELETE /v1/runs/{run}, and REPLAY_RETENTION_* settings); with a
 # PostgreSQL index and a bucket, `gc --orphans` is safe beside running replicas.
 
@@ -258,7 +263,7 @@ def gc(
 ) -> None:
     """Delete the least recently written unpinned runs of DATA until under the limits (with the service stopped)."""
     from replay_service.app import open_store
-    from replay_service.store.retention import collect_orphans, delete_run, due
+    from replay_service.store.lifecycle.retention import collect_orphans, due
 
     settings = ServiceSettings(data_dir=data)
     cap = settings.retention_max_bytes if max_bytes is None else max_bytes
@@ -266,7 +271,7 @@ def gc(
     if orphans:
         from replay_service.store import index_target
         from replay_service.store.index import Index
-        from replay_service.store.segment_store import LocalSegments, open_segment_store
+        from replay_service.store.segments.places import LocalSegments, open_segment_store
 
         try:
             segments = open_segment_store(data, settings.segments_url)
@@ -298,7 +303,7 @@ def gc(
         with _progress() as progress:
             task = progress.add_task("deleting runs", total=len(chosen))
             for run_id, reason in chosen:
-                removed = delete_run(store, run_id, reason)
+                removed = store.delete_run(run_id, reason)
                 freed += removed.bytes
                 progress.console.print(f"deleted run {run_id!r}: {reason}; {removed.bytes} bytes")
                 progress.advance(task)

@@ -1,35 +1,13 @@
 """uvicorn's HTTP/1.1 protocols with the bounds they lack: idle new connections, slow request heads, and the number
 of connections.
 
-uvicorn starts its keep-alive timer only after a response, so a connection that never sends a
-request stays open for ever, and `limit_concurrency` counts it: a few hundred idle sockets make
-every later request a 503. Here the same timer (`timeout_keep_alive`) also runs from the moment
-a connection is made (any byte received stops it, as uvicorn does between requests), and a
-connection past `limit_concurrency` is closed at once instead of being held.
+`BoundedHttpToolsProtocol` (what `serve` runs: `PROTOCOL`, `protocol(settings)` sets its header timeout) closes a
+connection that sends no request within `timeout_keep_alive`, answers a JSON 408 to a request head not complete
+`header_timeout_s` (REPLAY_HEADER_TIMEOUT_S) after its first byte, and at `limit_concurrency` makes room by closing
+the connection that has waited longest for a head (else closes the newcomer or answers 503, as uvicorn does). It also
+writes and receives body parts without uvicorn's copies. `BoundedH11Protocol` has the first two bounds only.
 
-Nor does uvicorn bound a request head: one header line every few seconds holds a slot for ever, before any
-authentication (2,300 such connections held both workers' 1,024 slots, and no writer got through: issue 41).
-`BoundedHttpToolsProtocol` also
-- closes a connection whose request head is not complete `header_timeout_s` (REPLAY_HEADER_TIMEOUT_S) after its
-  first byte (blank lines where a head is due count), on a new connection or a kept-alive one, with a JSON 408
-  (a late pipelined head: after the answer under way);
-- at the limit, makes room: the connection that has waited longest for a head (sending one, or idle; none has a
-  request under way) gives way to a new connection, instead of that one being closed, and to a complete head,
-  instead of uvicorn's 503; one sending its head is answered a JSON 503 naming the limit. Only with every
-  connection's request under way is a newcomer closed, or a request answered 503, as before.
-Connections closed by these bounds are logged in one line per 10 s per worker, however many.
-
-The service runs `BoundedHttpToolsProtocol` (`PROTOCOL`; `protocol(settings)` sets its header timeout): httptools
-parses in C and writes each body part to the transport as it is (a memoryview of the route's ids goes out uncopied),
-where h11 joins every body event into new bytes (a copy of every answer, ~20% of a route GET).
-(httptools comes with `uvicorn[standard]`, a dependency.) `BoundedH11Protocol` stays, tested alike, with the first
-two bounds only.
-
-`BoundedHttpToolsProtocol` also receives request bodies with fewer copies. uvicorn appends each part httptools
-hands it to a `bytearray` and gives the app `bytes(...)` of it: two copies of every body byte on the event loop
-(a 3 MB ingest body: ~1 ms of its ~5 ms there, `bench/ingest.py`). Here a part that arrives while nothing is
-waiting to be read is kept as the `bytes` it came as, and `bytes()` of `bytes` is the object itself: no copy. Parts
-that arrive before the app reads are joined, as before.
+Design: docs/design/service_workers.md.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ from replay_format import Flag, RunShape, Source
 from replay_format.compare import build_compare_body
 from replay_format.rows import Rows, RowsMeta
 from replay_service.compare.comparison import run_compare
+from replay_service.ingest.pipeline import IngestPipeline
 from replay_service.store import RequestStatus, RouteStore
-from replay_service.store.summaries import RunRecord
+from replay_service.store.requests.summaries import RunRecord
 
 DEMO_RUN = "demo"
 DEMO_SHAPE = RunShape(num_moe_layers=48, top_k=8, num_experts=128)
@@ -64,11 +65,13 @@ def _incoming(parts: list[dict], seq: int) -> Rows:
     )
 
 
-def load_demo(store: RouteStore, seed: int = 7) -> RunRecord:
+def load_demo(pipeline: IngestPipeline, seed: int = 7) -> RunRecord:
     """Store the demo run (once: it is idempotent) and return its run summary.
 
     A store that holds the whole demo already (its comparison is stored last) is not written again: the
-    routes are not even made (a second `serve --demo` starts at once)."""
+    routes are not even made (a second `serve --demo` starts at once). Its batches go through `pipeline`, as an
+    ingest's would."""
+    store = pipeline.store
     if store.has_run(DEMO_RUN) and _stored_compare(store) is not None:
         return store.run_summary(DEMO_RUN)
     rng = np.random.default_rng(seed)
@@ -78,7 +81,7 @@ def load_demo(store: RouteStore, seed: int = 7) -> RunRecord:
         n = int(rng.integers(64, 2048))
         clean.append(_rows(f"clean-{i:02d}", np.arange(n), synthetic_routes(rng, n), rng.integers(0, 32000, n)))
         finished[f"clean-{i:02d}"] = n + 1
-    store.ingest(_incoming(clean, 0))
+    pipeline.ingest(_incoming(clean, 0))
 
     n = 512
     kinds = ("zero", "duplicate", "out-of-range", "stale", "gap", "padding", "conflict")
@@ -106,16 +109,16 @@ def load_demo(store: RouteStore, seed: int = 7) -> RunRecord:
         else:
             parts.append(_rows(f"flagged-{name}", positions, experts, tokens[name], flags))
         finished[f"flagged-{name}"] = n + 1
-    store.ingest(_incoming(parts, 1))
+    pipeline.ingest(_incoming(parts, 1))
     # The same positions again with other ids: a recompute that disagrees.
     again = synthetic_routes(rng, 3)
-    store.ingest(_incoming([_rows("flagged-conflict", [20, 21, 22], again, tokens["conflict"][20:23])], 2))
+    pipeline.ingest(_incoming([_rows("flagged-conflict", [20, 21, 22], again, tokens["conflict"][20:23])], 2))
     for request_id, num_tokens in finished.items():
         store.finish(DEMO_RUN, request_id, num_tokens, RequestStatus.FINISHED)
     # One request still generating (open), and one aborted halfway.
     for seq, (request_id, n) in enumerate((("open-0", 300), ("aborted-0", 90)), start=3):
         part = _rows(request_id, np.arange(n), synthetic_routes(rng, n), rng.integers(0, 32000, n))
-        store.ingest(_incoming([part], seq))
+        pipeline.ingest(_incoming([part], seq))
     store.finish(DEMO_RUN, "aborted-0", 91, RequestStatus.ABORTED)
     load_demo_compare(store)
     return store.run_summary(DEMO_RUN)

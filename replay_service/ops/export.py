@@ -1,18 +1,13 @@
 """`replay-service export RUN --to FILE.parquet`: a run's rows as one Parquet file, streamed by request.
 
-Columns (one row per request and position, as a route read serves them, GAP rows included):
+`export_run(data_dir, run_id, target)` writes one row per request and position, as a route read serves them (GAP
+rows included), with the columns of `export_schema`: `request`, `position` (row p routes token p+1's forward pass),
+`token` (null if unknown), `experts` (`list<list<uint8|16>>`, [moe layer][k] in the run's MoE-layer order) and
+`flags` (replay_format Flag bits, 0: clean); the file's metadata `routing_replay.run` holds the run's shape as JSON.
+Read-only on the index and segments, so it may run beside the service; memory stays bounded: one request's rows (at
+most `max_read_rows` per piece) and one row group at a time.
 
-    request   string                 the request id
-    position  int32                  token position (row p routes token p+1's forward pass)
-    token     int32, null if unknown the token id at the position
-    experts   list<list<uint8|16>>   [moe layer][k] expert ids, in the run's MoE-layer order
-    flags     uint16                 replay_format Flag bits (0: clean)
-
-Nested lists read as is in pandas (arrays of arrays), DuckDB (`UTINYINT[][]`) and Polars
-(`List(List(UInt8))`). The file's metadata `routing_replay.run` holds the run's shape as JSON.
-Read-only on the index and segments (wherever the service's settings put them: REPLAY_INDEX_URL,
-REPLAY_SEGMENTS_URL), so it may run beside the service; memory stays
-bounded: one request's rows (at most `max_read_rows` per piece) and one row group at a time.
+Design: docs/design/operations.md.
 """
 
 from __future__ import annotations
@@ -29,12 +24,12 @@ from replay_format import NO_TOKEN, Flag
 from replay_service.errors import NotFound
 from replay_service.settings import ServiceSettings
 from replay_service.store import index_target
-from replay_service.store.files import SegmentCache
 from replay_service.store.index import Index, count_column
-from replay_service.store.reads import RouteRows, RowReader
+from replay_service.store.requests.rows import RouteRows, RowReader
+from replay_service.store.requests.summaries import expected_rows
 from replay_service.store.runs import shape_of
-from replay_service.store.segment_store import open_segment_store
-from replay_service.store.summaries import expected_rows
+from replay_service.store.segments.cache import SegmentCache
+from replay_service.store.segments.places import open_segment_store
 
 ROW_GROUP_ROWS = 1 << 16  # rows buffered before a row group is written
 

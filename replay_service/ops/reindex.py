@@ -1,30 +1,13 @@
 """`replay-service reindex`: rebuild the index from the segments (and the run journals), with the service stopped.
 
-Each segment says what its index rows say (segment.md), so the index is rebuilt by committing
-every segment again through the ingest pipeline's own commit stage (`ingest/commit.py`), a run's segments in
-the order they were written, merged by time with the run's journal (`store/journal.py`: creation time, request ends,
-prefix-cache references). What that restores: runs (shape, source, creation time, bytes, expert load),
-requests (rows, counters, ends), spans, segments with their digests (idempotent retries keep working), flags
-(the stored verdicts, STALE included), late CONFLICT flags and padding counts, prefix-cache references and
-the rows they resolve.
+`reindex(data_dir, settings, restore=...)` commits every segment again through the ingest pipeline's own commit
+stage, a run's segments in write order merged by time with the run's journal (`restore`: quarantined segments moved
+back first): runs, requests, spans, segments, flags, references and counters come back; stored comparisons' index
+rows do not, and damaged or pre-2.2 segments are listed and left in place (`ReindexReport`). SQLite: the new index is
+written beside the old one and renamed into place, the old kept as `index.sqlite.before-reindex-<time>`. PostgreSQL
+(`REPLAY_INDEX_URL`): the database must hold no run (else Conflict); stop every replica first.
 
-What it cannot restore: stored comparisons' index rows (`compares/` files stay; their listing is empty until
-compared again); segments that fail their checksum or were written before segment 2.2 (listed, left in place:
-the next start quarantines them); and, where two batches held different rows at one position of one request
-(a CONFLICT) and their commits raced in the other order than their writes, which of the two is served (both
-are flagged CONFLICT either way). A journal line not yet appended when the service crashed is lost too (the
-writer's retry appends it again).
-
-The rebuilt index is written beside the old one and renamed into place; an old index is kept as
-`index.sqlite.before-reindex-<time>`, never deleted.
-
-PostgreSQL (`REPLAY_INDEX_URL`): what an operator needs after losing the database. The index is rebuilt from the
-segments and journals wherever they are (a bucket holds every replica's, journal.py) into the database the URL
-names, which must hold no run: a new, empty database (the service creates the schema); a database that holds
-runs is refused (Conflict), never merged into or replaced. There is no rename into place: stop every replica
-first, and if the rebuild fails half-way, drop and create the database again before retrying. Segments and
-journals are read through the same interfaces the service uses (SegmentStore, journal.py), so local segments
-with a PostgreSQL index work alike.
+Design: docs/design/operations.md.
 """
 
 from __future__ import annotations
@@ -50,15 +33,15 @@ from replay_service.errors import Conflict, DamagedSegment
 from replay_service.ingest.commit import Committer
 from replay_service.ingest.segment import Segment, SegmentWriter
 from replay_service.settings import ServiceSettings
-from replay_service.store.files import QUARANTINE_DIR, SegmentCache, quarantine_segment, segment_files
-from replay_service.store.health import HealthTables
 from replay_service.store.index import Index, RequestStatus
-from replay_service.store.integrity import open_segment
-from replay_service.store.journal import open_journal, run_lines
-from replay_service.store.reads import RowReader
-from replay_service.store.references import Resolver
+from replay_service.store.lifecycle.journal import open_journal, run_lines
+from replay_service.store.requests.references import Resolver
+from replay_service.store.requests.rows import RowReader
 from replay_service.store.runs import RunRegistry
-from replay_service.store.segment_store import LocalSegments, SegmentStore, open_segment_store
+from replay_service.store.segments.cache import QUARANTINE_DIR, SegmentCache, quarantine_segment, segment_files
+from replay_service.store.segments.integrity import open_segment
+from replay_service.store.segments.places import LocalSegments, SegmentStore, open_segment_store
+from replay_service.store.tables.health import HealthTables
 
 INDEX_NAME = "index.sqlite"
 SIDE_FILES = ("", "-wal", "-shm")  # SQLite's files of one database

@@ -1,17 +1,12 @@
 """`kill -USR1 PID` of a serving process writes the Python stack of each of its threads to the service's log.
 
-A service that hangs (a request that never answers, a commit that never ends) shows where each thread waits
-without a debugger or a restart: the process that serves (`serve --workers 1`, or each worker of several)
-registers Python's `faulthandler` for SIGUSR1, whose handler runs in C and prints even while a thread is blocked
-inside a C call (a socket read, a database driver). The process keeps serving. With several workers, signal the
-workers (`pgrep -P PARENT`): the supervisor, uvicorn's, holds SIGUSR1 blocked and does nothing with it.
+`dump_stacks_on_signal` registers Python's `faulthandler` for SIGUSR1 (`STACKS_SIGNAL`) in the process that serves
+(`serve --workers 1`, or each worker of several): it prints even while a thread is blocked in C, and the process
+keeps serving. With several workers, signal the workers (`pgrep -P PARENT`): uvicorn's supervisor holds the signal
+blocked (`hold_stacks_signal`, before it spawns them), so a worker signalled while starting dumps once registered
+rather than dying. faulthandler prints at most 100 frames a thread, newest first.
 
-The supervisor blocks the signal before it spawns the workers (`hold_stacks_signal`), so each worker starts with it
-blocked and unblocks it once its dump is registered: a worker signalled in the first moments of its start dumps
-then, rather than dying of the signal's default action.
-
-faulthandler prints at most 100 frames of a thread, newest first, and marks a cut with `  ...`: a worker still in
-its start-up (the lifespan runs deep inside the middleware stack) can show its stack cut before its first frames.
+Design: docs/design/service_workers.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """`replay-service verify`: check every segment of a data directory against its checksum, and every line of its run
 journals, beside a running service.
 
-Each segment is opened and checked whole as a read would (`store/integrity.py`, `open_segment`); the segments the
-store holds and those the index names are both checked, so a segment the index names that is not stored counts as
-damaged. Each run's journal is read as `reindex` reads it (replay_format/journal.md): a line it could not replay (a
-newer major, a damaged line) is named, so it is found before the index is lost, not while rebuilding it. Read-only:
-nothing is changed, the index is opened without fsync.
+Each segment is opened and checked whole as a read would (`store/segments/integrity.py`, `open_segment`): those the
+store holds and those the index names, so a named segment that is not stored counts as damaged. Each run's journal
+is read as `reindex` reads it (replay_format/journal.md): a line it could not replay (a newer major, a damaged
+line) is named, found before the index is lost. Read-only: nothing is changed, the index is opened without fsync.
 """
 
 from __future__ import annotations
@@ -17,9 +16,9 @@ from pathlib import Path
 from replay_format.journal import BadLine, JournalLines
 from replay_service.errors import DamagedSegment
 from replay_service.store.index import Index
-from replay_service.store.integrity import open_segment
-from replay_service.store.journal import open_journal, run_lines
-from replay_service.store.segment_store import LocalSegments, SegmentStore
+from replay_service.store.lifecycle.journal import open_journal, run_lines
+from replay_service.store.segments.integrity import open_segment
+from replay_service.store.segments.places import LocalSegments, SegmentStore
 
 
 @dataclass

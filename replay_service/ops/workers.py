@@ -1,44 +1,13 @@
 """`serve` on every core: worker processes over one index and one segment store, sharing one listening socket.
 
-    serve (the parent)                                    each worker (uvicorn's supervisor spawns N)
-      open the store alone: migrate the index, check   ->   worker_app(): the parent's settings, its share of
-      it against the segments, sweep, the demo; close        the body budget, the STALE table, the tokens; dies
-      a fresh folder: PROMETHEUS_MULTIPROC_DIR, the          with the parent; create_app(..., Processes.WORKER)
-      STALE table file, the tokens' snapshot
-      Supervisor (uvicorn's, SIGHUP: reload the tokens):
-      bind the socket, start the workers, replace one
-      that dies, stop when one cannot start
+The parent opens the store alone (migrate, check, sweep, the demo), makes a fresh shared folder (Prometheus
+multiprocess files, the STALE table, the tokens' snapshot) and runs uvicorn's supervisor (`run_workers`,
+`Supervisor`; SIGHUP reloads the tokens), which starts `worker_count` workers and replaces one that dies. Each worker
+(`worker_app`) serves `create_app(..., Processes.WORKER)` with the parent's settings and its share of the body budget,
+and dies with the parent. State that must hold across workers lives in the index or in files every worker maps. A
+worker that cannot start stops them all: `run_workers` raises `WorkerCannotStart` with its cause, and `serve` exits.
 
-The kernel hands each new connection to one worker, and every request on it stays there (HTTP keep-alive). Not
-evenly: on the one shared socket the first worker to wake accepts every connection waiting, so writers that
-connect together can all land on one worker (README, "What the floors say": in 9 runs of 4 writers on 2 workers,
-3 put all four on one). One socket per worker with SO_REUSEPORT would spread them by address hash, which is as
-blind to load (all four on one in 1 draw of 8); what would even them is a worker that stops accepting while it
-holds more than its share. Neither is done. What each worker keeps for itself, and how it stays right across them:
-
-- idempotency keys, the CONFLICT rule, ownership, request counters, the expert load, run health: the index,
-  shared (SQLite: one write lock over every worker's transactions; PostgreSQL as between replicas).
-- group commit: per worker; each groups its own writers' batches into one index transaction.
-- run registry: re-read from the index on every lookup (`Index.shared`), so a run deleted or widened by
-  another worker is seen at once.
-- STALE content table: one per host, a file every worker maps (checks/recent.py), made by the parent before its
-  workers start; a copy is found whichever worker stored the original.
-- retention passes: every worker runs them; a run deleted by one is gone for all (the index decides).
-- connection bounds: `max_connections` per worker (each has its own sockets and descriptors);
-  `max_body_bytes_in_flight` is the service's, split between the workers.
-- `/metrics`: every worker's counters summed (metrics.py), run health read from the index once.
-- tokens: the parent reads the tokens file once and shares a snapshot every worker maps (api/auth.py `Tokens`); a
-  worker never reads the file, so a replacement holds the others' tokens, and a reload (SIGHUP to the parent, or
-  the admin call through any worker) switches every worker at once, only to a file that parses.
-
-A worker that cannot build or start its app (the shared folder gone, the index unreachable to it) exits with
-uvicorn's STARTUP_FAILURE, on which the supervisor stops every worker: `run_workers` raises its cause, and `serve`
-exits with it, rather than uvicorn replacing that worker with another that fails alike, forever, on a bound port.
-
-`kill -9` of one worker loses only what it had not acknowledged (acknowledged means committed), and uvicorn starts
-another in its place; the new worker does not sweep (another's ingest may be about to commit): what the killed one
-had written but not committed stays unindexed until the next start of the service sweeps it. `kill -9` of the parent
-takes every worker with it (`PR_SET_PDEATHSIG`), so a restart never meets an old worker on the port.
+Design: docs/design/service_workers.md.
 """
 
 from __future__ import annotations

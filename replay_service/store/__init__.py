@@ -1,58 +1,42 @@
-"""The embedded route store: a directory of Arrow IPC segment files plus a SQLite index.
+"""The route store: runs, requests and their rows in one data directory; `RouteStore` is the service's one handle.
 
-Layout under the data directory:
+    index/       the SQL index (SQLite beside the segments, or PostgreSQL shared by replicas)
+    segments/    the segment files: written, sealed, read back; local files or a bucket
+    requests/    a request's rows read, references resolved, ends and summaries
+    tables/      run-health and comparison tables        lifecycle/   journals and retention
+    runs.py      the run registry
 
-    index.sqlite                      spans, counters, idempotency keys (WAL)   index.py
-    runs/<run_id>/<uuid>.arrow        one segment per acknowledged ingest batch files.py
-    compares/<run_id>/<id>.npz        stored comparisons                        compares.py
-                                      run-health tables (in the index)          health.py
-    trash/                            folders of runs being deleted             retention.py
-
-Segments may live in an S3-compatible bucket instead (`REPLAY_SEGMENTS_URL=s3://bucket/prefix`,
-segment_store.py), the runs' journals with them (journal.py); the index may be a PostgreSQL database
-(`REPLAY_INDEX_URL`) that any number of replicas share (`index_target`).
-
-`RouteStore` is the service's one handle on it. Batches come in through the ingest pipeline it is
-opened with (`replay_service.ingest`: decode -> check -> segment -> commit; it stands above the store and
-is given to it, `ingest_stage.py`, by `replay_service.app.open_store`); an ingest is acknowledged
-after its segment is fsynced and renamed into place and its index rows are committed
-(synchronous=FULL). Reading a request asks the index for its spans (segment, row range,
-position range) and slices the memory-mapped segments (reads.py): no file of the run is
-scanned. The run registry (runs.py) keeps each run's shape (the expert load is the index's);
-summaries.py turns index rows into the API's records; ends.py says where a request ends after a
-route upload (a later turn extends it); references.py resolves prefix-cache references (a request's
-positions served by rows another request stored, stored once).
+Contract: what the index names is durable and served verified; nothing here imports the ingest pipeline, which
+stands above the store and stores batches through it. Design: docs/architecture.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
 from pathlib import Path
 
 import numpy as np
 
 from replay_format import Flag, RunShape
 from replay_format.request_notes import Reference
-from replay_format.rows import Rows
 from replay_format.weight_versions import RecomputeRule, check_label
 from replay_service.errors import Conflict, InvalidInput, NotFound, RunDeleted
 from replay_service.ownership import claim_requests, current_actor, require_owner
+from replay_service.placement import on_loop
+from replay_service.placement.processes import Processes
 from replay_service.settings import ReadPlace, ServiceSettings
-from replay_service.store import on_loop
-from replay_service.store.compares import CompareStore
-from replay_service.store.ends import upload_end
-from replay_service.store.files import QUARANTINE_DIR, SegmentCache, Sweep, require_index, sweep_unindexed
-from replay_service.store.health import HealthTables
 from replay_service.store.index import Index, RequestStatus, Row, load_of
-from replay_service.store.ingest_stage import BatchIngest, IngestResult
-from replay_service.store.journal import open_journal
-from replay_service.store.processes import Processes
-from replay_service.store.reads import RouteRows, RowReader
-from replay_service.store.references import Resolution, Resolver
-from replay_service.store.retention import Removed, delete_run, empty_trash
+from replay_service.store.lifecycle.journal import open_journal
+from replay_service.store.lifecycle.retention import Removed, collect_orphans, due, empty_trash, removed, to_trash
+from replay_service.store.requests.ends import upload_end
+from replay_service.store.requests.references import Resolution, Resolver
+from replay_service.store.requests.rows import RouteRows, RowReader
+from replay_service.store.requests.summaries import RequestPage, RequestRecord, RunRecord
 from replay_service.store.runs import RunRegistry, RunState
-from replay_service.store.segment_store import LocalSegments, S3Segments, open_segment_store
-from replay_service.store.summaries import RequestPage, RequestRecord, RunRecord
+from replay_service.store.segments.cache import QUARANTINE_DIR, SegmentCache, Sweep, require_index, sweep_unindexed
+from replay_service.store.segments.places import LocalSegments, S3Segments, open_segment_store
+from replay_service.store.tables.compares import CompareStore
+from replay_service.store.tables.health import HealthTables
 
 __all__ = ["Processes", "RequestStatus", "RouteRows", "RouteStore", "index_target"]
 
@@ -65,13 +49,12 @@ def index_target(settings: ServiceSettings) -> str | Path:
 class RouteStore:
     """Runs, requests and their rows in one data directory: ingest, finish, reads and summaries."""
 
-    def __init__(self, settings: ServiceSettings, pipeline: Callable[[RouteStore], BatchIngest],
-                 processes: Processes = Processes.ONE) -> None:
-        """Open the data directory `settings` name; `pipeline` builds the ingest pipeline on the opened store.
+    def __init__(self, settings: ServiceSettings, processes: Processes = Processes.ONE) -> None:
+        """Open the data directory `settings` name (and its index and bucket, when set there).
 
-        The pipeline stands above the store (it builds on its index, reads and files), so it is given, not made
-        here: `replay_service.app.open_store` gives `IngestPipeline.for_store`. `processes`: this process alone, or
-        one of `serve`'s workers (processes.py: no run row kept, the start-up checks and sweep left to the parent).
+        `processes`: this process alone, or one of `serve`'s workers (placement/processes.py: no run row kept, the
+        start-up checks and sweep left to the parent). Batches are stored by an ingest pipeline built over the
+        opened store (`replay_service.ingest.pipeline.IngestPipeline.over`).
         """
         self.settings = settings
         self.root = Path(settings.data_dir)
@@ -79,7 +62,7 @@ class RouteStore:
         self.segments_root.mkdir(parents=True, exist_ok=True)  # local segments and journals (unused with a bucket)
         self.segments = open_segment_store(self.root, settings.segments_url)
         self.segments.check()  # SegmentStoreUnreachable: an unusable bucket refuses the start, naming it
-        # A SQLite file beside the segments, or a PostgreSQL database several replicas share (index_backends/);
+        # A SQLite file beside the segments, or a PostgreSQL database several replicas share (index/backends/);
         # IndexUnreachable / IndexTooNew refuse the start, naming REPLAY_INDEX_URL.
         if processes is Processes.WORKER:
             self.index = Index(index_target(settings), fsync=settings.fsync, shared=True)
@@ -95,11 +78,9 @@ class RouteStore:
         self.compares = CompareStore(self.root / "compares", self.index, fsync=settings.fsync,
                                      bucket=self.segments if isinstance(self.segments, S3Segments) else None)
         self.health = HealthTables(self.index)
-        self.pipeline = pipeline(self)
 
     def close(self) -> None:
-        """Stop the ingest pipeline's threads, then close the index."""
-        self.pipeline.close()
+        """Close the index (close an ingest pipeline over this store first)."""
         self.index.close()
 
     def _open_and_sweep(self, settings: ServiceSettings) -> Index:
@@ -129,20 +110,12 @@ class RouteStore:
 
     # ---- writes
 
-    def ingest(self, rows: Rows) -> IngestResult:
-        """Store one decoded batch (the ingest pipeline); idempotent on (run_id, writer_id, seq)."""
-        actor = current_actor()
-        if actor is not None:  # an ingest body names its run inside: checked once decoded, before anything is stored
-            actor.require_run(rows.meta.run_id)
-        new_run = not self.has_run(rows.meta.run_id)
-        if new_run:
-            self.cache.revive_run(rows.meta.run_id)  # a run of a deleted run's id: a missing segment is damage again
-        result = self.pipeline.ingest(rows)
-        if new_run:
-            run = self.index.run(rows.meta.run_id)
-            if run is not None:
-                self.journal.run_created(rows.meta.run_id, run["created_at"])
-        return result
+    def journal_run_created(self, run_id: str) -> None:
+        """Record in the run's journal that it was created (when it exists): the ingest pipeline calls it after the
+        first batch of a new run is stored."""
+        run = self.index.run(run_id)
+        if run is not None:
+            self.journal.run_created(run_id, run["created_at"])
 
     def finish(self, run_id: str, request_id: str, num_tokens: int, status: RequestStatus | str) -> RequestRecord:
         """Record a request's end with T = `num_tokens`; the request summary.
@@ -219,9 +192,44 @@ class RouteStore:
         """Every run's summary, by run id."""
         return [self._run_record(run) for run in self.index.runs()]
 
-    def delete_run(self, run_id: str) -> Removed:
-        """Delete a run's rows and files, safely beside reads and writes (retention.py); NotFound when none."""
-        return delete_run(self, run_id)
+    def delete_run(self, run_id: str, reason: str = "requested") -> Removed:
+        """Delete a run's index rows and files, safely beside reads and writes; NotFound when there is none.
+
+        In order: the segment cache forgets the run; under its commit lock it is marked deleted (a read that saw
+        its rows gone answers RunDeleted) and one index transaction deletes its rows; its objects leave the bucket
+        and its folders go to the trash; the registry forgets it, so the next batch of its id starts a fresh run.
+        """
+        state = self.registry.require(run_id)
+        self.cache.forget_run(run_id)
+        with state.lock:
+            state.deleted = True  # before its index rows go: a read that saw them gone sees the mark after
+            try:
+                with self.index.transaction() as tx:
+                    tx.lock_runs([run_id])  # after any other replica's commit of this run (PostgreSQL)
+                    rows = tx.delete_run(run_id) + self.compares.delete_rows(tx, run_id)
+                    self.health.delete_rows(tx, run_id)  # not counted: a run of no rows has none either
+                    if rows == 0:
+                        raise NotFound(f"run {run_id!r} not found")
+            except BaseException:
+                state.deleted = False
+                raise
+            objects = (self.segments.delete_run(run_id) + self.journal.delete_run(run_id)  # a bucket's
+                       + self.compares.delete_objects(run_id))
+            trash = to_trash(self.root, [self.segments_root / run_id, self.compares.root / run_id])
+        self.registry.forget(run_id)
+        return removed(run_id, rows, trash, objects, reason)
+
+    def retention_pass(self, max_bytes: int, max_age_s: float, now: float | None = None) -> list[Removed]:
+        """One retention pass: delete the runs `due` names (a run deleted meanwhile is skipped), then the bucket's
+        orphans older than REPLAY_ORPHAN_GRACE_S; the runs removed."""
+        gone = []
+        for run_id, reason in due(self.index.runs(), max_bytes, max_age_s, time.time() if now is None else now):
+            try:
+                gone.append(self.delete_run(run_id, reason))
+            except NotFound:
+                continue
+        collect_orphans(self.segments, self.index, self.settings.orphan_grace_s)  # logs each one it deletes
+        return gone
 
     def pin(self, run_id: str, pinned: bool) -> RunRecord:
         """Pin (retention never deletes it) or unpin a run; its summary. NotFound when it does not exist."""
@@ -293,7 +301,7 @@ class RouteStore:
 
     @property
     def reads_on_loop(self) -> bool:
-        """Whether a hot read may run on the event loop (store/on_loop.py): the index and the segments are local,
+        """Whether a hot read may run on the event loop (placement/on_loop.py): the index and the segments are local,
         and the settings allow it (`hot_reads`)."""
         return self.settings.hot_reads is ReadPlace.EVENT_LOOP and not (self.index.remote or self.segments.remote)
 

@@ -1,30 +1,11 @@
-"""The run registry: each run's shape and ingest lock, from the index (kept where only this process writes it).
+"""The run registry: each run's shape and commit lock, from the index (kept where only this process writes it).
 
-A run is created by its first batch; every later batch must have the same shape, with one allowance
-for the model's layer count (`num_hidden_layers`, `same_model`): `max(moe_layers) + 1` is what a shape
-says when its writer did not know the count (rows.md 2.0 and older, or a writer that never asked the
-model), and it is also the count of a model whose last layer has a router, so that value agrees
-with any other. A run that has only that count learns a larger one from the first batch that
-states it (its model-layer axis widens, dense layers at the end); two different larger counts are
-a Conflict (across replicas too: the count is learnt by compare-and-set on the run's row).
-
-The expert load is the index's (`runs.load`, read and added to under the run's commit lock: commit.py),
-never a replica's own count. On a SQLite index this process is the only writer, so a run's row is read
-once and kept. On a shared index (PostgreSQL, several replicas) every lookup reads the run's row again:
-a run deleted on another replica is gone here at once (the next batch of its id starts a fresh run, as
-on one process), and a layer count learnt elsewhere is this replica's shape from its next lookup. The
-`RunState` object of a run is kept while its row is the same run (same `created_at`), so the in-process
-commit lock and the `deleted` mark stay one per run.
-
-The registry's lock guards its map of states and the writes that create a run or learn its layer count, never
-an index read: a lookup reads the run's row first and takes the lock only to apply it. On a shared index a lookup
-is a round trip to the server, and one that waits (a slow server, or one cut off: up to the pool's wait and a
-probe, `index_backends/postgres.py`) delays only its own call, not every other lookup of the replica behind it.
-Reads are numbered as they start, and a read is applied only if no later-numbered one was applied before it: a
-row read before a run was created, deleted or widened never undoes what a later read or this process's own
-write applied (it answers with the kept state instead). The number applied last is kept per run id only while a
-read that started before it may still be under way: lookups of ids that name no run (a 404 each) leave nothing
-behind once their reads are done.
+Contract: a run is created by its first batch (`for_batch`); a later batch of other rows (MoE layers, top-k, experts)
+is a Conflict, and a run whose layer count is only derived (`max(moe_layers) + 1`) learns a larger stated one
+(compare-and-set on its row). On a shared index every lookup reads the run's row again; a `RunState` stays one per
+run (same `created_at`), so its lock and `deleted` mark are shared. No index read is made under the registry's lock,
+and an older read never undoes a newer one.
+Design: docs/design/store.md ("The run registry").
 """
 
 from __future__ import annotations
@@ -39,7 +20,7 @@ from dataclasses import dataclass, field
 from replay_format import RunShape
 from replay_format.rows import RowsMeta
 from replay_service.errors import Conflict, NotFound, RunDeleted
-from replay_service.store import on_loop
+from replay_service.placement import on_loop
 from replay_service.store.index import Index, Row
 
 PRUNE_AT = 4096  # run ids with a read number kept, above which those no read under way needs are dropped

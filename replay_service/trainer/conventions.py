@@ -1,24 +1,13 @@
-"""Each trainer's THD padding rule, as the four numbers a Megatron token plan needs (pure functions).
+"""Each trainer's THD padding rule, as the numbers a Megatron token plan needs (pure functions).
 
-A *convention* names a trainer whose packing the service copies, so a user passes the
-trainer's own knobs (TP/CP size, slime's `--data-pad-size-multiplier`, verl's FP8) instead of
-deriving the padding themselves. Each rule below was read from the trainer's source:
+A *convention* names a trainer whose packing the service copies (verl 0.9.1, slime, miles), so a user passes the
+trainer's own knobs (TP/CP size, slime's `--data-pad-size-multiplier`, verl's FP8) instead of deriving the padding
+themselves. `resolve_padding(query)` -> `ThdPadding` (each sequence's multiple, the whole batch's multiple and where
+that padding goes): the convention's rule (`convention_padding`), or the query's explicit fields over verl's default
+(`default_pad_multiple`); fields that do not go together raise InvalidInput. Each rule was read from the trainer's
+source, cited in the design page.
 
-- verl 0.9.1, `verl/models/mcore/util.py`: `preprocess_packed_seqs` (legacy padded batches)
-  and `preprocess_thd_engine` (the nested-tensor engine) pad every sequence to
-  `align = tp * cp * 2` with zigzag CP (`tp * cp` with the contiguous layout, `tp` without
-  CP); with FP8 (`use_fp8_padding`, set by `set_router_replay_data` when `tf_config.fp8` is
-  e4m3 or hybrid) each sequence is padded to `lcm(16, align)` and the *last sequence* grows
-  until the whole batch is a multiple of `align * 128` (`_compute_fp8_thd_align_size`).
-- slime `slime/backends/megatron_utils/cp_utils.py` `prepare_routed_experts_for_routing_replay`
-  (and `data.py` `get_batch`, which packs the tokens the same way): one filler row for the last
-  token, then with zigzag CP each sequence padded to a multiple of `2 * cp`
-  (`slice_with_cp`), no per-sequence padding without CP; the concatenated stream of each CP
-  rank padded at its *tail* to a multiple of `tp * data_pad_size_multiplier` (default 128,
-  `slime/utils/arguments.py`); with `--allgather-cp` the whole stream is padded to
-  `cp * tp * multiplier` and cut into `cp` contiguous parts (`chunk(cp)`).
-- miles `miles/backends/training_utils/replay_data.py` `fill_replay_data`: slime's rule
-  (its padding rows are -1, which `replay_base.py` turns into experts 0..K-1; ours are filler).
+Design: docs/design/trainer_layouts.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """Fill a token plan with ids: the recorded rows, filler, and the missing-row policy (pure numpy).
 
-`layouts.py` says which token each router position of a rank is; this module reads those
-tokens' rows (through a callback, so it never touches the store), keeps the layers the
-slice holds, on the MoE axis or the model-layer axis (dense layers zero, vLLM's layout),
-and decides what a token without a clean row gets:
+`gather_rows(plan, specs, read_rows, held, ...)` reads the plan's tokens' rows through a callback (never the store),
+keeps the layers the slice holds (`held_layers`: the MoE axis, or the model-layer axis with dense layers zero), and
+gives padding and the last token of each sequence filler ids with `valid == 0`. A real token whose row is flagged or
+missing follows `MissingPolicy`: `strict` refuses the slice, `router` marks it `fallback == 1` (the trainer's router
+picks), `filler` gives it filler ids. Each replayed token carries its row's weight version (an index into the
+slice's labels); filler carries -1.
 
-- padding and the last token of a sequence (which never ran through the model): filler ids,
-  `valid == 0`, whatever the policy; they change no other token's hidden state through
-  causal attention that the loss sees (padding sits after every real token of its sequence);
-- a real token whose row is flagged or missing, by `MissingPolicy`: `strict` refuses the
-  slice, `router` marks it `fallback == 1` (the trainer's router picks its experts itself:
-  NeMo-RL's all -1 row), `filler` gives it filler ids like padding.
-
-Every token replayed from a recorded row carries that row's weight version (an index into the
-slice's labels); filler (padding, last tokens, broken rows) carries none (-1).
+Design: docs/design/trainer_layouts.md.
 """
 
 from __future__ import annotations

@@ -1,45 +1,13 @@
 """Trainer layouts: which recorded row each router token of a rank gets (pure numpy, in the service).
 
-The service plans one rank's tokens here and gathers only their rows (`gather.py`,
-`reads.py`), so the bytes on the wire are the rank's slice (replay_format/trainer_slice.md).
-Nothing here touches HTTP, the store or torch.
+The service plans one rank's tokens here and gathers only their rows (`gather.py`), so the bytes on the wire are the
+rank's slice (replay_format/trainer_slice.md); nothing here touches HTTP, the store or torch. A *sequence* is one
+request's tokens `[start, start + n)` (`sequence_spec`; the last token of a request has no row). A `TokenPlan` lists,
+for every token one rank's router sees, in its order, the sequence and offset (`-1`: padding) and the `SliceLayout`
+the answer carries: `megatron_plan` (megatron-core's BSHD/THD order, CP and SP splits, the padding of
+`conventions.py`) or `verl_plan` (verl's left/right-padded batches). `LayoutError`: what cannot be laid out.
 
-A *sequence* of a micro-batch is one request's tokens `[start, start + n)`; the
-store holds rows for positions `0 .. T-2` of a request of `T` tokens (the last
-token never ran through the model), so the last token of a whole request has no
-row. A *token plan* lists, for every token the router of one rank sees, in the order
-it sees them, which sequence and offset it is (`-1` for padding), and describes the
-layout (`SliceLayout`) the answer carries.
-
-Sources relied on (megatron-core 0.16.1 unless said otherwise):
-- Router token order: `TopKRouter.forward` flattens the hidden states with
-  `logits.view(-1, num_moe_experts)` (transformer/moe/router.py); Megatron's
-  hidden states are `[s, b, h]` (sequence first), so in BSHD the router's token
-  `i` is `(s, b) = divmod(i, b_size)`, *not* `(b, s)`. Reading a batch-first
-  array there silently replays another token's experts (miles #3146). THD packs
-  sequences as `[t, 1, h]`: token order is packed order.
-- Context parallel: `megatron.core.utils.get_batch_on_this_cp_rank` views the
-  sequence dim as `2 * cp` chunks and keeps chunks `cp_rank` and
-  `2 * cp - 1 - cp_rank` (load balancing under causal masking). For THD,
-  `get_thd_batch_on_this_cp_rank` uses TE's `thd_get_partitioned_indices`,
-  which does the same *per packed sequence* on the padded lengths
-  (`cu_seqlens_padded`).
-- Sequence parallel: `scatter_to_sequence_parallel_region` ->
-  `_split_along_first_dim` (tensor_parallel/mappings.py): the first dim must be
-  divisible by the TP size and rank `r` keeps the contiguous `r`-th part.
-- Padding of THD sequences: verl's `preprocess_packed_seqs` pads every
-  sequence to a multiple of `tp * cp * 2` when `cp > 1`, else of `tp`; that is
-  our default `pad_multiple`. The whole batch may then be padded to a multiple
-  (`total_multiple`): verl's FP8 padding and NeMo-RL grow the last sequence,
-  slime and miles append a tail to every CP rank's stream; slime/miles
-  `--allgather-cp` and verl's contiguous CP layout cut the padded stream into
-  `cp` contiguous parts (`conventions.py` cites each).
-- verl 0.9.1: `AgentLoopWorker._agent_loop_postprocess`
-  (verl/experimental/agent_loop/agent_loop.py) places a route of a left-padded
-  prompt + right-padded response at columns `prompt_width - len(prompt) ...` of
-  `[batch, prompt_width + response_width, layers, K]`; the engine turns it into a
-  nested tensor by the attention mask (`left_right_2_no_padding`) and
-  `set_router_replay_data` packs it with `preprocess_thd_engine`.
+Design: docs/design/trainer_layouts.md.
 """
 
 from __future__ import annotations

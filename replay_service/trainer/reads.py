@@ -19,9 +19,9 @@ from replay_format.trainer_query import SequenceRef, TrainerQuery, VersionPolicy
 from replay_format.trainer_slice import MissingPolicy, SliceMeta, build_slice
 from replay_service.errors import Conflict, InvalidInput, StrictRefusal
 from replay_service.store import RouteStore
-from replay_service.store.reads import RouteRows
+from replay_service.store.requests.rows import RouteRows
+from replay_service.store.requests.summaries import RequestRecord
 from replay_service.store.runs import RunState
-from replay_service.store.summaries import RequestRecord
 from replay_service.trainer import layouts
 from replay_service.trainer.gather import Gathered, HeldLayers, RowsRead, gather_rows, held_layers
 from replay_service.trainer.plans import SliceLimits, planner

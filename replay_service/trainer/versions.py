@@ -19,7 +19,7 @@ from replay_format.trainer_query import SequenceRef
 from replay_format.trainer_slice import VERSION_TYPE
 from replay_format.weight_versions import UNKNOWN, VersionSpan, WeightVersions
 from replay_service.errors import Conflict
-from replay_service.store.reads import RouteRows
+from replay_service.store.requests.rows import RouteRows
 
 
 class VersionLabels:

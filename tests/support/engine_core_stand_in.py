@@ -71,7 +71,7 @@ def save_model_dir(path: str) -> str:
 def engine_config(model_dir: str, *, aux: bool, num_blocks: int, kv_transfer: dict | None = None):
     """A real `VllmConfig`: prefix caching on, chunked prefill, vLLM's own scheduling defaults (0.34: async scheduling),
     `enable_return_routed_experts` when `aux`, a KV connector when `kv_transfer` (`KVTransferConfig` fields, as
-    vLLM's P/D scheduler tests: tests/v1/kv_connector/unit/utils.py, `create_vllm_config`)."""
+    vLLM's P/D scheduler tests: vllm-project/vllm/tests/v1/kv_connector/unit/utils.py, `create_vllm_config`)."""
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.config.aux_output import AuxOutputConfig
 
@@ -89,7 +89,8 @@ def engine_config(model_dir: str, *, aux: bool, num_blocks: int, kv_transfer: di
 
 def build_scheduler(vllm_config, num_blocks: int):
     """The scheduler class the config picks, on a KV cache of `num_blocks` blocks of one full-attention group
-    (tests/v1/core/utils.py `create_scheduler`, tests/v1/kv_connector/unit/utils.py `create_scheduler`)."""
+    (vllm-project/vllm/tests/v1/core/utils.py `create_scheduler`,
+    vllm-project/vllm/tests/v1/kv_connector/unit/utils.py `create_scheduler`)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 

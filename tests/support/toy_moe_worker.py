@@ -5,8 +5,8 @@ worker takes that worker's place and nothing else: vLLM's engine core, scheduler
 executors and both sides of its aux-output connector run as shipped. Per step it reads vLLM's `SchedulerOutput`,
 runs `ToyMoE` on the scheduled tokens, samples greedily, and hands vLLM's own `AuxOutputWorkerConnector` the step
 as vLLM 0.34's V2 model runner does (`vllm/v1/worker/gpu/model_runner.py`: `begin_step` at 1852 before the forward,
-`prepare_output` at 2308 after it; `async_utils.py` 170 and 211: `enqueue_cpu_copy`, then `process_output` into
-`ModelRunnerOutput.aux_output_connector_output`). The routers are bound by vLLM's own
+`prepare_output` at 2308 after it; `vllm/v1/worker/gpu/async_utils.py` 170 and 211: `enqueue_cpu_copy`, then
+`process_output` into `ModelRunnerOutput.aux_output_connector_output`). The routers are bound by vLLM's own
 `bind_routed_experts_capturer` (a module with `layer_id` and `capture_fn` is a `RoutedExpertsCaptureSource`), so
 vLLM's `RoutedExpertsCapturer` records the routes the engine returns in `CompletionOutput.routed_experts`.
 

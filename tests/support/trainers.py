@@ -8,7 +8,8 @@ written as the upstream code is (pad, slice, concatenate, pad, split), not as ou
 tokens, so a shared mistake is unlikely.
 
 Upstream read for this (the search tool's snapshots):
-- slime 624b824a (2026-08-21): slime/backends/megatron_utils/cp_utils.py, data.py, actor.py
+- slime 624b824a (2026-08-21): slime/backends/megatron_utils/cp_utils.py, slime/backends/megatron_utils/data.py,
+  slime/backends/megatron_utils/actor.py
 - miles 31f1ca96 (2026-08-21): miles/backends/training_utils/replay_data.py, cp_utils.py,
   miles/backends/megatron_utils/replay_utils.py, miles/utils/replay_base.py
 - NeMo-RL (NVIDIA-NeMo/RL) 7ea279ab (2026-08-22): nemo_rl/models/generation/vllm/utils.py,

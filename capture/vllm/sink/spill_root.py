@@ -1,20 +1,13 @@
 """Runs in the sink process: the spill root its writer directory lies in, shared with the other sinks.
 
-Every sink spills under `<spill root>/<writer id>/` (the root is `ROUTING_REPLAY_SPILL_DIR`, by default
-`replay-spill/<run id>`), and writer ids are new at every start (they hold the worker's pid). So the
-next start would never read what a sink left there: a sink killed, or one that could not reach the
-service before its close timeout. Here:
+Every sink spills under `<spill root>/<writer id>/` (the root is `ROUTING_REPLAY_SPILL_DIR`), and writer ids are new
+at every start. `claim(root, writer)` holds an exclusive `flock` on `<root>/<writer>.lock` while the sink runs (the
+kernel drops it even on kill -9); `adopt(root, into)` moves the items of every writer directory whose lock it can
+take into its own, to be sent first, oldest first (each item keeps its `(run, writer, seq)` identity, so one sent
+twice is stored once); `release` removes an emptied directory and its lock; `drain(root, url)` adopts and sends on its
+own. A spill root belongs to one service.
 
-- `claim(root, writer)`: a sink holds an exclusive `flock` on `<root>/<writer>.lock` for as long as it
-  runs, taken before its directory exists; the kernel drops it when the process ends, even by kill -9.
-- `adopt(root, into)`: at start, a sink moves the items of every writer directory whose lock it can
-  take (its writer is gone) into its own directory (a rename: same file system), where its sender
-  finds them and sends them first, oldest first (item names sort by creation time). An item keeps the
-  dead writer's `(run, writer, seq)` identity inside it, so one sent twice is stored once.
-- `release`: a sink that sent everything removes its empty directory and its lock file.
-- `drain(root, url)`: the same adoption and sending, run on its own (an operator, a test).
-
-A spill root belongs to one service: items are sent to the adopting sink's URL.
+Design: docs/design/sink_and_sender.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """Bind a capture callback to every MoE router of a loaded vLLM model.
 
-`bind_model(model, make_callback)` walks `model.modules()` for vLLM `MoERunner`s and
-sets `router.capture_fn` (vLLM's `BaseRouter` slot: called with the *logical* top-k
-ids, before the EPLB remap) to a `ChainedCapture` that calls ours, then whatever was
-there (e.g. vLLM's own routed-experts capturer), so both keep working. `install_set_hook`
-makes a later `set_capture_fn` (vLLM binding its capturer after us) chain too instead of
-replacing ours.
+`bind_model(model, ours)` sets each `MoERunner`'s `router.capture_fn` (vLLM's `BaseRouter` slot: the
+*logical* top-k ids, before the EPLB remap) to a `ChainedCapture` that calls ours, then whatever was there (vLLM's
+own capturer), and `install_set_hook` makes a later `set_capture_fn` chain too. Refused with `BindError` at startup:
+a monolithic quant method (the kernel routes internally: nothing to capture), a router that is not a `BaseRouter`,
+or a model with no MoE layer.
 
-Refused (BindError, at startup): a layer whose quant method is monolithic (the kernel
-routes internally and bypasses the router: nothing to capture), a router that is not a
-`BaseRouter` (no capture slot), or a model with no MoE layer at all.
+Design: docs/design/vllm_worker.md.
 """
 
 from __future__ import annotations

@@ -1,41 +1,13 @@
 """vLLM forward context + MoE layer -> `capture.RowSharding`, and the PCP router-mask fix (in each worker).
 
-The forward's sharding, as vLLM's forward context says it (`capture/worker/sharding.py` is the
-engine-neutral one it maps to).
+`sharding_for(runner, ctx, par, num_tokens, num_rows)` maps what vLLM says about one router call (the MoE runner's
+config, `ForwardContext.dp_metadata`, `is_padding`, the PCP restore index) to the engine-neutral `RowSharding`
+(`capture/worker/sharding.py`); `restore` applies it, `restore_pcp` restores Model Runner V2's PCP rows through
+vLLM's own restore index (one `PcpStep` per step), and `pcp_padding_mask` / `mask_dispatch` give the router the
+gathered padding mask. A layout it cannot restore raises `ShardingError` (a naive DP dispatch before the PCP gather
+is one). Rows past the real token count are padding and are dropped.
 
-What the plugin reads (vLLM 0.32/0.33 names; see docs/vllm_notes.md section 2 (e)):
-
-- `MoERunner.moe_config`: `dp_size`, `pcp_size`, `is_sequence_parallel`,
-  `moe_parallel_config.use_all2all_kernels`; `MoERunner.do_naive_dispatch_combine`.
-- `ForwardContext.dp_metadata` (`DPMetadata`): `get_chunk_sizes_across_dp_rank()` (set
-  inside `sp_local_sizes`) else `num_tokens_across_dp_cpu`: the rows each rank fed the
-  naive dispatch (`All2AllManagerBase._get_sizes`).
-- `ForwardContext.is_padding`: this rank's padding mask (the PCP chunk's padding).
-- the PCP restore index (gathered row of each real token, sequence order): vLLM keeps it
-  in the V2 runner's `PCPManager` (`_hidden_restore_idx`), which the V2 hooks read at step
-  open into a `PcpStep` (`restore_pcp`); the V1 path reads it from
-  `ctx.additional_kwargs["pcp_restore_index"]` or `ctx.pcp_restore_index` when present,
-  else the caller passes it.
-
-Mapping (rows of `topk_ids` seen by `BaseRouter.capture_fn` on one rank -> `RowSharding`):
-
-- no DP dispatch, no PCP (CPU; TP replicates the gate: every TP rank routes the whole
-  batch) -> `Strategy.LOCAL`.
-- naive DP dispatch (`all_gatherv` over the DP group, sizes from `dp_metadata`) ->
-  `Strategy.NAIVE_DP`, `tokens_across_dp=sizes`.
-- naive dispatch under sequence-parallel MoE (EP group = DP x TP, each TP rank holds
-  `ceil(n_d/tp)` rows of DP rank d) -> `NAIVE_DP` over per-DP-rank `tp * s_d` (EP ranks
-  are DP-major, so a DP rank's TP pieces are contiguous and in order).
-- all2all kernels + sequence-parallel MoE (the router sees this TP rank's SP shard) ->
-  `Strategy.SEQUENCE_PARALLEL` (TP all-gather).
-- PCP without all2all kernels (hidden states and logits PCP-gathered rank-major) ->
-  `pcp_size`/`pcp_rank` + the local mask + restore index, composed with the above.
-- Model Runner V2 under PCP (`restore_pcp`, one `PcpStep` per step): the PCP-gathered rows
-  (P x the largest rank's row count, rank-major: as the router sees them without all2all
-  kernels, or gathered here from the rank's own rows with all2all kernels) go through
-  vLLM's own restore index. A naive DP dispatch before the PCP gather is refused (rows STALE).
-
-Rows past the real token count (`num_tokens`, from the scheduler) are padding and are dropped.
+Design: docs/design/vllm_worker.md; vLLM's names: docs/vllm_notes.md section 2 (e).
 """
 
 from __future__ import annotations
@@ -160,7 +132,7 @@ def dispatch_sizes(ctx) -> tuple[int, ...]:
 
 
 def pcp_restore_index_from(ctx):
-    """The PCP restore index the context carries, if any (module docstring)."""
+    """The PCP restore index the context carries, if any (docs/design/vllm_worker.md, "What the plugin reads")."""
     extra = getattr(ctx, "additional_kwargs", None) or {}
     idx = extra.get("pcp_restore_index")
     return idx if idx is not None else getattr(ctx, "pcp_restore_index", None)
@@ -234,7 +206,7 @@ class PcpStep:
 
 
 def _pcp_block(topk_ids: torch.Tensor, layout: MoeLayout, par: Parallel, rows: int) -> torch.Tensor:
-    """This DP rank's PCP-gathered rows `[P * rows, K]` out of what one MoE layer's router saw (module docstring)."""
+    """This DP rank's PCP-gathered rows `[P * rows, K]` out of what one MoE layer's router saw (design page)."""
     p = par.pcp_size
     if layout.a2a:  # the router saw this rank's own rows: gather them as the non-all2all path would have
         if topk_ids.shape[0] != rows:
@@ -242,7 +214,7 @@ def _pcp_block(topk_ids: torch.Tensor, layout: MoeLayout, par: Parallel, rows: i
         return gather_rank_rows(topk_ids, p, par.pcp_group)
     if layout.naive:
         # MoERunner._maybe_dispatch dispatches before the PCP gather, sized by _compute_sp_num_tokens
-        # (forward_context.py), which counts P x each DP rank's tokens without EP: not this rank's rows.
+        # (vllm/forward_context.py), which counts P x each DP rank's tokens without EP: not this rank's rows.
         raise ShardingError("routing-replay: a naive DP dispatch combined with PCP is not supported")
     if topk_ids.shape[0] != p * rows:
         raise ShardingError(f"routing-replay: the router saw {topk_ids.shape[0]} rows, PCP {p} x {rows} gathered")

@@ -1,21 +1,13 @@
 """Runs in the vLLM worker: each step's frame built in place in one reused buffer (the forward thread's step close).
 
-`replay_format.step_frame.pack(StepFrame)` is the format's reference builder; it takes
-finished arrays and joins their bytes (a new array per field, then two copies of the whole
-frame). Inside the engine every numpy or torch call costs microseconds and a toy model's
-step is a few milliseconds, so the worker writes the same bytes (step_frame.md, `S` frame)
-straight into their places instead: `open` (at `_model_forward`) writes query_start_loc,
-positions and token ids where they go and hands the recorder the frame's `[n, L, K]`
-experts slot; `close` (at `sample_tokens`) writes flags, the spec-decode counts, the
-request names (encoded once per batch composition: decode steps repeat them) and the
-header, and returns the whole frame, length prefix included, as a view of the buffer.
-The view is valid until the next `open`; the hand-off copies it only when the pipe is full.
-The weight version the engine core last named (`set_weight_version`, on the first step and
-on a change only) is kept encoded, and `close` copies those few bytes after the request names.
+`StepFrameBuffer` writes the bytes `replay_format.step_frame.pack` would (the `S` frame) straight into their places:
+`open` (at the forward) writes query_start_loc, positions and token ids and hands the recorder the frame's
+`[n, L, K]` experts slot; `close` (at `sample_tokens`) writes flags, spec-decode counts, request names, the weight
+version and the header, and returns the whole frame, length prefix included, as a view valid until the next `open`.
+`FORMAT_VERSION` is the step-frame version these bytes follow, refused at import when `replay_format.step_frame` moves
+on without this module; byte-equality with `pack` is tested (tests/test_capture_step_cost.py).
 
-Byte-equality with `pack` is tested (tests/test_capture_step_cost.py) for every field
-combination; `FORMAT_VERSION` is the step-frame version these bytes follow, refused at
-import when `replay_format.step_frame` moves on without this module.
+Design: docs/design/vllm_worker.md.
 """
 
 from __future__ import annotations

