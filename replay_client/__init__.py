@@ -1,14 +1,10 @@
 """The routing-replay client: runs in the trainer process (and in any writer); needs numpy, pyarrow and httpx.
 
-    from replay_client import ReplayClient
-    client = ReplayClient("http://127.0.0.1:8470")
-    route = client.get_route("run-1", "req-7", strict=True)       # Route: views of the received body
-    batch = client.megatron_batch([("run-1", "req-7")], cp_size=2, cp_rank=r)   # TrainerBatch
-    log(batch.staleness(current="step-12").metrics())   # replayed rows per weight version (async RL)
-    chat = client.get_trajectory("run-1", ["turn-1", "turn-2", "turn-3"])   # the turns as one route
-    plan = plan_for_model(model, moe_layers)   # megatron-core: this rank's routers (router_replay.py)
-    routes = client.get_openai_routes("run-1", completion, n=2)   # vLLM OpenAI server ids (openai_ids.py)
-    metrics = client.check_batch("run-1", ids)   # the gate: RoutingUnhealthy, else metrics to log (health.py)
+Contract: `ReplayClient` (client.py) reads and writes one service over HTTP and answers typed values: `Route`,
+`TrainerBatch` (trainer.py), the records of records.py, `HealthReport` (health.py). torch and megatron-core are
+imported only by the calls that use them (`TrainerBatch`'s tensors; router_replay.py's checks, fallback and plans).
+`__all__` is the package's API; the vLLM id rules (openai_ids.py) are `replay_format.vllm_ids`'s.
+Design: docs/design/trainer_client.md ("What the client offers").
 """
 
 from replay_client.client import NotFoundError, ReplayClient, ReplayError, Route, StrictReadError, routes_from_stream

@@ -1,14 +1,11 @@
 """Run health on the client: the service's verdict on a run or a training batch, typed, and the training-loop gate.
 
-    from replay_client import ReplayClient, RoutingUnhealthy
-    client = ReplayClient(url)
-    metrics = client.check_batch("run-1", request_ids)   # RoutingUnhealthy when the batch's verdict is "fail"
-    wandb.log(metrics, step=step)                        # flat, stable names: r3/fallback_frac, r3/router_mismatch..
-    report = client.run_health("run-1", window_s=3600)   # HealthReport: the whole run (or a recent window)
-
-`HealthReport.from_json` reads the answer of `GET` / `POST /v1/runs/{run}/health` (docs/health.md has the
-checks, their default limits and the metric names). Parsing is lenient about what it does not know: a newer
-service may add checks, metrics or fields, and they are kept (`checks`, `metrics`, `raw`) rather than refused.
+Contract: `HealthReport.from_json` reads the answer of `GET` / `POST /v1/runs/{run}/health` (checks, limits and metric
+names: docs/health.md) and keeps what it does not know (a newer service's checks, metrics, fields) in `checks`,
+`metrics` and `raw` rather than refusing it. `Verdict` orders the levels ok < warn < fail. `RoutingUnhealthy` is what
+`ReplayClient.check_batch` raises when a batch's verdict reaches the gate's level (`gate_level`: "fail" or "warn");
+its message names each finding. `batch_request_ids` takes ids or the sequences given to `megatron_batch`.
+Design: docs/design/trainer_client.md ("Run health and the training-loop gate").
 """
 
 from __future__ import annotations

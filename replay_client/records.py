@@ -1,14 +1,12 @@
 """The client's JSON answers as typed records: frozen dataclasses mirroring the service's response models.
 
-Each record has the fields of the service's response model of the same name (its OpenAPI schema, `/docs`;
-`tests/test_client_records.py` holds the two together), lists as tuples, nested models as records,
-weight-version spans as `replay_format.weight_versions.VersionSpan`; `raw` keeps the answer as received.
-`from_json` takes what a service sends: a field it does not send takes its default (an older service), a key the
-record lacks stays in `raw` (a newer one).
-
-These answers were dicts before: `record["rows"]` still answers (from `raw`) for one release, with a
-`DeprecationWarning` naming the attribute to use (`record.rows`); so do `get`, `in`, `keys`, `items` and
-`values` (`ResponseAnswer.items` is the answer's field, as it was its key).
+Contract: each record has the fields of the service's response model of the same name (its OpenAPI schema, `/docs`;
+`tests/test_client_records.py` holds the two together), lists as tuples, nested models as records, weight-version
+spans as `replay_format.weight_versions.VersionSpan`; `raw` keeps the answer as received. `from_json` takes what a
+service sends: a field it does not send takes its default (an older service), a key the record lacks stays in `raw`
+(a newer one). Dict-style reads (`record["rows"]`, `get`, `in`, `keys`, ...) still answer from `raw` for one release,
+with a `DeprecationWarning` naming the attribute to use.
+Design: docs/design/trainer_client.md ("Typed answer records").
 """
 
 from __future__ import annotations

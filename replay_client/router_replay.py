@@ -1,32 +1,12 @@
-"""Trainer side, megatron-core: `RouterReplay` where a route is missing, the settings that defeat replay, and
-which recorded layer feeds which router of a rank (virtual pipeline chunks, MTP). Imports torch and
-megatron-core lazily; written against megatron-core 0.16.1 (file:line below are that release's).
+"""Trainer side, megatron-core: make `RouterReplay` replay what it is given, or refuse (torch, megatron-core lazily).
 
-    from replay_client.router_replay import check_model, install_router_fallback, plan_for_model
-
-    check_model(model)                 # refuses what makes replay a silent no-op (fused router, sinkhorn, ...)
-    install_router_fallback()          # a row of -1: that token takes the router's own top-k (NeMo-RL's rule)
-    plan = plan_for_model(model, shape.moe_layers)   # this rank's routers, every VPP chunk, MTP last
-    batch = client.megatron_batch(sequences, ..., moe_ordinals=plan.moe_ordinals, missing="router")
-    plan.set_replay_data(batch.replay_data(device="cuda"))
-    RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-
-What megatron-core does without this module (each shown by tests/test_trainer_router_replay.py):
-- A replayed id of -1 reaches `scores.gather(1, ids)` in `RouterReplay.get_replay_topk`
-  (moe/router_replay.py:151): "index -1 is out of bounds" on CPU, a device-side assert on CUDA.
-- A replay tensor with fewer rows than the router has tokens is gathered as far as it goes: the remaining
-  tokens are routed to no expert at all, silently (the fallback checks the shape).
-- `moe_router_fusion=True` returns TE's fused top-k before the replay hook is consulted
-  (moe/moe_utils.py:652-666): replay silently does nothing. `check_config` refuses it and the others.
-- MTP layers build one more `RouterReplay` each (after the decoder's, megatron/core/models/gpt/gpt_model.py:209-219), so
-  `RouterReplay.set_replay_data` of a stage's recorded layers fails on the count; engines record no MTP
-  route, so the plan gives those routers rows of -1 (their own top-k, through the fallback).
-- A rank's virtual pipeline chunks hold non-contiguous model layers (chunk v of rank p starts at
-  `get_transformer_layer_offset(config, v, p)`); the plan names their MoE ordinals for `moe_ordinals=`.
-
-Scope: megatron-core's own `TopKRouter.routing` and `RouterReplay` (megatron-core users, NeMo-RL). verl 0.9.1
-replaces both on megatron-core 0.16.1 (its routing ignores `moe_router_fusion`; its RouterReplay takes a
-`replay_mask`, `TrainerBatch.replay_mask()`); slime and miles bring their own replay.
+Contract (megatron-core 0.16.1): `check_config` / `check_model` raise `RouterReplayError` naming each setting under
+which replay would silently do nothing (fused router, sinkhorn, ...) and its fix. `install_router_fallback`
+(idempotent; `router_fallback()` for a block) routes a replayed row of -1 by the router's own top-k and refuses a
+tensor that is not `[router tokens, top_k]`. `plan_for_model` (a built model) / `plan_for_rank` (a config) give a
+`ReplayPlan`: this rank's routers in construction order over every VPP chunk, MTP routers fed rows of -1; its
+`moe_ordinals` go to `megatron_batch(moe_ordinals=...)`, and its `set_replay_data` hands each router its tensor.
+Design: docs/design/trainer_client.md ("megatron-core's RouterReplay").
 """
 
 from __future__ import annotations

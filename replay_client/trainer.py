@@ -1,29 +1,12 @@
 """Trainer side: one rank's routes in the layout its router needs (runs in the trainer process; torch lazily).
 
-    from replay_client import ReplayClient
-    client = ReplayClient(url)
-    batch = client.megatron_batch([("run-1", "req-7"), ("run-1", "req-8")], packing="thd",
-                                  cp_size=2, cp_rank=cp_rank, tp_size=tp, tp_rank=tp_rank)
-    RouterReplay.set_replay_data(batch.replay_data())     # one [tokens, top_k] int64 tensor per MoE layer
-    loss_mask = batch.valid_tensor()                      # False: padding, last token, flagged rows
-    slime = client.megatron_batch(seqs, convention="slime", cp_size=2, cp_rank=c, tp_size=2, tp_rank=t,
-                                  layer_axis="model")     # slime/miles index [:, layer_id] by model layer
-    verl = client.verl_batch([...], prompt_lengths=[...], prompt_width=P, response_width=R, layer_axis="model")
-    routes, mask = verl.dense(), verl.mask()              # [batch, seq, layers, K] and [batch, seq]
-
-`megatron_query` / `verl_query` build the queries (replay_format/trainer_query.md; the body
-is their `to_json()`), the answer is a trainer slice (replay_format/trainer_slice.md) read by
-`read_slice`, and `TrainerBatch` adds the torch views;
-`compare_body` writes what `RouterReplay` chose in RECORD mode for `POST .../compare` (compare.md).
-Padding and the last token of a sequence carry router-valid filler ids (distinct, never all
-zero) and `valid == 0`. A real token whose row is flagged or missing follows `missing`:
-`strict` (the default) raises a 409, `router` hands the router -1 ids (`replay_data()`) so it
-picks that token's experts itself (a RouterReplay that routes -1 rows: NeMo-RL's convention),
-`filler` replays filler ids.
-
-Each replayed token carries the weight version of its row (`batch.versions()`, `batch.weight_version`);
-`batch.staleness(current=...)` counts them (`Staleness.metrics()`: what an asynchronous RL trainer logs),
-and `versions="single"` makes the service refuse (409) a sequence whose rows mix versions.
+Contract: `megatron_query` / `verl_query` build the query of `POST /v1/trainer/megatron` or `verl` (its body is
+`to_json()`, replay_format/trainer_query.md); the answer is a trainer slice (replay_format/trainer_slice.md) that
+`TrainerBatch` views without a copy: `replay_data()` (one int64 `[tokens, top_k]` per MoE layer, all -1 on a
+`fallback` token), `valid_tensor()` (the loss mask), verl's `dense()` / `mask()`, and `staleness()` (replayed rows per
+weight version). `recorded_rows` / `compare_body` carry RECORD mode's top-k to `POST .../compare`
+(replay_format/compare.md).
+Design: docs/design/trainer_client.md ("Trainer batches").
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 import uvicorn
@@ -13,6 +13,9 @@ from uvicorn.config import STARTUP_FAILURE
 from replay_service import __version__
 from replay_service.errors import ServiceError
 from replay_service.settings import DEFAULT_PORT, ServiceSettings
+
+if TYPE_CHECKING:
+    from replay_service.store import RouteStore
 
 app = typer.Typer(help="routing-replay: record, check and serve MoE routing for R3.", no_args_is_help=True)
 
@@ -30,6 +33,36 @@ def main(
                                  help="print the installed routing-replay version and exit"),
 ) -> None:
     """routing-replay service commands."""
+
+
+def _open_to_serve(settings: ServiceSettings) -> RouteStore:
+    """The store `settings` name, its start-up checks passed and sweep logged; exit 2 naming what refused it."""
+    from replay_service.app import open_store
+    from replay_service.errors import IndexNeedsRebuild, IndexTooNew, IndexUnreachable, SegmentStoreUnreachable
+
+    try:
+        store = open_store(settings)
+    except (IndexNeedsRebuild, IndexTooNew, IndexUnreachable, SegmentStoreUnreachable) as exc:
+        typer.echo(f"replay-service: {exc.message}", err=True)
+        raise typer.Exit(2) from None
+    if store.swept.removed or store.swept.quarantined:
+        logging.getLogger("replay_service").warning(
+            "start-up: deleted %d unfinished segment writes, quarantined %d unindexed segments (under %s)",
+            len(store.swept.removed), len(store.swept.quarantined), Path(settings.data_dir) / "quarantine")
+    return store
+
+
+def _load_demo(store: RouteStore) -> None:
+    """Store the demo run through an ingest pipeline over `store`, as an ingest would; say what it holds."""
+    from replay_service.ingest.pipeline import IngestPipeline
+    from replay_service.ops.demo import load_demo
+
+    pipeline = IngestPipeline.over(store)
+    try:
+        summary = load_demo(pipeline)
+    finally:
+        pipeline.close()
+    typer.echo(f"demo run {summary.run_id!r}: {summary.requests} requests, {summary.rows} rows")
 
 
 @app.command()
@@ -54,8 +87,7 @@ def serve(
 ) -> None:
     """Serve the store in DATA over HTTP, with one worker process per core unless told otherwise."""
     from replay_service.api.auth import Tokens, listen_refusal
-    from replay_service.app import create_app, open_store
-    from replay_service.errors import IndexNeedsRebuild, IndexTooNew, IndexUnreachable, SegmentStoreUnreachable
+    from replay_service.app import create_app
 
     overrides: dict = {"keep_alive_timeout_s": keep_alive_timeout, "max_connections": max_connections,
                        "tokens_file": tokens_file, "workers": workers}
@@ -69,25 +101,9 @@ def serve(
     except (OSError, ValueError) as exc:
         typer.echo(f"replay-service: tokens file: {exc}", err=True)
         raise typer.Exit(2) from None
-    try:
-        store = open_store(settings)
-    except (IndexNeedsRebuild, IndexTooNew, IndexUnreachable, SegmentStoreUnreachable) as exc:
-        typer.echo(f"replay-service: {exc.message}", err=True)
-        raise typer.Exit(2) from None
-    if store.swept.removed or store.swept.quarantined:
-        logging.getLogger("replay_service").warning(
-            "start-up: deleted %d unfinished segment writes, quarantined %d unindexed segments (under %s)",
-            len(store.swept.removed), len(store.swept.quarantined), data / "quarantine")
+    store = _open_to_serve(settings)
     if demo:
-        from replay_service.ingest.pipeline import IngestPipeline
-        from replay_service.ops.demo import load_demo
-
-        demo_pipeline = IngestPipeline.over(store)
-        try:
-            summary = load_demo(demo_pipeline)
-        finally:
-            demo_pipeline.close()
-        typer.echo(f"demo run {summary.run_id!r}: {summary.requests} requests, {summary.rows} rows")
+        _load_demo(store)
     from replay_service.ops.workers import WorkerCannotStart, reload_tokens_on_sighup, run_workers, worker_count
 
     count = worker_count(settings.workers)

@@ -1,30 +1,12 @@
 """Runs in each vLLM worker process: `StepHooks`, what the model-runner hooks do each step, and its counters.
 
-`WorkerCapture.startup` builds one per worker once the routers are bound; the hooks (`runner.py`,
-`runner_v2.py`) call it:
-- `execute_model` -> `on_execute`: notes the `SchedulerOutput`; the engine core's notes on it
-  (`capture.vllm.scheduler_notes`) go to the sink: prefix-cache hits of newly scheduled requests as
-  references, finished/aborted requests as finish events; a weight version (first step, or a new
-  one) is kept in the frame buffer, and every step sent from then on carries it.
-- `_model_forward` (V2: `prepare_inputs`) -> `open_step` / `close_forward`: the step's request ids
-  (an `OpenStep`); query_start_loc, positions and input ids go straight into the step's frame
-  (`frame_buffer.StepFrameBuffer`, one reused buffer); captures outside a step (dummy/profile runs
-  call the model directly) are ignored and counted.
-- router `capture_fn` -> `on_topk`: restores this DP rank's rows (`forward_sharding.restore`; under PCP on
-  Model Runner V2, `forward_sharding.restore_pcp` with the step's `PcpStep`, set at step open) and
-  records them in the `StepRecorder` (a layer that did not write a row this step leaves it
-  `STALE`); when the layer routes this DP rank's whole batch on CPU it only keeps the
-  tensor (`StepRecorder.keep`).
-  In GRAPH_SAFE mode `on_topk` writes every call (a graph is captured outside any step) and
-  `close_forward` starts the asynchronous copy of the step's real rows.
-- `sample_tokens` -> `on_sampled`: closes the step in the recorder straight into the frame's
-  experts slot (`StepRecorder.end_step_into`), finishes the frame (flags, what spec decode
-  verified and accepted, request names) and hands it to the sink (`StepHandoff.step_packed`:
-  one non-blocking pipe write of the buffer; copied only if the pipe is full). On spec-decode
-  steps the runner's own reader gives the sampler's counts as `SampledCounts` arrays (V1's
-  `runner.v1_sampled_counts`, V2's `runner_v2.v2_sampled_counts`). The sink maps rows to the
-  user's request ids, drops rejected drafts and streams to the service (`capture.vllm.sink`);
-  none of that runs on the forward thread.
+Contract: `WorkerCapture.startup` builds one once the routers are bound; the V1 and V2 hooks (`runner.py`,
+`runner_v2.py`) call `on_execute` (the scheduler output; the engine core's notes to the sink), `open_step` /
+`close_forward` (the step's requests, positions and input ids into its frame), `on_topk` per router call (this DP
+rank's rows into the recorder; calls outside a step are ignored and counted, except in GRAPH_SAFE mode, which writes
+every call) and `on_sampled` (the step closed into its frame and handed to the sink). A capture that fails never
+raises into the model: its layer's rows go STALE.
+Design: docs/design/vllm_worker.md ("The step hooks").
 """
 
 from __future__ import annotations

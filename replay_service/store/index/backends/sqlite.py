@@ -1,14 +1,11 @@
 """The SQLite index backend (the default): one file beside the segments, one writing connection behind one lock.
 
-WAL with synchronous=FULL (or OFF when fsync is off). `BEGIN IMMEDIATE` takes the file's one write lock,
-under this process's lock: every transaction of every process on the file (`serve`'s workers, ops/workers.py)
-is serialised, so a run's commits need no lock of their own here. A transaction waits up to `BUSY_TIMEOUT_S`
-for another process's to end. The schema version is `PRAGMA user_version`.
-
-A query outside a transaction of its own thread runs on a read-only connection from a pool: under WAL a reader
-sees every committed transaction and never waits for a writer, so a read does not queue behind a group commit's
-fsync (or behind another worker's write lock), and reads run side by side. A query inside its thread's
-transaction runs on the writing connection, and sees that transaction's writes.
+Contract: WAL, synchronous=FULL (OFF without fsync). `begin` takes this process's lock, then the file's write lock
+(`BEGIN IMMEDIATE`, waiting up to `BUSY_TIMEOUT_S` for another process's transaction): every transaction on the file is
+serialised, so `lock_runs` has nothing to do. `query` runs inside its thread's open transaction (its writes seen), else
+on a pooled read-only connection (every commit seen, no writer waited for). The schema version is `PRAGMA
+user_version`; a newer one is `IndexTooNew`. `translated` turns driver errors into RunDeleted / StorageFull.
+Design: docs/design/store.md ("The SQLite index").
 """
 
 from __future__ import annotations
