@@ -56,3 +56,53 @@ def load_store(client: ReplayClient, requests: list[str], rows: int) -> None:
         client.ingest(body)
     for r in requests:
         client.finish(RUN, r, rows + 1)
+
+
+def load_store_as_sink(clients: list[ReplayClient], requests: list[str], rows: int, prompt: int = 512,
+                       batch_rows: int = 8192) -> None:
+    """The requests' rows as the plugin's sink ships them from a continuously batching engine: writer w (a DP rank,
+    `clients[w]`) serves `requests[w::W]` in two waves, the second admitted once the first has decoded a quarter
+    of its rows; each step adds a new request's `prompt` rows (its prefill) or one decode row of each running
+    request, and steps are coalesced into batches of about `batch_rows` rows (prompt and decode rows mixed, every
+    running request's positions spread over many batches). Each request is finished after its last row."""
+    table = bulk_routes(rows * len(requests), 0).reshape(len(requests), rows, SHAPE.num_moe_layers, SHAPE.top_k)
+    for w, client in enumerate(clients):
+        _SinkWriter(client, f"w{w}", table, {r: i for i, r in enumerate(requests)}).serve(
+            requests[w :: len(clients)], rows, prompt, batch_rows)
+
+
+class _SinkWriter:
+    """One writer's batches: coalesced steps, shipped in order, a request's finish after its rows."""
+
+    def __init__(self, client: ReplayClient, writer_id: str, table: np.ndarray, index: dict[str, int]) -> None:
+        self.client, self.writer_id, self.table, self.index = client, writer_id, table, index
+        self.parts: list[tuple[str, int, int]] = []  # (request, first position, rows) of the batch coalescing
+        self.held = self.seq = 0
+
+    def ship(self) -> None:
+        req = [r for r, _, n in self.parts for _ in range(n)]
+        pos = np.concatenate([np.arange(at, at + n, dtype=np.int32) for _, at, n in self.parts])
+        ids = np.concatenate([self.table[self.index[r], at : at + n] for r, at, n in self.parts])
+        self.client.ingest(encode_stream(build_rows(RowsMeta(RUN, self.writer_id, self.seq, SHAPE), req, pos, ids)))
+        self.parts, self.held, self.seq = [], 0, self.seq + 1
+
+    def serve(self, mine: list[str], rows: int, prompt: int, batch_rows: int) -> None:
+        first, pending = mine[: len(mine) // 2], mine[len(mine) // 2 :]
+        done = {r: 0 for r in mine}  # rows shipped per request
+        running = list(first)
+        while running:
+            for r in running:
+                n = min(prompt, rows) if done[r] == 0 else 1
+                self.parts.append((r, done[r], n))
+                done[r] += n
+                self.held += n
+            if self.held >= batch_rows:
+                self.ship()
+            finished = [r for r in running if done[r] >= rows]
+            running = [r for r in running if done[r] < rows]
+            if pending and min(done[r] for r in first) >= rows // 4:
+                running, pending = running + pending, []
+            if finished and self.parts:
+                self.ship()  # a request's rows are sent before its finish, as the sender orders them
+            for r in finished:
+                self.client.finish(RUN, r, rows + 1)

@@ -1,26 +1,21 @@
-"""One training step's fetch: N trainer-rank processes ask for their slices at the same moment (issue 27).
+"""One training step's fetch as training meets it: N trainer-rank processes ask for their slices at one barrier.
 
-A step of `--sequences` x `--tokens` (default 128 x 4096: 201 MB of 48 x top-8 uint8 routes) on a grid of
-DP x TP 2 x CP 2 ranks (DP = N / 4). Every rank is its own process (forked, holding only the client and numpy);
-at one barrier they all call `ReplayClient.megatron_batch` for their DP rank's sequences, with their CP and TP
-rank (megatron THD, zigzag CP; `--convention slime` for slime's rule), and hold the answer's `[tokens, 48, 8]`
-array. Printed per service (one worker, then one per core):
+A step of `--sequences` x `--tokens` (default 256 x 2048: 201 MB of 48 x top-8 uint8 routes) on a grid of
+DP x TP 2 x CP 2 ranks (DP = N / 4), each rank its own process calling `ReplayClient.megatron_batch` (megatron THD,
+`--convention slime` for slime's rule). Two shapes of the stored step: `sink`, rows as the plugin's sink ships a
+continuously batching engine's (4 writers, prompts and decodes interleaved, every request spread over many
+batches), and `kind`, 8 whole requests per batch. Per shape and rank count, in one run: the ranks' first fetch
+right after the requests finish (cold) and warm rounds; the same slices one client after another, cold on a copy
+of its own (so neither warms the other) and warm; the share of one process reading the rows from the page-cached
+segment files; and vLLM's in-band path (base64 `.npy` answers decoded by one process). Asserts no time.
 
-- the wall time until the last rank holds its array, rows delivered per second of it, per-rank p50 / p99;
-- bytes on the wire (the slices' rows, summed over ranks) against the step's rows (TP ranks get the same rows);
-- the service's peak memory (VmHWM, summed over its processes);
-- how the ranks' connections split between the workers (the kernel hands each to one; README, "What the floors say");
-
-beside, in the same run, two baselines: the same N slices fetched one after another by one client (one
-process), and one process copying the step's rows out of the memory-mapped segment files (the machine's limit).
-Ratios are rows per second against those. Asserts no time (shared, noisy machines).
-
-    python bench/step_fetch.py [--ranks 16 64] [--sequences 128] [--tokens 4096] [--rounds 3] [--workers 1 0]
+    python bench/step_fetch.py [--ranks 16 64] [--shapes sink kind] [--rounds 3] [--convention slime]
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import multiprocessing as mp
 import os
@@ -34,11 +29,14 @@ ROOT = str(Path(__file__).resolve().parent.parent)
 if ROOT not in sys.path:  # `python bench/step_fetch.py` from anywhere: tests.support is not installed
     sys.path.insert(0, ROOT)
 
+
 import numpy as np
 
-from bench.segment_files import SHAPE, load_store, segment_rows
+from bench.segment_files import SHAPE, load_store, load_store_as_sink, segment_rows
 from bench.stopping import exit_on_sigterm
 from replay_client import ReplayClient
+from replay_format.vllm_response import encode_routed_experts, read_npy
+from replay_service.ops.demo import bulk_routes
 from replay_service.ops.workers import worker_count
 from tests.support.service import ServiceProcess
 
@@ -63,11 +61,12 @@ def serving_pid(client: ReplayClient) -> int:
 
 
 def _rank(url: str, rank: int, ranks: int, sequences: list, convention: str | None, rounds: int,
-          barrier, results, workers) -> None:
+          barrier, results, workers, warm_first: bool) -> None:
     seqs, options = rank_query(rank, ranks, sequences, convention)
     with ReplayClient(url) as client:
-        client.megatron_batch(seqs, packing="thd", **options)  # warm: its connection, the service's caches
-        workers.put(serving_pid(client))
+        if warm_first:
+            client.megatron_batch(seqs, packing="thd", **options)  # warm: its connection, the service's caches
+        workers.put(serving_pid(client))  # a connection, no route read
         for round_ in range(rounds):
             barrier.wait()
             started = time.monotonic()
@@ -77,15 +76,16 @@ def _rank(url: str, rank: int, ranks: int, sequences: list, convention: str | No
             del batch
 
 
-def all_at_once(url: str, ranks: int, sequences: list, convention: str | None,
-                rounds: int) -> tuple[list[dict], list[int]]:
-    """Each round: every rank's fetch, all released by one barrier. Per round: wall, per-rank times, rows, bytes;
-    and how many ranks' connections each worker holds, most first."""
+def all_at_once(url: str, ranks: int, sequences: list, convention: str | None, rounds: int,
+                warm_first: bool = True) -> tuple[list[dict], list[int]]:
+    """Each round: every rank's fetch, all released by one barrier (after one unmeasured fetch each when
+    `warm_first`). Per round: wall, per-rank times, rows, bytes; how many ranks' connections each worker holds."""
     ctx = mp.get_context("fork")
     barrier = ctx.Barrier(ranks)
     results = ctx.Queue()
     workers = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(url, r, ranks, sequences, convention, rounds, barrier, results, workers))
+    procs = [ctx.Process(target=_rank, args=(url, r, ranks, sequences, convention, rounds, barrier, results, workers,
+                                                    warm_first))
              for r in range(ranks)]
     for p in procs:
         p.start()
@@ -127,62 +127,115 @@ def peak_memory(service: ServiceProcess) -> int:
     return total
 
 
+try:  # vLLM's own base64 codec (a vLLM dependency); the standard library's otherwise
+    from pybase64 import b64decode
+except ImportError:
+    b64decode = base64.b64decode
+
+
+def in_band(requests: list[str], rows: int, rounds: int) -> float:
+    """vLLM's in-band path, rows per second: one rollout process decoding each request's completions JSON (one choice
+    whose `routed_experts` is base64 `.npy` of int32 ids, as vLLM 0.32's capturer hands them out) into its
+    `[rows, layers, K]` uint8 array, in turn, with the fastest base64 decoder installed (pybase64, vLLM's own, when
+    there); the hand-off of those arrays to the ranks is not counted (a lower bound on its cost). Best of
+    `rounds` over the whole step."""
+    table = bulk_routes(rows * len(requests), 0).reshape(len(requests), rows, SHAPE.num_moe_layers, SHAPE.top_k)
+    bodies = [json.dumps({"id": f"cmpl-{r}", "object": "text_completion", "choices": [
+        {"index": 0, "text": "", "routed_experts": encode_routed_experts(table[i].astype(np.int32))}]}).encode()
+        for i, r in enumerate(requests)]
+    del table
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        for body in bodies:
+            choice = json.loads(body)["choices"][0]
+            read_npy(b64decode(choice["routed_experts"])).astype(np.uint8)
+        best = min(best, time.perf_counter() - started)
+    return len(requests) * rows / best
+
+
+def load(shape: str, data: Path, workers: int, requests: list[str], rows: int, writers: int) -> ServiceProcess:
+    """A service over a new data directory holding the step in `shape` (started; the caller stops it)."""
+    service = ServiceProcess(data, workers=workers, env={"REPLAY_FSYNC": "false"}).start()
+    clients = [ReplayClient(service.url) for _ in range(writers if shape == "sink" else 1)]
+    try:
+        if shape == "sink":
+            load_store_as_sink(clients, requests, rows)
+        else:
+            load_store(clients[0], requests, rows)
+    finally:
+        for client in clients:
+            client.close()
+    return service
+
+
+def measure(shape: str, ranks: int, tmp: Path, args: argparse.Namespace, requests: list[str], rows: int) -> dict:
+    """One shape at one rank count. Two copies of the step, each ingested by its own service: on copy A the ranks'
+    first fetch at once right after the requests finish (cold), on copy B one client's first fetch of the same
+    slices in turn (cold; B's service never served A's ranks), then on A warm rounds of both, then the one-process
+    read of A's segment files (page-cached by then: the machine's limit)."""
+    sequences = [("bench", r) for r in requests]
+    a_dir, b_dir = tmp / f"{shape}-{ranks}-a", tmp / f"{shape}-{ranks}-b"
+    with load(shape, b_dir, args.workers, requests, rows, args.writers) as b:
+        cold_turn_s, turn_rows = one_client_in_turn(b.url, ranks, sequences, args.convention)
+    with load(shape, a_dir, args.workers, requests, rows, args.writers) as a:
+        (cold,), split = all_at_once(a.url, ranks, sequences, args.convention, 1, warm_first=False)
+        warm, _ = all_at_once(a.url, ranks, sequences, args.convention, args.rounds, warm_first=True)
+        warm_turn_s = statistics.median(one_client_in_turn(a.url, ranks, sequences, args.convention)[0]
+                                        for _ in range(args.rounds))
+        peak = peak_memory(a)
+    files_s = min(_timed(segment_rows, a_dir, requests) for _ in range(args.rounds))
+    total = cold["rows"]
+    warm_s = statistics.median(r["wall"] for r in warm)
+    out = {"cold_rows_per_s": total / cold["wall"], "warm_rows_per_s": total / warm_s,
+           "cold_turn_rows_per_s": turn_rows / cold_turn_s, "warm_turn_rows_per_s": turn_rows / warm_turn_s,
+           "files_rows_per_s": len(requests) * rows / files_s, "split": split, "service_peak_mb": peak / 1e6,
+           "segments": len(list((a_dir / "runs" / "bench").glob("*.arrow")))}
+    out["cold_over_warm"] = out["cold_rows_per_s"] / out["warm_rows_per_s"]
+    out["cold_vs_turn"] = out["cold_rows_per_s"] / out["cold_turn_rows_per_s"]
+    out["warm_vs_turn"] = out["warm_rows_per_s"] / out["warm_turn_rows_per_s"]
+    out["cold_vs_files"] = out["cold_rows_per_s"] / out["files_rows_per_s"]
+    out["warm_vs_files"] = out["warm_rows_per_s"] / out["files_rows_per_s"]
+    return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
-    parser.add_argument("--sequences", type=int, default=128)
-    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--sequences", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 0], help="services to measure (0: a core each)")
+    parser.add_argument("--shapes", nargs="+", default=["sink", "kind"], choices=["sink", "kind"],
+                        help="sink: as the plugin's sink ships a continuously batching engine's rows; kind: 8 whole "
+                             "requests per batch")
+    parser.add_argument("--writers", type=int, default=4, help="writers (DP ranks) of the sink shape")
+    parser.add_argument("--workers", type=int, default=0, help="service workers (0: a core each)")
     parser.add_argument("--convention", default=None, help="e.g. slime (its THD rule); default megatron's")
     args = parser.parse_args()
     rows = args.tokens - 1
     requests = [f"r{i:04d}" for i in range(args.sequences)]
-    sequences = [("bench", r) for r in requests]
     step_bytes = args.sequences * rows * SHAPE.row_width
-    report: dict = {"sequences": args.sequences, "tokens": args.tokens, "step_mb": round(step_bytes / 1e6)}
+    print(f"one step: {args.sequences} sequences x {args.tokens} tokens, {step_bytes / 1e6:.0f} MB of routes; "
+          f"DP x TP {TP} x CP {CP}, THD ({args.convention or 'megatron'}); {worker_count(args.workers)} workers; "
+          f"{os.cpu_count()} cores, 1-min load {os.getloadavg()[0]:.2f}; M rows/s, warm: medians of {args.rounds}")
+    report: dict = {"sequences": args.sequences, "tokens": args.tokens, "step_mb": round(step_bytes / 1e6),
+                    "convention": args.convention or "megatron"}
+    band = in_band(requests, rows, args.rounds)
+    report["in_band_rows_per_s"] = round(band)
+    print(f"  vLLM in-band, one rollout process decoding each answer's base64 .npy (int32) in turn, hand-off to the "
+          f"ranks not counted: {band / 1e6:.2f}")
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "data"
-        with ServiceProcess(data, env={"REPLAY_FSYNC": "false"}) as loader, ReplayClient(loader.url) as client:
-            load_store(client, requests, rows)
-        started = time.monotonic()
-        segment_rows(data, requests)
-        read_files = time.monotonic() - started
-        read_files = min(read_files, *(_timed(segment_rows, data, requests) for _ in range(args.rounds)))
-        files_rate = args.sequences * rows / read_files
-        print(f"one step: {args.sequences} sequences x {args.tokens} tokens, {step_bytes / 1e6:.0f} MB of routes; "
-              f"DP x TP {TP} x CP {CP}, THD ({args.convention or 'megatron'}); {os.cpu_count()} cores, 1-min load "
-              f"{os.getloadavg()[0]:.2f}")
-        print(f"  one process reading the step's rows from the segment files: {read_files:.3f} s, "
-              f"{files_rate / 1e6:.2f} M rows/s")
-        report["files_rows_per_s"] = round(files_rate)
-        for workers in args.workers:
-            with ServiceProcess(data, workers=workers, env={"REPLAY_FSYNC": "false"}) as service:
-                count = worker_count(workers)
-                for ranks in args.ranks:
-                    turn = [one_client_in_turn(service.url, ranks, sequences, args.convention)
-                            for _ in range(args.rounds)]
-                    turn_s = statistics.median(t for t, _ in turn)
-                    turn_rate = turn[0][1] / turn_s
-                    rounds, split = all_at_once(service.url, ranks, sequences, args.convention, args.rounds)
-                    wall = statistics.median(r["wall"] for r in rounds)
-                    each = [e for r in rounds for e in r["each"]]
-                    rate = rounds[0]["rows"] / wall
-                    p50, p99 = np.percentile(each, 50), np.percentile(each, 99)
-                    key = f"w{count}_r{ranks}"
-                    report[key] = {"wall_s": round(wall, 3), "rows_per_s": round(rate), "p50_s": round(p50, 3),
-                                   "p99_s": round(p99, 3), "one_client_rows_per_s": round(turn_rate),
-                                   "vs_one_client": round(rate / turn_rate, 2), "vs_files": round(rate / files_rate, 3),
-                                   "wire_over_step": round(rounds[0]["bytes"] / step_bytes, 2),
-                                   "service_peak_mb": round(peak_memory(service) / 1e6),
-                                   "connections_per_worker": split}
-                    r = report[key]
-                    print(f"  {count} worker{'s' if count > 1 else ' '} {ranks:3d} ranks at once: last rank after "
-                          f"{wall:.2f} s, {rate / 1e6:.2f} M rows/s (per rank p50 {p50:.2f} s, p99 {p99:.2f} s); "
-                          f"one client in turn {turn_rate / 1e6:.2f} M rows/s -> ratio {r['vs_one_client']:.2f}; "
-                          f"of the file read {r['vs_files']:.3f}; wire {r['wire_over_step']:.2f} x the step; "
-                          f"service peak {r['service_peak_mb']} MB; connections per worker "
-                          f"{':'.join(map(str, split))}")
+        for shape in args.shapes:
+            for ranks in args.ranks:
+                r = report[f"{shape}_r{ranks}"] = measure(shape, ranks, Path(tmp), args, requests, rows)
+                print(f"  {shape:4s} ({r['segments']} segments) {ranks:3d} ranks: at once first "
+                      f"{r['cold_rows_per_s'] / 1e6:.2f}, warm {r['warm_rows_per_s'] / 1e6:.2f} (first / warm "
+                      f"{r['cold_over_warm']:.2f}); one client in turn first {r['cold_turn_rows_per_s'] / 1e6:.2f}, "
+                      f"warm {r['warm_turn_rows_per_s'] / 1e6:.2f}; at once / in turn: first {r['cold_vs_turn']:.2f}, "
+                      f"warm {r['warm_vs_turn']:.2f}; share of the memory read ({r['files_rows_per_s'] / 1e6:.2f}): "
+                      f"first {r['cold_vs_files']:.3f}, warm {r['warm_vs_files']:.3f}; connections per worker "
+                      f"{':'.join(map(str, r['split']))}; of in-band: first {r['cold_rows_per_s'] / band:.2f}, "
+                      f"warm {r['warm_rows_per_s'] / band:.2f}")
     print(json.dumps(report))
 
 

@@ -16,6 +16,7 @@ REQUIRE_ALL = os.environ.get("REPLAY_REQUIRE_ALL") == "1"
 # (`--durations`) on the 2-core machine. What is left took 70 s quiet on 2026-12-03, then 35-54 s once the tests'
 # one-off HTTP calls shared one client (README, Tests).
 SLOW = {
+    "test_cold_step_fetch.py": "services of two workers over a sink-shaped step, restarted",
     # a second service started with a tokens file (the rest of test_service_auth.py stays in the fast loop)
     "test_service_auth.py::test_the_401_403_matrix": "a service with a tokens file",
     "test_service_auth.py::test_open_paths_need_no_token": "a service with a tokens file",

@@ -3,12 +3,15 @@
 Contract: `ONE` (a command-line tool, `serve --workers 1`, or `serve`'s parent before its workers start) keeps a run's
 row once read on a SQLite index and does the start-up work (index checks, sweep, emptying the trash); `WORKER` (one
 of `serve`'s workers, ops/workers.py) reads a run's row on every lookup and leaves the start-up work to the parent.
+A worker's pool is named by `pool_id`: what the workers of one `serve` share and a restart does not.
 Design: docs/design/store.md ("One process or many").
 """
 
 from __future__ import annotations
 
 import enum
+import os
+from pathlib import Path
 
 
 class Processes(enum.StrEnum):
@@ -16,3 +19,11 @@ class Processes(enum.StrEnum):
 
     ONE = "one"
     WORKER = "worker"
+
+
+def pool_id() -> str:
+    """This worker's pool: its parent's pid and start time on this boot (a restarted service is a new pool)."""
+    parent = os.getppid()
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    started = Path(f"/proc/{parent}/stat").read_text().rpartition(")")[2].split()[19]  # field 22, starttime
+    return f"{boot}:{parent}:{started}"

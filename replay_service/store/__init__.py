@@ -23,7 +23,7 @@ from replay_format.weight_versions import RecomputeRule, check_label
 from replay_service.errors import Conflict, InvalidInput, NotFound, RunDeleted
 from replay_service.ownership import claim_requests, current_actor, require_owner
 from replay_service.placement import on_loop
-from replay_service.placement.processes import Processes
+from replay_service.placement.processes import Processes, pool_id
 from replay_service.settings import ReadPlace, ServiceSettings
 from replay_service.store.index import Index, RequestStatus, Row, load_of
 from replay_service.store.lifecycle.journal import open_journal
@@ -72,7 +72,8 @@ class RouteStore:
             empty_trash(self.root)  # what a delete interrupted by a crash left (retention.py)
         self.journal = open_journal(self.segments, self.segments_root, fsync=settings.fsync)
         self.cache = SegmentCache(self.segments, settings.open_segment_cache, settings.open_segment_cache_bytes,
-                                  indexed=self.index.names_segment)
+                                  indexed=self.index.names_segment,
+                                  pool=pool_id() if processes is Processes.WORKER else None)
         self.reader = RowReader(self.index, self.cache)
         self.registry = RunRegistry(self.index)
         self.compares = CompareStore(self.root / "compares", self.index, fsync=settings.fsync,

@@ -14,14 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
 
 from replay_format import RunShape
 from replay_format.request_notes import Reference
 from replay_format.weight_versions import WeightVersions
 from replay_service.checks.check import judge_repeats
 from replay_service.store.index import HeldRows, IndexTransaction, RequestCounts
-from replay_service.store.requests.rows import RowReader
+from replay_service.store.requests.rows import Pieces, RowReader
 
 
 @dataclass
@@ -73,8 +72,8 @@ class Resolver:
 
     def _mirror(self, held: HeldRows, ref: Reference) -> tuple[list[HeldRows], int]:
         """`held`'s rows at the reference's positions, as spans of the referencing request (those it lacks)."""
-        rows, versions = self.reader.rows_of(held.path, held.row_start, held.row_count)
-        positions = rows.column("position").to_numpy()  # a span's rows are sorted by position
+        rows = self.reader.rows_of(held.path, held.row_start, held.row_count, self.shape.row_width)
+        positions = rows.positions  # a span's rows are sorted by position
         lo, hi = (int(i) for i in np.searchsorted(positions, [ref.start, ref.end]))
         if lo >= hi:
             return [], 0
@@ -85,18 +84,15 @@ class Resolver:
             span_positions = positions[a - held.row_start : b - held.row_start]
             span = HeldRows(ref.request_id, held.segment_id, held.path, a, b - a, int(span_positions[0]),
                             int(span_positions[-1]))
-            resolved += self._serve(span, rows.slice(a - held.row_start, b - a),
-                                    versions.take(slice(a - held.row_start, b - held.row_start)))
+            resolved += self._serve(span, rows.take(slice(a - held.row_start, b - held.row_start)))
             mirrored.append(span)
         return mirrored, resolved
 
-    def _serve(self, span: HeldRows, rows: pa.RecordBatch, versions: WeightVersions) -> int:
+    def _serve(self, span: HeldRows, rows: Pieces) -> int:
         """Insert one mirrored span (`rows` are its segment rows) and count its rows at positions the request did
         not serve yet."""
         request_id = span.request_id
-        positions = rows.column("position").to_numpy()
-        experts = rows.column("experts").flatten().to_numpy(zero_copy_only=True).reshape(len(positions), -1)
-        flags = rows.column("flags").to_numpy()
+        positions, experts, flags, versions = rows.positions, rows.experts, rows.flags, rows.versions
         first = np.concatenate(([True], positions[1:] != positions[:-1]))  # the row served per position
         positions, experts, flags, versions = positions[first], experts[first], flags[first], versions.take(first)
         stored = self.reader.stored_rows(self.run_id, request_id, self.shape, positions)

@@ -60,7 +60,7 @@ class RouteRows:
 
 
 @dataclass
-class _Pieces:
+class Pieces:
     """Stored rows of one request, concatenated in stored order (not yet one per position)."""
 
     positions: np.ndarray
@@ -69,19 +69,19 @@ class _Pieces:
     flags: np.ndarray
     versions: WeightVersions
 
-    def take(self, index: np.ndarray | slice) -> _Pieces:
+    def take(self, index: np.ndarray | slice) -> Pieces:
         """These rows at `index` (a mask, row numbers or a slice: a slice keeps views)."""
-        return _Pieces(self.positions[index], self.token_ids[index], self.experts[index], self.flags[index],
+        return Pieces(self.positions[index], self.token_ids[index], self.experts[index], self.flags[index],
                        self.versions.take(index))
 
-    def by_position(self) -> _Pieces:
+    def by_position(self) -> Pieces:
         """Sorted by position, stably (the order held within one position kept)."""
         p = self.positions
         if len(p) > 1 and np.any(p[1:] < p[:-1]):  # one span is sorted already: no sort on the common path
             return self.take(np.argsort(p, kind="stable"))
         return self
 
-    def one_per_position(self, rule: RecomputeRule = RecomputeRule.FIRST) -> _Pieces:
+    def one_per_position(self, rule: RecomputeRule = RecomputeRule.FIRST) -> Pieces:
         """Sorted by position, the row `rule` serves of each position only: the first held, or the last."""
         rows = self.by_position()
         p = rows.positions
@@ -94,7 +94,7 @@ class _Pieces:
                 return rows.take(keep)
         return rows
 
-    def of_version(self, label: str) -> _Pieces:
+    def of_version(self, label: str) -> Pieces:
         """The rows computed with the weights labelled `label` only."""
         if label not in self.versions.labels:
             return self.take(np.zeros(len(self.positions), np.bool_))
@@ -110,25 +110,29 @@ class StoredRows:
     versions: WeightVersions  # each row's weight version
 
 
-def _piece(batch: pa.RecordBatch, width: int, versions: WeightVersions | None = None) -> _Pieces:
+def _piece(batch: pa.RecordBatch, width: int, versions: WeightVersions | None = None) -> Pieces:
     positions = batch.column("position").to_numpy()
     experts = batch.column("experts").flatten().to_numpy(zero_copy_only=True).reshape(len(positions), width)
-    return _Pieces(positions, token_ids(batch.column("token_id")), experts, batch.column("flags").to_numpy(),
+    return Pieces(positions, token_ids(batch.column("token_id")), experts, batch.column("flags").to_numpy(),
                    WeightVersions.unknown(len(positions)) if versions is None else versions)
 
 
-def _concat(pieces: list[_Pieces], shape: RunShape) -> _Pieces:
+def _read_only(pieces: Pieces) -> Pieces:
+    """`pieces` with every array read-only: shared by every read of its segment, never written through."""
+    for array in (pieces.positions, pieces.token_ids, pieces.experts, pieces.flags, pieces.versions.index):
+        array.flags.writeable = False
+    return pieces
+
+
+def _concat(pieces: list[Pieces], shape: RunShape) -> Pieces:
     if len(pieces) == 1:
         return pieces[0]
     if not pieces:
-        return _Pieces(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros((0, shape.row_width), shape.dtype),
+        return Pieces(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros((0, shape.row_width), shape.dtype),
                        np.zeros(0, np.uint16), WeightVersions.unknown(0))
     positions, tokens, experts, flags = (np.concatenate([getattr(p, name) for p in pieces])
                                          for name in ("positions", "token_ids", "experts", "flags"))
-    return _Pieces(positions, tokens, experts, flags, WeightVersions.concat(p.versions for p in pieces))
-
-
-Span = tuple[pa.RecordBatch, WeightVersions]  # a span's rows, and their weight versions
+    return Pieces(positions, tokens, experts, flags, WeightVersions.concat(p.versions for p in pieces))
 
 
 class RowReader:
@@ -137,35 +141,45 @@ class RowReader:
     def __init__(self, index: Index, cache: SegmentCache) -> None:
         self.index = index
         self.cache = cache
+        # An opened segment's columns as arrays (views of the mapping; token ids and versions decoded once), by
+        # path, with the batch they came from: a read asks the cache for the batch first (its checks, a deleted
+        # run's refusal) and uses these only while the cache still hands out that same batch.
+        self._columns: dict[str, tuple[pa.RecordBatch, Pieces]] = {}
 
-    def _spans(self, run_id: str, request_id: str, lo: int, hi: int) -> list[Span]:
+    def _spans(self, run_id: str, request_id: str, lo: int, hi: int, width: int) -> list[Pieces]:
         """The request's stored rows in spans touching positions `[lo, hi]`, in the order it came to hold them."""
-        return [self.rows_of(s["path"], s["row_start"], s["row_count"])
+        return [self.rows_of(s["path"], s["row_start"], s["row_count"], width)
                 for s in self.index.spans(run_id, request_id, lo, hi)]
 
-    def rows_of(self, path: str, start: int, count: int) -> Span:
-        """Rows `[start, start + count)` of a segment and their weight versions: fetched and checked by themselves
-        where the store reads ranges (an object store: only their blocks travel), else a slice of the whole segment,
-        opened and checked once."""
+    def rows_of(self, path: str, start: int, count: int, width: int) -> Pieces:
+        """Rows `[start, start + count)` of a segment with their weight versions (`width`: ids per row): fetched
+        and checked by themselves where the store reads ranges (an object store: only their blocks travel), else
+        a slice of the whole segment, opened and checked once, its columns decoded once."""
         try:
             rows = self.cache.store.read_rows(path, start, start + count)
         except FileNotFoundError:
             rows = None  # the segment cache says what a missing segment means (its run deleted, or damage)
-        if rows is None:
-            whole = self.cache.get(path)
-            versions = segment_versions(whole.schema.metadata, whole.num_rows)
-            rows = whole.slice(start, count)
-        else:  # the blocks read carry the segment's versions, over the segment's rows (ranges.read_blocks)
+        if rows is not None:  # the blocks read carry the segment's versions, over the segment's rows
             versions = segment_versions(rows.schema.metadata, None)
-        if versions is None:
-            return rows, WeightVersions.unknown(count)
-        return rows, versions.take(slice(start, start + count))
+            return _piece(rows, width, None if versions is None else versions.take(slice(start, start + count)))
+        return self._whole(path, width).take(slice(start, start + count))
+
+    def _whole(self, path: str, width: int) -> Pieces:
+        """A local segment's columns, from the cache's opened batch (decoded once per opened batch)."""
+        whole = self.cache.get(path)
+        kept = self._columns.get(path)
+        if kept is not None and kept[0] is whole:
+            return kept[1]
+        pieces = _read_only(_piece(whole, width, segment_versions(whole.schema.metadata, whole.num_rows)))
+        self._columns[path] = (whole, pieces)
+        while len(self._columns) > max(self.cache.capacity, 1):
+            self._columns.pop(next(iter(self._columns)))  # the oldest decoded: the cache holds about as many
+        return pieces
 
     def stored_rows(self, run_id: str, request_id: str, shape: RunShape, positions: np.ndarray) -> StoredRows:
         """Every row the request holds at any of sorted `positions`, in the order it came to hold them."""
         found = []
-        for batch, versions in self._spans(run_id, request_id, int(positions[0]), int(positions[-1])):
-            piece = _piece(batch, shape.row_width, versions)
+        for piece in self._spans(run_id, request_id, int(positions[0]), int(positions[-1]), shape.row_width):
             hit = np.isin(piece.positions, positions)
             if hit.any():
                 found.append(piece.take(hit))
@@ -177,7 +191,7 @@ class RowReader:
         """Of sorted `positions`, those already served and the ids served there by the default rule:
         `(positions, experts)`."""
         stored = self.stored_rows(run_id, request_id, shape, positions)
-        served = _Pieces(stored.positions, np.zeros(len(stored.positions), np.int32), stored.experts,
+        served = Pieces(stored.positions, np.zeros(len(stored.positions), np.int32), stored.experts,
                          np.zeros(len(stored.positions), np.uint16), stored.versions).one_per_position()
         return served.positions, served.experts
 
@@ -186,9 +200,8 @@ class RowReader:
               weight_version: str | None = None) -> RouteRows:
         """Rows `[start, end)` of a request: the row `rule` serves per position (of `weight_version` only, when
         given), GAP rows where none is stored."""
-        spans = self._spans(run_id, request_id, start, end - 1) if end > start else []
-        return assemble_route(request_id, shape, [b for b, _ in spans], start, end, late_flags,
-                              [v for _, v in spans], rule, weight_version)
+        spans = self._spans(run_id, request_id, start, end - 1, shape.row_width) if end > start else []
+        return _assemble(request_id, shape, spans, start, end, late_flags, rule, weight_version)
 
 
 def assemble_route(request_id: str, shape: RunShape, spans: list[pa.RecordBatch], start: int, end: int,
@@ -197,8 +210,13 @@ def assemble_route(request_id: str, shape: RunShape, spans: list[pa.RecordBatch]
     """A request's spans (in the order it came to hold them; `versions`: their rows' weight versions, unknown when
     not given) as a dense route over `[start, end)` with `late_flags`: per position the row `rule` serves, of
     `weight_version` only when one is named (positions without a row of it read as GAP)."""
-    rows = _concat([_piece(span, shape.row_width, None if versions is None else versions[i])
-                    for i, span in enumerate(spans)], shape)
+    pieces = [_piece(span, shape.row_width, None if versions is None else versions[i]) for i, span in enumerate(spans)]
+    return _assemble(request_id, shape, pieces, start, end, late_flags, rule, weight_version)
+
+
+def _assemble(request_id: str, shape: RunShape, spans: list[Pieces], start: int, end: int,
+              late_flags: dict[int, int], rule: RecomputeRule, weight_version: str | None) -> RouteRows:
+    rows = _concat(spans, shape)
     if len(spans) == 1:
         lo, hi = np.searchsorted(rows.positions, [start, end])  # a span's rows are sorted by position
         rows = rows.take(slice(lo, hi))

@@ -150,8 +150,9 @@ class SegmentCache:
     """
 
     def __init__(self, store: SegmentStore | Path, capacity: int, max_heap_bytes: int = 1 << 30,
-                 indexed: Callable[[str, str], bool] | None = None) -> None:
+                 indexed: Callable[[str, str], bool] | None = None, pool: str | None = None) -> None:
         self.store = LocalSegments(store) if isinstance(store, Path) else store
+        self.pool = pool  # one of `serve`'s workers: a file another worker of its pool checked is not checked again
         # (run, path) -> whether the index still names the segment: a missing file it no longer names was deleted
         # with its run (a run of the same id may have been created since), not damaged
         self.indexed = indexed
@@ -161,6 +162,7 @@ class SegmentCache:
         self._open: OrderedDict[str, pa.RecordBatch] = OrderedDict()
         self._damaged: dict[str, _Damage] = {}  # path -> the file when found damaged, and why
         self._deleted: set[str] = set()  # runs deleted (retention.py): a missing segment of one is not damage
+        self._opening: dict[str, threading.Event] = {}  # path -> set once the read opening it is done
         self._lock = threading.Lock()
 
     def forget_run(self, run_id: str) -> None:
@@ -195,12 +197,29 @@ class SegmentCache:
         DamagedSegment when it fails its checksum: refused again, unread, until its file changes. On the event
         loop (placement/on_loop.py) a segment not opened yet is WouldWait: opening it reads and checks the whole file.
         """
-        with self._lock:
-            batch = self._open.get(rel_path)
-            if batch is not None:
-                self._open.move_to_end(rel_path)
-                return batch
-        on_loop.refuse(f"segment {rel_path} is not opened yet")
+        while True:
+            with self._lock:
+                batch = self._open.get(rel_path)
+                if batch is not None:
+                    self._open.move_to_end(rel_path)
+                    return batch
+                opening = self._opening.get(rel_path)
+            on_loop.refuse(f"segment {rel_path} is not opened yet")
+            if opening is not None:
+                opening.wait()  # another read opens it: one open and one checksum pass per segment, not one each
+                continue
+            with self._lock:
+                if rel_path not in self._opening and rel_path not in self._open:
+                    self._opening[rel_path] = threading.Event()
+                    break
+        try:
+            return self._open_and_keep(rel_path)
+        finally:
+            with self._lock:
+                self._opening.pop(rel_path).set()
+
+    def _open_and_keep(self, rel_path: str) -> pa.RecordBatch:
+        """Open and check a segment no read holds opened, and keep it opened (unless its run was deleted)."""
         with self._lock:
             known = self._damaged.get(rel_path)
             deleted = _run_of(rel_path) in self._deleted
@@ -210,7 +229,7 @@ class SegmentCache:
             raise DamagedSegment(known.why, rel_path)
         stat = self._stat(rel_path)
         try:
-            batch = open_segment(self.store, rel_path)
+            batch = open_segment(self.store, rel_path, self.pool)
         except DamagedSegment as exc:
             if self._stat(rel_path) is None:
                 with self._lock:

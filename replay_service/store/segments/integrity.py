@@ -11,6 +11,7 @@ implementation (SSE4.2 / ARMv8 CRC): a few GB/s, small beside faulting the pages
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -67,17 +68,25 @@ def seal(batch: pa.RecordBatch) -> pa.RecordBatch:
     return batch.replace_schema_metadata({**md, CHECKSUM_KEY: f"{segment_crc(batch, md):08x}"})
 
 
-def open_segment(store: SegmentStore | Path, rel_path: str) -> pa.RecordBatch:
+CHECKED_ATTR = "user.routing_replay.checked"  # a local segment's extended attribute: which pool checked which file
+
+
+def open_segment(store: SegmentStore | Path, rel_path: str, pool: str | None = None) -> pa.RecordBatch:
     """The segment at `rel_path` of `store` (a directory: `LocalSegments`), opened and checked; DamagedSegment if not.
 
     Local: memory-mapped. Object store: fetched whole (the check reads every byte). A segment whose ids are stored
     by layer (3.0) comes back with one `experts` column, as every other. A segment without a checksum (written
-    before segment 2.2) is served unchecked.
+    before segment 2.2) is served unchecked. `pool` (one of `serve`'s workers: `placement.processes.pool_id`): a
+    local file another worker of the pool checked, unchanged since (inode, size, modification time), is not
+    checksummed again; a file this call checks is marked so for the others (where the filesystem keeps extended
+    attributes; elsewhere every worker checks it).
     """
     if isinstance(store, Path):
         store = LocalSegments(store)
     where = f"runs/{rel_path}" if isinstance(store, LocalSegments) else f"{store.url.rstrip('/')}/{rel_path}"
+    mark = _Mark(store.root / rel_path, pool) if pool is not None and isinstance(store, LocalSegments) else None
     try:
+        checked = mark is not None and mark.found()
         batch = store.open_batch(rel_path)
         batch.validate()  # buffer sizes fit the rows: a damaged header must not make a read run off the map
         batch = by_rows(batch)  # segment 3.0: ids stored by layer are joined back (readers take one column)
@@ -85,6 +94,8 @@ def open_segment(store: SegmentStore | Path, rel_path: str) -> pa.RecordBatch:
         stored = md.get(CHECKSUM_KEY)
         if stored is None:
             return batch
+        if checked and mark is not None and mark.unchanged():
+            return batch  # checked whole by another worker of this service, the same file since
         actual = segment_crc(batch, md)
     except FileNotFoundError:
         raise DamagedSegment(f"segment {where} is missing: restore it from a backup", rel_path) from None
@@ -100,4 +111,41 @@ def open_segment(store: SegmentStore | Path, rel_path: str) -> pa.RecordBatch:
     if blocks is not None and blocks != "".join(f"{crc:08x}" for crc in block_crcs(batch, versions)):
         raise DamagedSegment(f"segment {where} is damaged (its block checksums do not match its rows, which its "
                              "CRC32C does): its rows are not served; restore it from a backup", rel_path)
+    if mark is not None:
+        mark.set()
     return batch
+
+
+class _Mark:
+    """A local segment file's record of the pool that checked it whole, and of the file it checked."""
+
+    def __init__(self, path: Path, pool: str) -> None:
+        self.path, self.pool = path, pool
+        self.stamp = self._stamp()
+
+    def _stamp(self) -> str | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return f"{self.pool}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+
+    def found(self) -> bool:
+        """Whether another worker of the pool checked this very file (taken before the file is opened)."""
+        try:
+            return self.stamp is not None and os.getxattr(self.path, CHECKED_ATTR) == self.stamp.encode()
+        except OSError:
+            return False
+
+    def unchanged(self) -> bool:
+        """Whether the file is still the one `found` saw (taken after it was mapped)."""
+        return self.stamp is not None and self._stamp() == self.stamp
+
+    def set(self) -> None:
+        """Record that this pool checked the file as it was before it was opened (nothing where not supported)."""
+        if self.stamp is None or not self.unchanged():
+            return
+        try:
+            os.setxattr(self.path, CHECKED_ATTR, self.stamp.encode())
+        except OSError:
+            pass  # a filesystem without user extended attributes: each worker checks for itself
