@@ -23,6 +23,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = str(Path(__file__).resolve().parent.parent)
@@ -154,19 +156,21 @@ def in_band(requests: list[str], rows: int, rounds: int) -> float:
     return len(requests) * rows / best
 
 
-def load(shape: str, data: Path, workers: int, requests: list[str], rows: int, writers: int) -> ServiceProcess:
-    """A service over a new data directory holding the step in `shape` (started; the caller stops it)."""
-    service = ServiceProcess(data, workers=workers, env={"REPLAY_FSYNC": "false"}).start()
-    clients = [ReplayClient(service.url) for _ in range(writers if shape == "sink" else 1)]
-    try:
-        if shape == "sink":
-            load_store_as_sink(clients, requests, rows)
-        else:
-            load_store(clients[0], requests, rows)
-    finally:
-        for client in clients:
-            client.close()
-    return service
+@contextmanager
+def loaded(shape: str, data: Path, workers: int, requests: list[str], rows: int,
+           writers: int) -> Iterator[ServiceProcess]:
+    """Within: a service over a new data directory holding the step in `shape`, stopped on leaving."""
+    with ServiceProcess(data, workers=workers, env={"REPLAY_FSYNC": "false"}) as service:
+        clients = [ReplayClient(service.url) for _ in range(writers if shape == "sink" else 1)]
+        try:
+            if shape == "sink":
+                load_store_as_sink(clients, requests, rows)
+            else:
+                load_store(clients[0], requests, rows)
+        finally:
+            for client in clients:
+                client.close()
+        yield service
 
 
 def measure(shape: str, ranks: int, tmp: Path, args: argparse.Namespace, requests: list[str], rows: int) -> dict:
@@ -176,9 +180,9 @@ def measure(shape: str, ranks: int, tmp: Path, args: argparse.Namespace, request
     read of A's segment files (page-cached by then: the machine's limit)."""
     sequences = [("bench", r) for r in requests]
     a_dir, b_dir = tmp / f"{shape}-{ranks}-a", tmp / f"{shape}-{ranks}-b"
-    with load(shape, b_dir, args.workers, requests, rows, args.writers) as b:
+    with loaded(shape, b_dir, args.workers, requests, rows, args.writers) as b:
         cold_turn_s, turn_rows = one_client_in_turn(b.url, ranks, sequences, args.convention)
-    with load(shape, a_dir, args.workers, requests, rows, args.writers) as a:
+    with loaded(shape, a_dir, args.workers, requests, rows, args.writers) as a:
         (cold,), split = all_at_once(a.url, ranks, sequences, args.convention, 1, warm_first=False)
         warm, _ = all_at_once(a.url, ranks, sequences, args.convention, args.rounds, warm_first=True)
         warm_turn_s = statistics.median(one_client_in_turn(a.url, ranks, sequences, args.convention)[0]
