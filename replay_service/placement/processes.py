@@ -21,9 +21,13 @@ class Processes(enum.StrEnum):
     WORKER = "worker"
 
 
-def pool_id() -> str:
-    """This worker's pool: its parent's pid and start time on this boot (a restarted service is a new pool)."""
+def pool_id() -> str | None:
+    """This worker's pool: its parent's pid and start time on this boot (a restarted service is a new pool); None
+    where /proc does not say (each worker then stands alone)."""
     parent = os.getppid()
-    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    started = Path(f"/proc/{parent}/stat").read_text().rpartition(")")[2].split()[19]  # field 22, starttime
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        started = Path(f"/proc/{parent}/stat").read_text().rpartition(")")[2].split()[19]  # field 22, starttime
+    except (OSError, IndexError):
+        return None
     return f"{boot}:{parent}:{started}"

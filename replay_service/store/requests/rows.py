@@ -10,6 +10,7 @@ Design: docs/design/store.md ("Which row a read serves").
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -145,6 +146,7 @@ class RowReader:
         # path, with the batch they came from: a read asks the cache for the batch first (its checks, a deleted
         # run's refusal) and uses these only while the cache still hands out that same batch.
         self._columns: dict[str, tuple[pa.RecordBatch, Pieces]] = {}
+        self._columns_lock = threading.Lock()  # reads run in many threads
 
     def _spans(self, run_id: str, request_id: str, lo: int, hi: int, width: int) -> list[Pieces]:
         """The request's stored rows in spans touching positions `[lo, hi]`, in the order it came to hold them."""
@@ -167,13 +169,15 @@ class RowReader:
     def _whole(self, path: str, width: int) -> Pieces:
         """A local segment's columns, from the cache's opened batch (decoded once per opened batch)."""
         whole = self.cache.get(path)
-        kept = self._columns.get(path)
+        with self._columns_lock:
+            kept = self._columns.get(path)
         if kept is not None and kept[0] is whole:
             return kept[1]
         pieces = _read_only(_piece(whole, width, segment_versions(whole.schema.metadata, whole.num_rows)))
-        self._columns[path] = (whole, pieces)
-        while len(self._columns) > max(self.cache.capacity, 1):
-            self._columns.pop(next(iter(self._columns)))  # the oldest decoded: the cache holds about as many
+        with self._columns_lock:
+            self._columns[path] = (whole, pieces)
+            while len(self._columns) > self.cache.capacity:
+                del self._columns[next(iter(self._columns))]  # the oldest decoded: the cache holds as many
         return pieces
 
     def stored_rows(self, run_id: str, request_id: str, shape: RunShape, positions: np.ndarray) -> StoredRows:
