@@ -7,7 +7,8 @@ continuously batching engine's (4 writers, prompts and decodes interleaved, ever
 batches), and `kind`, 8 whole requests per batch. Per shape and rank count, in one run: the ranks' first fetch
 right after the requests finish (cold) and warm rounds; the same slices one client after another, cold on a copy
 of its own (so neither warms the other) and warm; the share of one process reading the rows from the page-cached
-segment files; and vLLM's in-band path (base64 `.npy` answers decoded by one process). Asserts no time.
+segment files; and vLLM's in-band path (base64 `.npy` answers decoded by one process). Ray's object store is
+`bench/ray_step.py`. Asserts no time.
 
     python bench/step_fetch.py [--ranks 16 64] [--shapes sink kind] [--rounds 3] [--convention slime]
 """

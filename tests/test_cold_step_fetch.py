@@ -20,12 +20,17 @@ import pytest
 from bench.segment_files import RUN, SHAPE, load_store_as_sink
 from bench.step_fetch import rank_query
 from replay_client import ReplayClient
+from replay_service.app import open_store
 from replay_service.errors import DamagedSegment
+from replay_service.ingest.decode import decode_batch
+from replay_service.ingest.pipeline import IngestPipeline
 from replay_service.ops.demo import bulk_routes
+from replay_service.settings import ServiceSettings
 from replay_service.store.segments import cache as cache_module
 from replay_service.store.segments import integrity
 from replay_service.store.segments.cache import SegmentCache
 from replay_service.store.segments.integrity import open_segment
+from tests.support.data import batch_bytes, routes
 from tests.support.service import ServiceProcess, calls
 
 REQUESTS = [f"r{i:04d}" for i in range(16)]
@@ -163,3 +168,23 @@ def test_a_restarted_service_refuses_a_file_damaged_behind_its_predecessors_chec
     with ServiceProcess(data, workers=2, env={"REPLAY_FSYNC": "false"}) as service:
         answer = calls.post(f"{service.url}/v1/runs/{RUN}/routes/batch", json={"requests": REQUESTS[:2]}, timeout=60)
         assert answer.status_code == 503 and answer.json()["segment"] == rel, answer.text[:300]
+
+
+def test_a_stored_segment_is_checked_off_the_request_path_and_its_first_read_maps_it(tmp_path, monkeypatch):
+
+    store = open_store(ServiceSettings(data_dir=tmp_path / "data", fsync=False))
+    pipeline = IngestPipeline.over(store)
+    try:
+        sent = routes(np.random.default_rng(3), 32)
+        pipeline.ingest(decode_batch("", batch_bytes("bg", "w", 0, ["r"] * 32, np.arange(32), sent)))
+        assert store.cache.checked_all(timeout=120)
+        (segment,) = (tmp_path / "data" / "runs" / "bg").glob("*.arrow")
+        assert os.getxattr(segment, integrity.CHECKED_ATTR).startswith(store.cache.pool.encode())
+        summed: list[int] = []
+        real_crc = integrity.segment_crc
+        monkeypatch.setattr(integrity, "segment_crc", lambda batch, md=None: summed.append(1) or real_crc(batch, md))
+        assert store.read_route("bg", "r").experts.tobytes() == sent.reshape(32, -1).tobytes()
+        assert summed == []  # the first read mapped it, checked already
+    finally:
+        pipeline.close()
+        store.close()

@@ -99,6 +99,8 @@ class IngestPipeline:
                 raise RunDeleted(f"run {rows.meta.run_id!r} was deleted while this batch was being stored; "
                                  "nothing was stored (send it again to start a fresh run)") from None
             result = self.committer.commit(segment, run)  # deletes the segment itself when the commit fails
+        if result.stored:
+            self.store.cache.check_later(segment.path)  # checked now, off the request path: a step's first read maps it
         if self.feed is not None and remembered is not None:
             self.feed.note(remembered.hashes, remembered.requests, remembered.positions, remembered.tokens)
         return result

@@ -73,7 +73,7 @@ class RouteStore:
         self.journal = open_journal(self.segments, self.segments_root, fsync=settings.fsync)
         self.cache = SegmentCache(self.segments, settings.open_segment_cache, settings.open_segment_cache_bytes,
                                   indexed=self.index.names_segment,
-                                  pool=pool_id() if processes is Processes.WORKER else None)
+                                  pool=pool_id(processes))
         self.reader = RowReader(self.index, self.cache)
         self.registry = RunRegistry(self.index)
         self.compares = CompareStore(self.root / "compares", self.index, fsync=settings.fsync,
@@ -81,7 +81,9 @@ class RouteStore:
         self.health = HealthTables(self.index)
 
     def close(self) -> None:
-        """Close the index (close an ingest pipeline over this store first)."""
+        """Stop checking new segments in the background, then close the index (close an ingest pipeline over this
+        store first)."""
+        self.cache.close()
         self.index.close()
 
     def _open_and_sweep(self, settings: ServiceSettings) -> Index:

@@ -152,7 +152,7 @@ class SegmentCache:
     def __init__(self, store: SegmentStore | Path, capacity: int, max_heap_bytes: int = 1 << 30,
                  indexed: Callable[[str, str], bool] | None = None, pool: str | None = None) -> None:
         self.store = LocalSegments(store) if isinstance(store, Path) else store
-        self.pool = pool  # one of `serve`'s workers: a file another worker of its pool checked is not checked again
+        self.pool = pool  # processes sharing one check of a file (integrity.open_segment); None: each open checks
         # (run, path) -> whether the index still names the segment: a missing file it no longer names was deleted
         # with its run (a run of the same id may have been created since), not damaged
         self.indexed = indexed
@@ -164,6 +164,59 @@ class SegmentCache:
         self._deleted: set[str] = set()  # runs deleted (retention.py): a missing segment of one is not damage
         self._opening: dict[str, threading.Event] = {}  # path -> set once the read opening it is done
         self._lock = threading.Lock()
+        self._to_check: list[str] = []  # new local segments the background checker has not checked yet
+        self._checking = threading.Condition(self._lock)
+        self._checker: threading.Thread | None = None
+        self._closed = False
+
+    def check_later(self, rel_path: str) -> None:
+        """Check a newly stored local segment whole in a background thread, and record the check on its file for
+        this cache's pool (integrity.open_segment): its first read then maps it without checksumming it, from the
+        page cache. Not kept opened (a file damaged after this check has another stamp and is checked whole on
+        first open). Nothing for a bucket's segments (reads fetch their blocks) or without a pool."""
+        if self.pool is None or not isinstance(self.store, LocalSegments):
+            return
+        with self._checking:
+            if self._closed:
+                return
+            self._to_check.append(rel_path)
+            if self._checker is None:
+                self._checker = threading.Thread(target=self._check_queued, name="segment-checker", daemon=True)
+                self._checker.start()
+            self._checking.notify_all()
+
+    def checked_all(self, timeout: float | None = None) -> bool:
+        """Wait until every segment given to `check_later` so far is checked; False if `timeout` passed first."""
+        with self._checking:
+            return self._checking.wait_for(lambda: not self._to_check, timeout)
+
+    def close(self) -> None:
+        """Stop the background checker (what it has not checked yet is checked on first open instead)."""
+        with self._checking:
+            self._closed = True
+            self._to_check.clear()
+            self._checking.notify_all()
+            checker = self._checker
+        if checker is not None:
+            checker.join(timeout=30)
+
+    def _check_queued(self) -> None:
+        while True:
+            with self._checking:
+                self._checking.wait_for(lambda: self._to_check or self._closed)
+                if self._closed:
+                    return
+                rel_path = self._to_check[0]
+            try:
+                open_segment(self.store, rel_path, self.pool)
+            except DamagedSegment:
+                pass  # gone with its run, or damaged: its first read says which (and logs damage once), as before
+            except Exception:  # never ends the checker: the segment is checked on first open instead
+                log.exception("background check of segment %s failed", rel_path)
+            with self._checking:
+                if self._to_check and self._to_check[0] == rel_path:
+                    self._to_check.pop(0)
+                self._checking.notify_all()
 
     def forget_run(self, run_id: str) -> None:
         """A run is being deleted: unmap its segments and answer RunDeleted for those a read still names.

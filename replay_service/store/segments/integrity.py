@@ -76,10 +76,10 @@ def open_segment(store: SegmentStore | Path, rel_path: str, pool: str | None = N
 
     Local: memory-mapped. Object store: fetched whole (the check reads every byte). A segment whose ids are stored
     by layer (3.0) comes back with one `experts` column, as every other. A segment without a checksum (written
-    before segment 2.2) is served unchecked. `pool` (one of `serve`'s workers: `placement.processes.pool_id`): a
-    local file another worker of the pool checked, unchanged since (inode, size, modification time), is not
-    checksummed again; a file this call checks is marked so for the others (where the filesystem keeps extended
-    attributes; elsewhere every worker checks it).
+    before segment 2.2) is served unchecked. `pool` (`placement.processes.pool_id`: this process, or the workers of
+    one `serve`): a local file the pool checked, unchanged since (inode, size, modification time), is not
+    checksummed again; a file this call checks is marked so (where the filesystem keeps extended attributes;
+    elsewhere every open checks it).
     """
     if isinstance(store, Path):
         store = LocalSegments(store)
