@@ -106,7 +106,9 @@ def is_name(name: str) -> bool:
 def located(name: str, folder: Path, context: list[Path]) -> Path | bool | None:
     """Where a name of this repository lies (False: nowhere); None for another project's name."""
     if name.startswith(("./", "../")):
-        return folder / name if present(folder / name) else False
+        target = (folder / name).resolve()
+        inside = target == ROOT or ROOT in target.parents  # a clone holds the repository only: nothing beside it
+        return folder / name if inside and present(folder / name) else False
     bases = (*context, *anchors(folder))
     parts = name.rstrip("/").split("/")
     if len(parts) > 1 and (name.startswith(FOREIGN) or not any(present(a / parts[0]) for a in bases)):
