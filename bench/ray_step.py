@@ -3,9 +3,11 @@
 
 Two Ray nodes on this machine (`ray.cluster_utils.Cluster`: two raylets, objects travel between them through Ray's
 object manager over loopback, as between hosts). A rollout actor on the first node `ray.put`s each request's
-`[rows, 48, 8]` uint8 routes; N rank actors on the second node each `ray.get` their DP group's requests at one
-barrier and cut their CP x TP share (a contiguous copy, as the service's slice is), first fetch then warm rounds
-(objects already on the node). Prints rows per second (the ranks' shares summed over the last rank's wall) as JSON.
+`[rows, 48, 8]` uint8 routes, for the previous step and then the step; N rank actors on the second node each
+`ray.get` their DP group's requests at one barrier and cut their CP x TP share (a contiguous copy, as the service's
+slice is): the previous step (fresh actors, objects new to their node: "fresh"), then the step (actors that
+fetched before, objects new to the node: "first", as bench/step_fetch.py's), then warm rounds (objects already on
+the node). Prints rows per second (the ranks' shares summed over the last rank's wall) as JSON.
 Ray is in the test environment (`.venv`, for verl's imports), not a dependency of the service.
 
     python bench/ray_step.py [--ranks 16] [--sequences 256] [--tokens 2048] [--rounds 3]
@@ -74,22 +76,24 @@ def main() -> None:
     ray.init(address=cluster.address)
     try:
         rollout = Rollout.remote(args.sequences, rows)
+        previous = ray.get(rollout.put_all.remote())
         refs = ray.get(rollout.put_all.remote())
         ranks = [Rank.remote(r) for r in range(args.ranks)]
         ray.get([r.__ray_ready__.remote() for r in ranks])
         dp = args.ranks // (TP * CP)
         per = args.sequences // dp
         walls = []
-        for _ in range(1 + args.rounds):
+        for step in [previous, refs] + [refs] * args.rounds:
             start_at = time.time() + 1.0
-            got = ray.get([rank.fetch.remote(refs[(r // (TP * CP)) * per:(r // (TP * CP) + 1) * per], start_at)
+            got = ray.get([rank.fetch.remote(step[(r // (TP * CP)) * per:(r // (TP * CP) + 1) * per], start_at)
                            for r, rank in enumerate(ranks)])
             wall = max(g[1] for g in got) - min(g[0] for g in got)
             walls.append((wall, sum(g[2] for g in got)))
-        first = walls[0][1] / walls[0][0]
-        warm = statistics.median(n / w for w, n in walls[1:])
+        fresh, first = (n / w for w, n in walls[:2])
+        warm = statistics.median(n / w for w, n in walls[2:])
         print(json.dumps({"ranks": args.ranks, "sequences": args.sequences, "tokens": args.tokens,
-                          "first_rows_per_s": round(first), "warm_rows_per_s": round(warm)}))
+                          "fresh_rows_per_s": round(fresh), "first_rows_per_s": round(first),
+                          "warm_rows_per_s": round(warm)}))
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -15,6 +15,7 @@ from replay_service.ops.demo import bulk_routes
 
 SHAPE = RunShape(num_moe_layers=48, top_k=8, num_experts=128)
 RUN = "bench"
+PREVIOUS = "bench-previous"  # the step before (bench/step_fetch.py): the ranks' clients fetched it already
 
 
 def segment_rows(data_dir: Path, requests: list[str]) -> np.ndarray:
@@ -43,39 +44,41 @@ def segment_rows(data_dir: Path, requests: list[str]) -> np.ndarray:
     return out
 
 
-def load_store(client: ReplayClient, requests: list[str], rows: int) -> None:
-    """The requests' rows, 8 requests per ingest batch (8 x rows, as a sender would ship them), each then finished."""
+def load_store(client: ReplayClient, requests: list[str], rows: int, run: str = RUN) -> None:
+    """The requests' rows in `run`, 8 requests per ingest batch (8 x rows, as a sender would ship them), each then
+    finished."""
     ids = bulk_routes(rows * len(requests), 0)
     per_batch = 8
     for seq, lo in enumerate(range(0, len(requests), per_batch)):
         chunk = requests[lo : lo + per_batch]
         at = lo * rows
-        body = encode_stream(build_rows(RowsMeta(RUN, "w", seq, SHAPE), [r for r in chunk for _ in range(rows)],
+        body = encode_stream(build_rows(RowsMeta(run, "w", seq, SHAPE), [r for r in chunk for _ in range(rows)],
                                         np.tile(np.arange(rows, dtype=np.int32), len(chunk)),
                                         ids[at : at + len(chunk) * rows]))
         client.ingest(body)
     for r in requests:
-        client.finish(RUN, r, rows + 1)
+        client.finish(run, r, rows + 1)
 
 
 def load_store_as_sink(clients: list[ReplayClient], requests: list[str], rows: int, prompt: int = 512,
-                       batch_rows: int = 8192) -> None:
-    """The requests' rows as the plugin's sink ships them from a continuously batching engine: writer w (a DP rank,
-    `clients[w]`) serves `requests[w::W]` in two waves, the second admitted once the first has decoded a quarter
+                       batch_rows: int = 8192, run: str = RUN) -> None:
+    """The requests' rows in `run` as the plugin's sink ships them from a continuously batching engine: writer w (a DP
+    rank, `clients[w]`) serves `requests[w::W]` in two waves, the second admitted once the first has decoded a quarter
     of its rows; each step adds a new request's `prompt` rows (its prefill) or one decode row of each running
     request, and steps are coalesced into batches of about `batch_rows` rows (prompt and decode rows mixed, every
     running request's positions spread over many batches). Each request is finished after its last row."""
     table = bulk_routes(rows * len(requests), 0).reshape(len(requests), rows, SHAPE.num_moe_layers, SHAPE.top_k)
     for w, client in enumerate(clients):
-        _SinkWriter(client, f"w{w}", table, {r: i for i, r in enumerate(requests)}).serve(
+        _SinkWriter(client, run, f"w{w}", table, {r: i for i, r in enumerate(requests)}).serve(
             requests[w :: len(clients)], rows, prompt, batch_rows)
 
 
 class _SinkWriter:
     """One writer's batches: coalesced steps, shipped in order, a request's finish after its rows."""
 
-    def __init__(self, client: ReplayClient, writer_id: str, table: np.ndarray, index: dict[str, int]) -> None:
-        self.client, self.writer_id, self.table, self.index = client, writer_id, table, index
+    def __init__(self, client: ReplayClient, run: str, writer_id: str, table: np.ndarray,
+                 index: dict[str, int]) -> None:
+        self.client, self.run, self.writer_id, self.table, self.index = client, run, writer_id, table, index
         self.parts: list[tuple[str, int, int]] = []  # (request, first position, rows) of the batch coalescing
         self.held = self.seq = 0
 
@@ -83,7 +86,8 @@ class _SinkWriter:
         req = [r for r, _, n in self.parts for _ in range(n)]
         pos = np.concatenate([np.arange(at, at + n, dtype=np.int32) for _, at, n in self.parts])
         ids = np.concatenate([self.table[self.index[r], at : at + n] for r, at, n in self.parts])
-        self.client.ingest(encode_stream(build_rows(RowsMeta(RUN, self.writer_id, self.seq, SHAPE), req, pos, ids)))
+        self.client.ingest(encode_stream(build_rows(RowsMeta(self.run, self.writer_id, self.seq, SHAPE), req, pos,
+                                                         ids)))
         self.parts, self.held, self.seq = [], 0, self.seq + 1
 
     def serve(self, mine: list[str], rows: int, prompt: int, batch_rows: int) -> None:
@@ -105,4 +109,4 @@ class _SinkWriter:
             if finished and self.parts:
                 self.ship()  # a request's rows are sent before its finish, as the sender orders them
             for r in finished:
-                self.client.finish(RUN, r, rows + 1)
+                self.client.finish(self.run, r, rows + 1)

@@ -5,9 +5,10 @@ DP x TP 2 x CP 2 ranks (DP = N / 4), each rank its own process calling `ReplayCl
 `--convention slime` for slime's rule). Two shapes of the stored step: `sink`, rows as the plugin's sink ships a
 continuously batching engine's (4 writers, prompts and decodes interleaved, every request spread over many
 batches), and `kind`, 8 whole requests per batch. Per shape and rank count, in one run: the ranks' first fetch
-right after the requests finish (cold) and warm rounds; the same slices one client after another, cold on a copy
-of its own (so neither warms the other) and warm; the share of one process reading the rows from the page-cached
-segment files; and vLLM's in-band path (base64 `.npy` answers decoded by one process). Ray's object store is
+right after the requests finish (cold: their clients fetched the previous step, as a training run's ranks have;
+and from fresh rank processes, a run's first step) and warm rounds; the same slices one client after another, cold
+on a copy of its own (so neither warms the other) and warm; the share of one process reading the rows from the
+page-cached segment files; and vLLM's in-band path (base64 `.npy` answers decoded by one process). Ray's object store is
 `bench/ray_step.py`. Asserts no time.
 
     python bench/step_fetch.py [--ranks 16 64] [--shapes sink kind] [--rounds 3] [--convention slime]
@@ -35,7 +36,7 @@ if ROOT not in sys.path:  # `python bench/step_fetch.py` from anywhere: tests.su
 
 import numpy as np
 
-from bench.segment_files import SHAPE, load_store, load_store_as_sink, segment_rows
+from bench.segment_files import PREVIOUS, RUN, SHAPE, load_store, load_store_as_sink, segment_rows
 from bench.stopping import exit_on_sigterm
 from replay_client import ReplayClient
 from replay_format.vllm_response import encode_routed_experts, read_npy
@@ -64,11 +65,11 @@ def serving_pid(client: ReplayClient) -> int:
 
 
 def _rank(url: str, rank: int, ranks: int, sequences: list, convention: str | None, rounds: int,
-          barrier, results, workers, warm_first: bool) -> None:
+          barrier, results, workers, first: list | None) -> None:
     seqs, options = rank_query(rank, ranks, sequences, convention)
     with ReplayClient(url) as client:
-        if warm_first:
-            client.megatron_batch(seqs, packing="thd", **options)  # warm: its connection, the service's caches
+        if first is not None:  # unmeasured: this step's slice (warm rounds) or the previous step's (a trainer's rank)
+            client.megatron_batch(rank_query(rank, ranks, first, convention)[0], packing="thd", **options)
         workers.put(serving_pid(client))  # a connection, no route read
         for round_ in range(rounds):
             barrier.wait()
@@ -80,15 +81,17 @@ def _rank(url: str, rank: int, ranks: int, sequences: list, convention: str | No
 
 
 def all_at_once(url: str, ranks: int, sequences: list, convention: str | None, rounds: int,
-                warm_first: bool = True) -> tuple[list[dict], list[int]]:
-    """Each round: every rank's fetch, all released by one barrier (after one unmeasured fetch each when
-    `warm_first`). Per round: wall, per-rank times, rows, bytes; how many ranks' connections each worker holds."""
+                first: list | None = None) -> tuple[list[dict], list[int]]:
+    """Each round: every rank's fetch, all released by one barrier, after one unmeasured fetch each of its slice of
+    `first` when given (`sequences` itself: warm; the previous step's: the ranks of a training run, whose clients
+    fetched a step before). Per round: wall, per-rank times, rows, bytes; how many ranks' connections each worker
+    holds."""
     ctx = mp.get_context("fork")
     barrier = ctx.Barrier(ranks)
     results = ctx.Queue()
     workers = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(url, r, ranks, sequences, convention, rounds, barrier, results, workers,
-                                                    warm_first))
+                                                    first))
              for r in range(ranks)]
     for p in procs:
         p.start()
@@ -106,10 +109,15 @@ def all_at_once(url: str, ranks: int, sequences: list, convention: str | None, r
     return out, split
 
 
-def one_client_in_turn(url: str, ranks: int, sequences: list, convention: str | None) -> tuple[float, int]:
-    """The same N slices fetched one after another by one client: seconds, rows."""
+def one_client_in_turn(url: str, ranks: int, sequences: list, convention: str | None,
+                       previous: list | None = None) -> tuple[float, int]:
+    """The same N slices fetched one after another by one client: seconds, rows (after the `previous` step's slices,
+    unmeasured, when given)."""
     rows = 0
     with ReplayClient(url) as client:
+        for rank in range(ranks) if previous is not None else ():
+            seqs, options = rank_query(rank, ranks, previous, convention)
+            client.megatron_batch(seqs, packing="thd", **options)
         started = time.monotonic()
         for rank in range(ranks):
             seqs, options = rank_query(rank, ranks, sequences, convention)
@@ -160,14 +168,16 @@ def in_band(requests: list[str], rows: int, rounds: int) -> float:
 @contextmanager
 def loaded(shape: str, data: Path, workers: int, requests: list[str], rows: int,
            writers: int) -> Iterator[ServiceProcess]:
-    """Within: a service over a new data directory holding the step in `shape`, stopped on leaving."""
+    """Within: a service over a new data directory holding the previous step and then the step, in `shape`, stopped
+    on leaving."""
     with ServiceProcess(data, workers=workers, env={"REPLAY_FSYNC": "false"}) as service:
         clients = [ReplayClient(service.url) for _ in range(writers if shape == "sink" else 1)]
         try:
-            if shape == "sink":
-                load_store_as_sink(clients, requests, rows)
-            else:
-                load_store(clients[0], requests, rows)
+            for run in (PREVIOUS, RUN):
+                if shape == "sink":
+                    load_store_as_sink(clients, requests, rows, run=run)
+                else:
+                    load_store(clients[0], requests, rows, run=run)
         finally:
             for client in clients:
                 client.close()
@@ -175,17 +185,21 @@ def loaded(shape: str, data: Path, workers: int, requests: list[str], rows: int,
 
 
 def measure(shape: str, ranks: int, tmp: Path, args: argparse.Namespace, requests: list[str], rows: int) -> dict:
-    """One shape at one rank count. Two copies of the step, each ingested by its own service: on copy A the ranks'
-    first fetch at once right after the requests finish (cold), on copy B one client's first fetch of the same
-    slices in turn (cold; B's service never served A's ranks), then on A warm rounds of both, then the one-process
-    read of A's segment files (page-cached by then: the machine's limit)."""
-    sequences = [("bench", r) for r in requests]
-    a_dir, b_dir = tmp / f"{shape}-{ranks}-a", tmp / f"{shape}-{ranks}-b"
+    """One shape at one rank count. Three copies, each ingested by its own service, each holding the previous step
+    and then the step: on A the ranks, having fetched the previous step (a training run's step after the first),
+    fetch the step at once right after its requests finish (first), then warm rounds of both ways; on B one client
+    fetches the previous step's slices and then the step's in turn (first; B's service never served A's ranks); on
+    C fresh rank processes fetch the step first (a run's first step). Then the one-process read of A's segment
+    files (page-cached by then: the machine's limit)."""
+    sequences, previous = [(RUN, r) for r in requests], [(PREVIOUS, r) for r in requests]
+    a_dir, b_dir, c_dir = (tmp / f"{shape}-{ranks}-{copy}" for copy in "abc")
     with loaded(shape, b_dir, args.workers, requests, rows, args.writers) as b:
-        cold_turn_s, turn_rows = one_client_in_turn(b.url, ranks, sequences, args.convention)
+        cold_turn_s, turn_rows = one_client_in_turn(b.url, ranks, sequences, args.convention, previous)
+    with loaded(shape, c_dir, args.workers, requests, rows, args.writers) as c:
+        (fresh,), _ = all_at_once(c.url, ranks, sequences, args.convention, 1)
     with loaded(shape, a_dir, args.workers, requests, rows, args.writers) as a:
-        (cold,), split = all_at_once(a.url, ranks, sequences, args.convention, 1, warm_first=False)
-        warm, _ = all_at_once(a.url, ranks, sequences, args.convention, args.rounds, warm_first=True)
+        (cold,), split = all_at_once(a.url, ranks, sequences, args.convention, 1, first=previous)
+        warm, _ = all_at_once(a.url, ranks, sequences, args.convention, args.rounds, first=sequences)
         warm_turn_s = statistics.median(one_client_in_turn(a.url, ranks, sequences, args.convention)[0]
                                         for _ in range(args.rounds))
         peak = peak_memory(a)
@@ -193,10 +207,12 @@ def measure(shape: str, ranks: int, tmp: Path, args: argparse.Namespace, request
     total = cold["rows"]
     warm_s = statistics.median(r["wall"] for r in warm)
     out = {"cold_rows_per_s": total / cold["wall"], "warm_rows_per_s": total / warm_s,
+           "fresh_rows_per_s": total / fresh["wall"],
            "cold_turn_rows_per_s": turn_rows / cold_turn_s, "warm_turn_rows_per_s": turn_rows / warm_turn_s,
            "files_rows_per_s": len(requests) * rows / files_s, "split": split, "service_peak_mb": peak / 1e6,
-           "segments": len(list((a_dir / "runs" / "bench").glob("*.arrow")))}
+           "segments": len(list((a_dir / "runs" / RUN).glob("*.arrow")))}
     out["cold_over_warm"] = out["cold_rows_per_s"] / out["warm_rows_per_s"]
+    out["fresh_over_warm"] = out["fresh_rows_per_s"] / out["warm_rows_per_s"]
     out["cold_vs_turn"] = out["cold_rows_per_s"] / out["cold_turn_rows_per_s"]
     out["warm_vs_turn"] = out["warm_rows_per_s"] / out["warm_turn_rows_per_s"]
     out["cold_vs_files"] = out["cold_rows_per_s"] / out["files_rows_per_s"]
@@ -235,7 +251,9 @@ def main() -> None:
                 r = report[f"{shape}_r{ranks}"] = measure(shape, ranks, Path(tmp), args, requests, rows)
                 print(f"  {shape:4s} ({r['segments']} segments) {ranks:3d} ranks: at once first "
                       f"{r['cold_rows_per_s'] / 1e6:.2f}, warm {r['warm_rows_per_s'] / 1e6:.2f} (first / warm "
-                      f"{r['cold_over_warm']:.2f}); one client in turn first {r['cold_turn_rows_per_s'] / 1e6:.2f}, "
+                      f"{r['cold_over_warm']:.2f}; fresh rank processes {r['fresh_rows_per_s'] / 1e6:.2f}, "
+                      f"{r['fresh_over_warm']:.2f} of warm); one client in turn first "
+                      f"{r['cold_turn_rows_per_s'] / 1e6:.2f}, "
                       f"warm {r['warm_turn_rows_per_s'] / 1e6:.2f}; at once / in turn: first {r['cold_vs_turn']:.2f}, "
                       f"warm {r['warm_vs_turn']:.2f}; share of the memory read ({r['files_rows_per_s'] / 1e6:.2f}): "
                       f"first {r['cold_vs_files']:.3f}, warm {r['warm_vs_files']:.3f}; connections per worker "
