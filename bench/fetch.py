@@ -6,7 +6,7 @@ path read into one `[rows, 48, 8]` torch tensor:
     batch on one rank, so the most bytes): every row checked by the server (flags), laid out in
     Megatron's token order, filler for the last token of each sequence (64 rows more);
   - `ReplayClient.get_routes` (POST /v1/runs/{run}/routes/batch);
-  - plain httpx, the batch read into one buffer as README's recipe says.
+  - plain httpx, the batch read into one buffer as docs/guides/http_api.md's recipe says.
 Baseline in the same run: one process memory-maps the store's segment files itself (warm page
 cache), picks the same requests' rows and copies them into one torch tensor (same rows, same
 dtype, one array): no HTTP, no checks, no layout. Every path is checked byte-equal to it.
@@ -50,7 +50,8 @@ def read_files_directly(data_dir: Path, requests: list[str]) -> torch.Tensor:
 
 
 def plain_batch(url: str, requests: list[str]) -> torch.Tensor:
-    """The batch read as a script would write it with httpx alone, read into one buffer (README's recipe)."""
+    """The batch read as a script would write it with httpx alone, read into one buffer (the recipe in
+    docs/guides/http_api.md)."""
     with httpx.Client(timeout=120) as http, http.stream("POST", f"{url}/v1/runs/bench/routes/batch",
                                                          json={"requests": requests}) as answer:
         answer.raise_for_status()

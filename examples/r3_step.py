@@ -28,7 +28,8 @@ What happens, in order (each step prints one line):
 
 Megatron-core 0.16.1 on a CPU-only torch needs four small things (`megatron_on_cpu()` below). Nothing here
 imports `tests/`; it writes only under a temporary directory (or `--keep DIR`): the checkpoint, the service's
-store and log, the plugin's spill directory. Run it with the project's `.venv` (README, "Set-up").
+store and log, the plugin's spill directory. Run it with the project's `.venv` (`bash scripts/test.sh --fast`
+installs it; docs/quickstart.md, "See it work").
 """
 
 from __future__ import annotations
@@ -498,7 +499,7 @@ class TransformersTrainer:
         prompt_width = max(len(s.prompt) for s in batch)
         response_width = max(len(s.output) for s in batch)
         # layer_axis="model": every model layer, dense ones zero (vLLM's `routed_experts` layout; verl indexes it by
-        # model layer, README "Which call for which trainer")
+        # model layer, docs/guides/trainers.md "Which call for which trainer")
         replay = client.verl_batch(seqs, prompt_lengths=[len(s.prompt) for s in batch], prompt_width=prompt_width,
                                    response_width=response_width, layer_axis="model")
         b, width = len(batch), prompt_width + response_width

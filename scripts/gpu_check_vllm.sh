@@ -2,8 +2,8 @@
 # GPU end-to-end check of the routing-replay vLLM plugin (scripts/gpu_check_vllm.py).
 #
 # Needs: one NVIDIA GPU (any with >= 8 GiB free; the model is tiny), a CUDA vLLM the plugin accepts
-# (`pip install vllm==0.34.0`, or 0.33.0: the README's support matrix), and this project installed into the
-# same environment so the entry point is registered:
+# (`pip install vllm==0.34.0`, or 0.33.0: the support matrix in docs/guides/vllm_plugin.md), and this project
+# installed into the same environment so the entry point is registered:
 #   pip install -e '.[test]'
 # No network at run time (the model is built locally). ~2-4 minutes, two engine starts.
 # It checks: the plugin's routes (vLLM's default runner, V2, with CUDA graphs: the graph-safe capture)

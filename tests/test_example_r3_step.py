@@ -16,8 +16,8 @@ pytest.importorskip("megatron.core")
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "r3_step.py"
 
 
-# megatron-core's path (the default); `--trainer transformers` gives identical figures (README "See it work") and is
-# left out of the suite for its time (~45 s).
+# megatron-core's path (the default); `--trainer transformers` gives identical figures (docs/quickstart.md, "See it
+# work") and is left out of the suite for its time (~45 s).
 @pytest.mark.parametrize("trainer", ["megatron"])
 def test_the_example_replays_exactly_and_replay_lowers_the_kl(trainer, tmp_path):
     done = subprocess.run([sys.executable, str(EXAMPLE), "--small", "--json-only", "--trainer", trainer,

@@ -161,8 +161,9 @@ def test_register_on_each_gpu_release_patches_every_part_it_ships(version, tmp_p
            "vllm==0.34.0" in refusal
 
 
-def test_the_readme_shows_the_support_matrix_as_listed():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+def test_the_plugin_guide_shows_the_support_matrix_as_listed():
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "vllm_plugin.md").read_text()
     start = "<!-- support-matrix: generated from capture.vllm.hook_points.SUPPORTED -->\n"
-    shown = readme[readme.index(start) + len(start): readme.index("\n<!-- /support-matrix -->")]
-    assert shown == matrix_markdown(), "README.md's support matrix differs from capture.vllm.hook_points.SUPPORTED"
+    shown = guide[guide.index(start) + len(start): guide.index("\n<!-- /support-matrix -->")]
+    assert shown == matrix_markdown(), \
+        "docs/guides/vllm_plugin.md's support matrix differs from capture.vllm.hook_points.SUPPORTED"

@@ -29,6 +29,8 @@ Run as a script, it prints every missing name as `file:line: name`.
 from __future__ import annotations
 
 import ast
+import importlib.util
+import os
 import re
 from collections.abc import Iterator
 from functools import cache
@@ -65,12 +67,23 @@ def top_level() -> frozenset[str]:
 
 
 @cache
+def generated() -> frozenset[Path]:
+    """The pages the docs site adds at build time (docs/hooks/reference.py): named from docs/, never on disk."""
+    spec = importlib.util.spec_from_file_location("docs_reference_hook", ROOT / "docs" / "hooks" / "reference.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    return frozenset(ROOT / "docs" / uri for uri in hook.generated_uris())
+
+
+@cache
 def present(path: Path) -> bool:
-    return path.exists()
+    return path.exists() or Path(os.path.normpath(path)) in generated()
 
 
 @cache
 def children(folder: Path) -> tuple[Path, ...]:
+    if not folder.is_dir():  # a folder of pages the docs hook generates: no files on disk
+        return ()
     return tuple(c for c in folder.iterdir() if c.is_dir() and not c.name.startswith((".", "__")))
 
 

@@ -423,7 +423,7 @@ def test_a_rank_with_vpp_and_mtp_replays_every_recorded_layer_end_to_end(shared_
         assert wrong == [2, 3]
 
 
-# ---- what verl does with a route's length (the README's consumer notes) ----------------------------------
+# ---- what verl does with a route's length (docs/guides/trainers.md, consumer notes) ----------------------------------
 
 
 def test_verl_r3_takes_t_or_t_minus_1_rows_and_leaves_each_last_token_native():

