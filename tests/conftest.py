@@ -19,6 +19,8 @@ SLOW = {
     "test_cold_step_fetch.py": "services of two workers over a sink-shaped step, restarted",
     "test_docs_examples.py::test_every_example": "every page's examples against a service with the demo run",
     "test_docs_browser.py": "the docs site built and opened in headless Chromium",
+    "test_container.py": "the image built with podman on a Debian base made here, and the compose file brought up "
+    "(~90 s)",
     # a second service started with a tokens file (the rest of test_service_auth.py stays in the fast loop)
     "test_service_auth.py::test_the_401_403_matrix": "a service with a tokens file",
     "test_service_auth.py::test_open_paths_need_no_token": "a service with a tokens file",
