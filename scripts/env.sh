@@ -47,6 +47,8 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 if [ "$1" = test ]; then
+  # the container tests' Debian base image (mmdebstrap; kept once made): made here, not in the suite's time
+  CONTAINERS_CONF="$root/deploy/podman/containers.conf" bash "$root/scripts/container_base.sh"
   source "$root/scripts/vllm_env.sh"  # vLLM 0.33 and 0.34 (GPU wheels) beside the main environment, in .venv-vllm
 fi
 export PATH="$venv/bin:$PATH"
