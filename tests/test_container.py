@@ -1,9 +1,9 @@
 """The container path run for real: the image built from this checkout with podman, and the compose file brought up.
 
 The image is built once per test session on a Debian base made here from Debian packages
-(scripts/container_base.sh, which the test script's install runs: no registry is reachable), with podman set up by deploy/podman/containers.conf (runc,
-no default ulimits). The compose file's default service is brought up with podman-compose on a free port with a
-tokens file of the test's own; its named volume is removed afterwards.
+(scripts/container_base.sh, which the test script's install runs: no registry is reachable), with podman set up
+by deploy/podman/containers.conf (runc, no default ulimits). The compose file's default service is brought up
+with podman-compose on a free port with a tokens file of the test's own; its named volume is removed afterwards.
 """
 
 from __future__ import annotations
