@@ -69,9 +69,9 @@ def test_the_image_refuses_to_start_without_its_tokens(image):
     assert "tokens file" in done.stderr + done.stdout
 
 
-def _compose(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+def _compose(*args: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["podman-compose", "-f", str(ROOT / "docker-compose.yml"), "-p", PROJECT, *args],
-                          env=env, capture_output=True, text=True, timeout=300, check=True)
+                          env=env, capture_output=True, text=True, timeout=300, check=check)
 
 
 def _up(url: str, env: dict[str, str]) -> None:
@@ -101,8 +101,7 @@ def composed(image, tmp_path):
         _up(url, env)
         yield url, env
     finally:
-        subprocess.run(["podman-compose", "-f", str(ROOT / "docker-compose.yml"), "-p", PROJECT, "down", "-v"],
-                       env=env, capture_output=True, timeout=300)
+        _compose("down", "-v", env=env, check=False)
 
 
 def test_compose_serves_with_tokens_and_keeps_routes_on_its_volume_across_a_restart(composed):

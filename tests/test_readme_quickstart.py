@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from replay_service.settings import DEFAULT_PORT
+from tests.support.markdown import blocks_of
 from tests.support.service import ServiceProcess
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,15 +27,12 @@ MARKER = "<!-- quickstart -->"
 
 def quickstart_block(text: str) -> str:
     """The code of the ```python fence on the line right after the marker."""
-    lines = text.splitlines()
-    at = [i for i, line in enumerate(lines) if line.strip() == MARKER]
+    at = [i for i, line in enumerate(text.splitlines()) if line.strip() == MARKER]
     assert len(at) == 1, f"README.md must hold exactly one {MARKER} marker, found {len(at)}"
-    fence = at[0] + 1
-    assert fence < len(lines) and lines[fence].strip() == "```python", \
-        f"the line after {MARKER} must open a ```python fence, not {lines[fence:fence + 1]}"
-    end = next((i for i in range(fence + 1, len(lines)) if lines[i].strip() == "```"), None)
-    assert end is not None, "the quickstart's fence is never closed"
-    return "\n".join(lines[fence + 1:end]) + "\n"
+    block = next((b for b in blocks_of(text, "README.md") if b.line == at[0] + 2 and b.above == MARKER), None)
+    assert block is not None and block.lang == "python", f"the line after {MARKER} must open a ```python fence"
+    assert block.closed, "the quickstart's fence is never closed"
+    return block.code
 
 
 @pytest.fixture(scope="module")
