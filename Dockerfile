@@ -9,19 +9,27 @@ ARG BASE=python:3.11-slim
 
 FROM ${BASE} AS wheel
 COPY . /src
+# The wheel, and beside it what it depends on with its `service` extra (pyproject.toml's lists, one per line).
 RUN --mount=type=secret,id=pip-ca \
     if [ -f /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
     python3 -m venv /opt/build \
-    && /opt/build/bin/pip wheel --no-cache-dir --no-deps --wheel-dir /wheels /src
+    && /opt/build/bin/pip wheel --no-cache-dir --no-deps --wheel-dir /wheels /src \
+    && python3 -c "import tomllib; p = tomllib.load(open('/src/pyproject.toml', 'rb'))['project']; \
+print(*p['dependencies'], *p['optional-dependencies']['service'], sep='\n')" > /requirements.txt
 
 FROM ${BASE}
 RUN useradd --uid 10001 --user-group --no-create-home --home-dir /data --shell /usr/sbin/nologin replay \
     && mkdir -p /data && chown replay:replay /data
-COPY --from=wheel /wheels /wheels
+# The dependencies in a layer of their own, rebuilt only when the list changes (not with every change of the code);
+# then the wheel alone, and pip's check that the environment holds what it requires.
+COPY --from=wheel /requirements.txt /opt/replay-requirements.txt
 RUN --mount=type=secret,id=pip-ca \
     if [ -f /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
     python3 -m venv /opt/replay \
-    && /opt/replay/bin/pip install --no-cache-dir "$(ls /wheels/routing_replay-*.whl)[service]" \
+    && /opt/replay/bin/pip install --no-cache-dir --quiet -r /opt/replay-requirements.txt
+COPY --from=wheel /wheels /wheels
+RUN /opt/replay/bin/pip install --no-cache-dir --no-deps /wheels/routing_replay-*.whl \
+    && /opt/replay/bin/pip check \
     && rm -rf /wheels
 ENV PATH=/opt/replay/bin:$PATH PYTHONDONTWRITEBYTECODE=1
 USER replay

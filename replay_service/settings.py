@@ -125,7 +125,11 @@ class ServiceSettings(BaseSettings):
     index_url: str | None = Field(
         default=None, description="the index: unset for <data_dir>/index.sqlite (SQLite, one service's workers), or "
         "postgresql://user:password@host:port/database for a PostgreSQL database that any number of replicas share "
-        "(store/index/backends/); a replica that cannot reach it refuses to start")
+        "(store/index/backends/); a replica that cannot reach it refuses to start (after REPLAY_START_WAIT_S)")
+    start_wait_s: float = Field(
+        default=0.0, ge=0, le=3600, description="seconds `serve` keeps trying, once a second, to reach an index or "
+        "bucket it cannot reach at start before it refuses to start (0: refuses at once); for replicas started "
+        "beside their database and bucket (compose, Kubernetes)")
     hot_reads: ReadPlace = Field(
         default=ReadPlace.EVENT_LOOP, description="where a hot route GET is read: event_loop (an Arrow or .npy "
         "answer of a local store's opened segments, when nothing there would wait: placement/on_loop.py) or thread "

@@ -47,8 +47,9 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 if [ "$1" = test ]; then
-  # the container tests' Debian base image (mmdebstrap; kept once made): made here, not in the suite's time
-  CONTAINERS_CONF="$root/deploy/podman/containers.conf" bash "$root/scripts/container_base.sh"
+  # the container tests' images (their Debian base, the service's, the scale-out stand-ins): built here, so the
+  # suite's own build of them finds podman's layer cache warm
+  CONTAINERS_CONF="$root/deploy/podman/containers.conf" bash "$root/scripts/container_images.sh"
   source "$root/scripts/vllm_env.sh"  # vLLM 0.33 and 0.34 (GPU wheels) beside the main environment, in .venv-vllm
 fi
 export PATH="$venv/bin:$PATH"

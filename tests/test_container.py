@@ -1,13 +1,17 @@
 """The container path run for real: the image built from this checkout with podman, and the compose file brought up.
 
-The image is built once per test session on a Debian base made here from Debian packages
-(scripts/container_base.sh, which the test script's install runs: no registry is reachable), with podman set up
-by deploy/podman/containers.conf (runc, no default ulimits). The compose file's default service is brought up
-with podman-compose on a free port with a tokens file of the test's own; its named volume is removed afterwards.
+The images are built once per test session by scripts/container_images.sh (which the test script's install runs
+first, so the session's build finds podman's layer cache warm): the service's image from this checkout on a Debian
+base made here from Debian packages (no registry is reachable), with podman set up by
+deploy/podman/containers.conf (runc, no default ulimits). The compose file's default service is brought up
+with podman-compose on a free port with a tokens file of the test's own; so is its scale-out profile, with
+deploy/podman/scale-out.yml's stand-ins (PostgreSQL, moto's S3 server, nginx), built by the same script. Named
+volumes are removed afterwards.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -24,9 +28,7 @@ from tests.support.data import batch_bytes, routes
 from tests.support.service import calls, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-BASE = "localhost/routing-replay-base:bookworm"
 IMAGE = "localhost/routing-replay:latest"
-CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")  # a TLS-intercepting proxy's CA, when the host trusts one
 TOKENS = {"admin": "admin-token-0123456789abcdef", "write": "write-token-0123456789abcdef",
           "read": "read-token-0123456789abcdef0"}
 PROJECT = "replaytest"
@@ -47,9 +49,9 @@ def image() -> str:
         if os.environ.get("REPLAY_REQUIRE_ALL") == "1":
             raise RuntimeError("podman and mmdebstrap are not installed (scripts/env.sh installs them)")
         pytest.skip("podman and mmdebstrap are not installed")
-    subprocess.run(["bash", "scripts/container_base.sh", BASE], cwd=ROOT, env=podman_env(), check=True, timeout=600)
-    secret = ["--secret", f"id=pip-ca,src={CA_BUNDLE}"] if CA_BUNDLE.is_file() else []
-    podman("build", "--quiet", "--format", "docker", "--build-arg", f"BASE={BASE}", *secret, "-t", IMAGE, str(ROOT))
+    # the Debian base, the service's image from this checkout, the scale-out stand-ins; from podman's layer cache
+    # what the test script's install built, unless the checkout changed since
+    subprocess.run(["bash", "scripts/container_images.sh"], cwd=ROOT, env=podman_env(), check=True, timeout=600)
     return IMAGE
 
 
@@ -69,33 +71,44 @@ def test_the_image_refuses_to_start_without_its_tokens(image):
     assert "tokens file" in done.stderr + done.stdout
 
 
-def _compose(*args: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["podman-compose", "-f", str(ROOT / "docker-compose.yml"), "-p", PROJECT, *args],
+def _compose(*args: str, env: dict[str, str], check: bool = True,
+             files: tuple[str, ...] = ("docker-compose.yml",), project: str = PROJECT) -> subprocess.CompletedProcess:
+    named = [arg for name in files for arg in ("-f", str(ROOT / name))]
+    return subprocess.run(["podman-compose", *named, "-p", project, *args],
                           env=env, capture_output=True, text=True, timeout=300, check=check)
+
+
+def _answers_healthz(url: str, timeout: float = 120) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if calls.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    return False
 
 
 def _up(url: str, env: dict[str, str]) -> None:
     _compose("up", "-d", "replay-service", env=env)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if calls.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    logs = podman("logs", f"{PROJECT}_replay-service_1", check=False).stderr
-    raise AssertionError(f"the composed service did not answer /healthz: {logs[-2000:]}")
+    if not _answers_healthz(url):
+        logs = podman("logs", f"{PROJECT}_replay-service_1", check=False).stderr
+        raise AssertionError(f"the composed service did not answer /healthz: {logs[-2000:]}")
 
 
-@pytest.fixture
-def composed(image, tmp_path):
+def _tokens_file(tmp_path: Path) -> Path:
     tokens = tmp_path / "replay-tokens"
     tokens.write_text("".join(f"{token} {role}\n" for role, token in TOKENS.items()))
     tokens.chmod(0o600)
     os.chown(tokens, 10001, -1)  # the image's user reads it (docs/operating/docker.md)
+    return tokens
+
+
+@pytest.fixture
+def composed(image, tmp_path):
     port = free_port()
-    env = {**podman_env(), "REPLAY_PORT": str(port), "REPLAY_TOKENS_FILE_HOST": str(tokens)}
+    env = {**podman_env(), "REPLAY_PORT": str(port), "REPLAY_TOKENS_FILE_HOST": str(_tokens_file(tmp_path))}
     url = f"http://127.0.0.1:{port}"
     try:
         _up(url, env)
@@ -118,3 +131,69 @@ def test_compose_serves_with_tokens_and_keeps_routes_on_its_volume_across_a_rest
     _up(url, env)
     with ReplayClient(url, token=TOKENS["read"]) as reader:
         assert reader.get_route("docker", "r").experts.tobytes() == sent.tobytes()
+
+
+SCALE_OUT = ("docker-compose.yml", "deploy/podman/scale-out.yml")
+SCALE_PROJECT = "replaytestscale"
+
+
+@pytest.fixture
+def scaled_out(image, tmp_path):
+    """The scale-out profile with podman's stand-ins, brought up through its load balancer on a free port."""
+    port = free_port()
+    env = {**podman_env(), "REPLAY_LB_PORT": str(port), "REPLAY_PORT": str(free_port()),
+           "REPLAY_TOKENS_FILE_HOST": str(_tokens_file(tmp_path)),
+           "REPLAY_WORKERS": "1"}  # three replicas on two cores: one worker each (all three answer in ~15 s, not ~26)
+    url = f"http://127.0.0.1:{port}"
+    compose = functools.partial(_compose, env=env, files=SCALE_OUT, project=SCALE_PROJECT)
+    try:
+        compose("--profile", "scale-out", "up", "-d", "replay-lb")
+        if len(_replicas_answering_healthz(url)) < 3:
+            logs = podman("logs", f"{SCALE_PROJECT}_replay-1_1", check=False).stderr
+            raise AssertionError(f"not every replica answered /healthz through nginx: {logs[-2000:]}")
+        yield url
+    finally:
+        compose("--profile", "scale-out", "down", "-v", check=False)
+
+
+def _replicas_answering_healthz(url: str, timeout: float = 120) -> set[str]:
+    """The replicas (X-Replay-Replica) that answered /healthz through nginx, once all three have or at `timeout`.
+    A replica still starting refuses connections, and nginx leaves it out for 10 s after three refusals."""
+    answered: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while len(answered) < 3 and time.monotonic() < deadline:
+        try:
+            answer = calls.get(f"{url}/healthz", timeout=2)
+        except httpx.HTTPError:
+            answer = None
+        if answer is not None and answer.status_code == 200:
+            answered.add(answer.headers["x-replay-replica"])
+        else:
+            time.sleep(0.5)
+    return answered
+
+
+def _replica_answering(url: str, token: str) -> tuple[ReplayClient, list[str]]:
+    """A client through nginx, and the replicas (X-Replay-Replica) that answered its calls, in order."""
+    answered: list[str] = []
+    http = httpx.Client(base_url=url, timeout=60, event_hooks={
+        "response": [lambda response: answered.append(response.headers["x-replay-replica"])]})
+    return ReplayClient(url, http=http, token=token), answered
+
+
+def test_scale_out_replicas_behind_nginx_serve_what_another_stored(scaled_out):
+    """Three replicas on the PostgreSQL stand-in and the S3 stand-in, each with a volume of its own: a batch
+    written through one is read, byte-equal, through each of the other two."""
+    replicas = _replicas_answering_healthz(scaled_out)  # three, each answering on its own address
+    sent = routes(np.random.default_rng(451), 64)
+    writer, wrote = _replica_answering(scaled_out, TOKENS["write"])
+    with writer:
+        writer.ingest(batch_bytes("scaled", "w0", 0, ["r"] * 64, np.arange(64), sent))
+    reader, read = _replica_answering(scaled_out, TOKENS["read"])
+    with reader:
+        for _ in range(3):  # round robin: one read from each replica
+            assert reader.get_route("scaled", "r").experts.tobytes() == sent.tobytes()
+    assert set(read) == replicas and wrote[0] in replicas
+    healthz = [calls.get(f"{scaled_out}/healthz") for _ in range(3)]
+    assert [(answer.status_code, answer.json().get("runs")) for answer in healthz] == [(200, 1)] * 3, [
+        (answer.headers.get("x-replay-replica"), answer.text) for answer in healthz]

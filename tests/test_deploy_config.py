@@ -1,8 +1,10 @@
-"""docker-compose.yml and deploy/nginx.conf agree with the service's settings (no Docker daemon or nginx needed).
+"""docker-compose.yml and deploy/nginx/ agree with the service's settings (no Docker daemon or nginx needed).
 
 The files are read as they ship: every variable a replica is given is one the service reads, the default
 `docker compose up` still runs the one service on local files, every scale-out service waits for healthy
-dependencies, and nginx's body limit and upstreams match the replicas.
+dependencies, nginx's body limit and both variants of its upstreams match the replicas, and podman's override
+(deploy/podman/scale-out.yml) names the stand-ins scripts/container_images.sh builds. tests/test_container.py runs
+them.
 """
 
 from __future__ import annotations
@@ -18,7 +20,16 @@ from replay_service.store.segments import places as segment_store
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-NGINX = (ROOT / "deploy" / "nginx.conf").read_text()
+NGINX = {name: (ROOT / "deploy" / "nginx" / name).read_text()
+         for name in ("nginx.conf", "server.conf", "upstreams.conf", "upstreams-static.conf")}
+
+
+class _ComposeLoader(yaml.SafeLoader):
+    """YAML as compose reads it: `!override` replaces a value (read here as the value it gives)."""
+
+
+_ComposeLoader.add_constructor("!override", lambda loader, node: loader.construct_sequence(node))
+PODMAN = yaml.load((ROOT / "deploy" / "podman" / "scale-out.yml").read_text(), _ComposeLoader)["services"]
 SERVICES = COMPOSE["services"]
 REPLICAS = [name for name, s in SERVICES.items() if "REPLAY_INDEX_URL" in s.get("environment", {})]
 
@@ -72,9 +83,31 @@ def test_every_scale_out_service_waits_for_healthy_dependencies():
 def test_nginx_matches_the_replicas():
     body_limit = {int(_defaults(SERVICES[name]["environment"]["REPLAY_MAX_BODY_BYTES"])) for name in REPLICAS}
     assert body_limit == {512 * 2**20}
-    assert "client_max_body_size 512m;" in NGINX
-    for upstream in re.findall(r"upstream \w+ \{(.*?)\}", NGINX, re.S):
-        servers = re.findall(r"server ([\w-]+):(\d+)", upstream)
-        assert sorted(servers) == [(name, "8470") for name in sorted(REPLICAS)]
-    assert "proxy_buffering off;" in NGINX  # answers streamed
-    assert re.search(r"proxy_next_upstream error timeout http_503 non_idempotent;", NGINX)
+    server = NGINX["server.conf"]
+    assert "client_max_body_size 512m;" in server
+    for variant in ("upstreams.conf", "upstreams-static.conf"):
+        upstreams = dict(re.findall(r"upstream (\w+) \{(.*?)\}", NGINX[variant], re.S))
+        assert set(upstreams) == set(re.findall(r"proxy_pass http://(\w+);", server)), variant
+        for body in upstreams.values():
+            servers = re.findall(r"server ([\w-]+):(\d+)", body)
+            assert sorted(servers) == [(name, "8470") for name in sorted(REPLICAS)], variant
+            assert (" resolve " in body) == (variant == "upstreams.conf"), variant  # nginx 1.27.3+ only
+    assert "proxy_buffering off;" in server  # answers streamed
+    assert re.search(r"proxy_next_upstream error timeout http_503 non_idempotent;", server)
+    mounted = {volume.split(":")[1]: volume.split(":")[0] for volume in SERVICES["replay-lb"]["volumes"]}
+    included = re.findall(r"include (\S+);", NGINX["nginx.conf"])
+    assert set(included) | {"/etc/nginx/nginx.conf"} == set(mounted)
+
+
+def test_podmans_override_runs_the_stand_ins_the_image_script_builds():
+    built = (ROOT / "scripts" / "container_images.sh").read_text()
+    for name, service in PODMAN.items():
+        assert name in SERVICES and "scale-out" in SERVICES[name]["profiles"], name
+        if "image" in service:
+            part = re.fullmatch(r"localhost/routing-replay-(\w+):bookworm", service["image"]).group(1)
+            assert (ROOT / "deploy" / "podman" / "images" / part / "Containerfile").is_file()
+            assert "postgres nginx s3" in built
+        # podman 4.3 cannot start a container that requires an exited one: nothing waits on the bucket one-shot
+        assert "replay-bucket" not in service.get("depends_on", []), name
+    lb_upstreams = [volume for volume in PODMAN["replay-lb"]["volumes"] if "upstreams" in volume]
+    assert lb_upstreams == ["./deploy/nginx/upstreams-static.conf:/etc/nginx/replay/upstreams.conf:ro"]

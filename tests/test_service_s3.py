@@ -2,12 +2,17 @@
 
 The same batches go to a service on local files and to one on the bucket; every read format answers the same
 bytes from both. Retries are stored once; verify and reindex work on the bucket; orphans are collected after
-their grace period only; an unusable bucket refuses the start, naming REPLAY_SEGMENTS_URL.
+their grace period only; an unusable bucket refuses the start, naming REPLAY_SEGMENTS_URL, at once or after
+REPLAY_START_WAIT_S of tries (and a bucket made within them is served).
 """
 
 from __future__ import annotations
 
+import threading
+import uuid
+
 import numpy as np
+import pyarrow.fs as pafs
 import pytest
 
 from replay_client.client import ReplayClient
@@ -21,7 +26,7 @@ from replay_service.store.index import Index
 from replay_service.store.lifecycle.retention import collect_orphans
 from replay_service.store.segments.cache import SegmentCache
 from replay_service.store.segments.places import S3Segments, open_segment_store
-from tests.support.data import two_halves
+from tests.support.data import batch_bytes, routes, two_halves
 from tests.support.s3 import MotoS3
 from tests.support.service import ServiceProcess, free_port
 
@@ -196,6 +201,34 @@ def test_an_unusable_bucket_refuses_the_start(s3, tmp_path, where):
     assert "exited with 2" in str(refused.value)
     assert "REPLAY_SEGMENTS_URL=s3://" in str(refused.value)
 
+
+
+def test_a_start_waits_for_a_bucket_made_later_when_told_to(s3, tmp_path):
+    """REPLAY_START_WAIT_S: a replica started before its bucket exists (compose, Kubernetes) keeps trying, and
+    serves once the bucket is there; each miss is logged."""
+    name = f"late-{uuid.uuid4().hex[:8]}"
+    maker = threading.Timer(2.0, s3.bucket, args=(name,))
+    maker.start()
+    service = ServiceProcess(tmp_path / "data", env={**s3.env(name), "REPLAY_START_WAIT_S": "60"})
+    try:
+        with service:
+            sent = routes(np.random.default_rng(7), 8)
+            with ReplayClient(service.url) as client:
+                client.ingest(batch_bytes(RUN, "w", 0, ["r"] * 8, np.arange(8), sent))
+                assert client.get_route(RUN, "r").experts.tobytes() == sent.tobytes()
+    finally:
+        maker.cancel()
+    assert "trying again" in service.log_path.read_text()
+    assert name in {info.base_name for info in s3.fs().get_file_info(pafs.FileSelector("/"))}
+
+
+def test_a_start_that_waited_in_vain_refuses_naming_the_bucket(s3, tmp_path):
+    service = ServiceProcess(tmp_path / "data", env={**s3.env("never-made"), "REPLAY_START_WAIT_S": "2"})
+    with pytest.raises(RuntimeError) as refused:
+        service.start()
+    assert "exited with 2" in str(refused.value)
+    assert "REPLAY_SEGMENTS_URL=s3://never-made" in str(refused.value)
+    assert "trying again" in str(refused.value)
 
 def test_a_bucket_gone_at_run_time_answers_503_and_indexes_nothing(tmp_path):
     """The store stops answering after start-up: an uncached read and an ingest answer 503 naming the store;

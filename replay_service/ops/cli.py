@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,15 +37,29 @@ def main(
 
 
 def _open_to_serve(settings: ServiceSettings) -> RouteStore:
-    """The store `settings` name, its start-up checks passed and sweep logged; exit 2 naming what refused it."""
+    """The store `settings` name, its start-up checks passed and sweep logged; exit 2 naming what refused it.
+
+    An index or bucket it cannot reach is tried again once a second for REPLAY_START_WAIT_S, each miss logged.
+    """
     from replay_service.app import open_store
     from replay_service.errors import IndexNeedsRebuild, IndexTooNew, IndexUnreachable, SegmentStoreUnreachable
 
-    try:
-        store = open_store(settings)
-    except (IndexNeedsRebuild, IndexTooNew, IndexUnreachable, SegmentStoreUnreachable) as exc:
-        typer.echo(f"replay-service: {exc.message}", err=True)
-        raise typer.Exit(2) from None
+    deadline = time.monotonic() + settings.start_wait_s
+    while True:
+        try:
+            store = open_store(settings)
+            break
+        except (IndexUnreachable, SegmentStoreUnreachable) as exc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                typer.echo(f"replay-service: {exc.message}", err=True)
+                raise typer.Exit(2) from None
+            logging.getLogger("replay_service").warning("start-up: %s; trying again for %.0f s more (REPLAY_START_"
+                                                        "WAIT_S)", exc.message, left)
+            time.sleep(min(1.0, left))
+        except (IndexNeedsRebuild, IndexTooNew) as exc:
+            typer.echo(f"replay-service: {exc.message}", err=True)
+            raise typer.Exit(2) from None
     if store.swept.removed or store.swept.quarantined:
         logging.getLogger("replay_service").warning(
             "start-up: deleted %d unfinished segment writes, quarantined %d unindexed segments (under %s)",
