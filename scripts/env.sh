@@ -48,8 +48,10 @@ if [ ! -f "$stamp" ]; then
 fi
 if [ "$1" = test ]; then
   # the container tests' images (their Debian base, the service's, the scale-out stand-ins): built here, so the
-  # suite's own build of them finds podman's layer cache warm
-  CONTAINERS_CONF="$root/deploy/podman/containers.conf" bash "$root/scripts/container_images.sh"
+  # suite's own build of them finds podman's layer cache warm; not for the fast loop, which runs no container
+  if [ "${REPLAY_FAST_LOOP:-0}" != 1 ]; then
+    CONTAINERS_CONF="$root/deploy/podman/containers.conf" bash "$root/scripts/container_images.sh"
+  fi
   source "$root/scripts/vllm_env.sh"  # vLLM 0.33 and 0.34 (GPU wheels) beside the main environment, in .venv-vllm
 fi
 export PATH="$venv/bin:$PATH"

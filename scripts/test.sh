@@ -3,6 +3,7 @@
 #   bash scripts/test.sh            the whole suite (what CI runs)
 #   bash scripts/test.sh --fast     the fast loop: no vLLM engine, no browser, no kill/restart rounds (`-m "not slow"`)
 # Other arguments go to pytest (e.g. -k flags, -x, a test file).
+if [ "${1:-}" = "--fast" ]; then export REPLAY_FAST_LOOP=1; fi  # env.sh leaves out what only slow tests need
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh" test
 cd "$root"
 export REPLAY_REQUIRE_ALL=1  # a test that would skip for a missing package or browser fails instead

@@ -80,21 +80,27 @@ def _compose(*args: str, env: dict[str, str], check: bool = True,
                           env=env, capture_output=True, text=True, timeout=300, check=check)
 
 
-def _answers_healthz(url: str, timeout: float = 120) -> bool:
+def _answering_healthz(url: str, wanted: int = 1, timeout: float = 120) -> set[str]:
+    """Who answered /healthz 200 at `url`: the replicas nginx names (X-Replay-Replica), else the service itself;
+    polled until `wanted` have or `timeout` passed. Behind nginx, a replica still starting refuses connections, and
+    nginx leaves it out for 10 s after three refusals."""
+    answered: set[str] = set()
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while len(answered) < wanted and time.monotonic() < deadline:
         try:
-            if calls.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return True
+            answer = calls.get(f"{url}/healthz", timeout=2)
         except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    return False
+            answer = None
+        if answer is not None and answer.status_code == 200:
+            answered.add(answer.headers.get("x-replay-replica", url))
+        else:
+            time.sleep(0.5)
+    return answered
 
 
 def _up(url: str, env: dict[str, str]) -> None:
     _compose("up", "-d", "replay-service", env=env)
-    if not _answers_healthz(url):
+    if not _answering_healthz(url):
         logs = podman("logs", f"{PROJECT}_replay-service_1", check=False).stderr
         raise AssertionError(f"the composed service did not answer /healthz: {logs[-2000:]}")
 
@@ -150,29 +156,12 @@ def scaled_out(image, tmp_path):
     compose = functools.partial(_compose, env=env, files=SCALE_OUT, project=SCALE_PROJECT)
     try:
         compose("--profile", "scale-out", "up", "-d", "replay-lb")
-        if len(_replicas_answering_healthz(url)) < 3:
+        if len(_answering_healthz(url, wanted=3)) < 3:
             logs = podman("logs", f"{SCALE_PROJECT}_replay-1_1", check=False).stderr
             raise AssertionError(f"not every replica answered /healthz through nginx: {logs[-2000:]}")
         yield url
     finally:
         compose("--profile", "scale-out", "down", "-v", check=False)
-
-
-def _replicas_answering_healthz(url: str, timeout: float = 120) -> set[str]:
-    """The replicas (X-Replay-Replica) that answered /healthz through nginx, once all three have or at `timeout`.
-    A replica still starting refuses connections, and nginx leaves it out for 10 s after three refusals."""
-    answered: set[str] = set()
-    deadline = time.monotonic() + timeout
-    while len(answered) < 3 and time.monotonic() < deadline:
-        try:
-            answer = calls.get(f"{url}/healthz", timeout=2)
-        except httpx.HTTPError:
-            answer = None
-        if answer is not None and answer.status_code == 200:
-            answered.add(answer.headers["x-replay-replica"])
-        else:
-            time.sleep(0.5)
-    return answered
 
 
 @contextlib.contextmanager
@@ -187,7 +176,7 @@ def _through_nginx(url: str, token: str) -> Iterator[tuple[ReplayClient, list[st
 def test_scale_out_replicas_behind_nginx_serve_what_another_stored(scaled_out):
     """Three replicas on the PostgreSQL stand-in and the S3 stand-in, each with a volume of its own: a batch
     written through one is read, byte-equal, through each of the other two."""
-    replicas = _replicas_answering_healthz(scaled_out)  # three, each answering on its own address
+    replicas = _answering_healthz(scaled_out, wanted=3)  # three, each answering on its own address
     sent = routes(np.random.default_rng(451), 64)
     with _through_nginx(scaled_out, TOKENS["write"]) as (writer, wrote):
         writer.ingest(batch_bytes("scaled", "w0", 0, ["r"] * 64, np.arange(64), sent))
