@@ -26,6 +26,8 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
+from tests.support.markdown import prose_lines
+
 ROOT = Path(__file__).resolve().parent.parent
 
 pytest.importorskip("mkdocs", reason="mkdocs-material and mkdocstrings are in the test extra (pyproject.toml)")
@@ -257,11 +259,8 @@ def github_anchors(text: str) -> set[str]:
     repeated one numbered)."""
     seen: dict[str, int] = {}
     out = set()
-    in_fence = False
-    for line in text.splitlines():
-        if re.match(r"^ {0,3}(```|~~~)", line):
-            in_fence = not in_fence
-        m = None if in_fence else re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+    for line in prose_lines(text):
+        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
         if m:
             slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
             n = seen.get(slug, 0)
@@ -280,8 +279,7 @@ def test_every_link_in_the_repository_markdown_resolves():
     broken = []
     for md in repository_markdown():
         text = md.read_text(encoding="utf-8")
-        body = re.sub(r"^ {0,3}(```|~~~).*?^ {0,3}\1", "", text, flags=re.S | re.M)  # code blocks hold no links
-        body = re.sub(r"`[^`\n]*`", "", body)
+        body = re.sub(r"`[^`\n]*`", "", "\n".join(prose_lines(text)))  # code holds no links
         for m in _MD_LINK.finditer(body):
             target = m.group(1) or m.group(2)
             parts = urlsplit(target)
