@@ -105,13 +105,16 @@ class Finding:
         """The ids of the requests named, in the service's order."""
         return [r.request_id for r in self.requests]
 
-    def describe(self) -> str:
-        """One line: `ZERO 3 rows (0.30%, limit 0) in 'req-7' from position 17, ...`."""
+    def describe(self, agreement: Agreement | None = None) -> str:
+        """One line: `ZERO 3 rows (0.30%, limit 0) in 'req-7' from position 17, ...`; an agreement finding given its
+        comparison's `agreement` also names the worst layers (`... in comparison 'c1': model layer 2 at 71.0%, ...`)."""
         limit = "no limit" if self.limit is None else f"limit {self.limit:g}"
         if self.check in _AGREEMENT_CHECKS:
             value = "?" if self.value is None else f"{self.value:.4g}"
             where = f" in comparison {self.compare_id!r}" if self.compare_id else ""
-            return f"{self.check} {value} ({limit}){where}"
+            layers = agreement.describe_layers() if agreement is not None and \
+                agreement.compare_id == self.compare_id else ""
+            return f"{self.check} {value} ({limit}){where}" + (f": {layers}" if layers else "")
         unit = _UNITS.get(self.check, "rows")
         value = "" if self.value is None else f"{self.value:.2%}, "
         text = f"{self.check} {'?' if self.count is None else self.count} {unit} ({value}{limit})"
@@ -161,6 +164,7 @@ class Agreement:
     worst_layer_mismatch: tuple[float, ...] = ()
     label: str | None = None
     tokens: int | None = None
+    worst_model_layers: tuple[int, ...] = ()  # the model layer of each worst layer, where the service says it
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> Agreement:
@@ -170,9 +174,19 @@ class Agreement:
         objects = [w for w in worst if isinstance(w, Mapping)]
         ordinals = tuple(int(w["layer"]) if isinstance(w, Mapping) else int(w) for w in worst)
         mismatch = tuple(float(w["router_mismatch"]) for w in objects) if len(objects) == len(worst) else ()
+        model_layers = tuple(int(w["model_layer"]) for w in objects if "model_layer" in w)
         return cls(str(doc["compare_id"]), _int_or_none(doc.get("step")), doc.get("weight_version"),
                    float(doc["created_at"]), float(doc["router_mismatch"]), float(doc["token_mismatch"]),
-                   float(doc["jaccard"]), ordinals, mismatch, doc.get("label"), _int_or_none(doc.get("tokens")))
+                   float(doc["jaccard"]), ordinals, mismatch, doc.get("label"), _int_or_none(doc.get("tokens")),
+                   model_layers if len(model_layers) == len(worst) else ())
+
+    def describe_layers(self) -> str:
+        """The worst layers with their router mismatch (`model layer 2 at 71.0%, model layer 1 at 45.5%`), by model
+        layer where known, else by MoE ordinal; "" without per-layer figures."""
+        if not self.worst_layer_mismatch:
+            return ""
+        names = [f"model layer {m}" for m in self.worst_model_layers] or [f"MoE layer {o}" for o in self.worst_layers]
+        return ", ".join(f"{name} at {share:.1%}" for name, share in zip(names, self.worst_layer_mismatch) if share)
 
 
 @dataclass(frozen=True)
@@ -243,7 +257,7 @@ class HealthReport:
         words = {Verdict.FAIL: "fails", Verdict.WARN: "warns on", Verdict.OK: "passes"}[self.verdict]
         found = self.findings(at_least)
         head = f"run {self.run_id!r} {scope} {words} routing health"
-        return head + (": " + "; ".join(f.describe() for f in found) if found else "")
+        return head + (": " + "; ".join(f.describe(self.agreement) for f in found) if found else "")
 
 
 class RoutingUnhealthy(Exception):

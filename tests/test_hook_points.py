@@ -167,3 +167,17 @@ def test_the_plugin_guide_shows_the_support_matrix_as_listed():
     shown = guide[guide.index(start) + len(start): guide.index("\n<!-- /support-matrix -->")]
     assert shown == matrix_markdown(), \
         "docs/guides/vllm_plugin.md's support matrix differs from capture.vllm.hook_points.SUPPORTED"
+
+
+def _generated(name: str) -> str:
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "vllm_plugin.md").read_text()
+    start = f"<!-- {name}: generated from capture.vllm.families.FAMILIES -->\n"
+    return guide[guide.index(start) + len(start): guide.index(f"\n<!-- /{name} -->")]
+
+
+def test_the_plugin_guide_shows_the_family_table_and_router_settings_as_listed():
+    from capture.vllm.families import families_markdown, trainer_markdown
+
+    assert _generated("family-table") == families_markdown(), \
+        "docs/guides/vllm_plugin.md's family table differs from capture.vllm.families.FAMILIES"
+    assert _generated("family-router-settings") == trainer_markdown()

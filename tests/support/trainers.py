@@ -19,6 +19,7 @@ Upstream read for this (the search tool's snapshots):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -179,22 +180,23 @@ def nemo_rl_fallback_rows(replay: np.ndarray) -> np.ndarray:
 
 
 def _verl_config(num_layers: int, moe_layer_freq: list[int], num_experts: int, top_k: int, tp: int, cp: int,
-                 pp: int):
+                 pp: int, router: dict | None = None):
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    kw = {"add_bias_linear": False, **(router or {})}
     return TransformerConfig(num_layers=num_layers, hidden_size=64, num_attention_heads=4,
                              tensor_model_parallel_size=tp, context_parallel_size=cp,
                              pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
-                             sequence_parallel=tp > 1, add_bias_linear=False, num_moe_experts=num_experts,
-                             moe_router_topk=top_k,
-                             moe_layer_freq=list(moe_layer_freq))
+                             sequence_parallel=tp > 1, num_moe_experts=num_experts, moe_router_topk=top_k,
+                             moe_layer_freq=list(moe_layer_freq), **kw)
 
 
 def verl_rank_targets(case: dict) -> dict:
     """On every gloo rank: verl 0.9.1's `set_router_replay_data` on megatron-core's parallel state (real code).
 
-    `case`: tp/cp/pp sizes, the model's `num_layers` and `moe_layer_freq`, `num_experts`, `top_k`, `fp8`, and
+    `case`: tp/cp/pp sizes, the model's `num_layers` and `moe_layer_freq`, `num_experts`, `top_k`, `fp8`, optionally
+    `router` (more TransformerConfig router settings), and
     verl's inputs: `routes` (the dense `[batch, seq, layers, K]` our verl answer gives) with its
     `attention_mask` and `response_mask`, `path` ("legacy": the padded batch through
     `preprocess_packed_seqs`; "engine": verl's nested engine path, `left_right_2_no_padding` then
@@ -216,7 +218,7 @@ def verl_rank_targets(case: dict) -> dict:
                                   context_parallel_size=cp)
     try:
         config = _verl_config(case["num_layers"], case["moe_layer_freq"], case["num_experts"], case["top_k"], tp, cp,
-                              pp)
+                              pp, case.get("router"))
         if case.get("fp8"):  # verl reads only this field (use_fp8_padding); TE's FP8 itself is not needed here
             config.fp8 = "e4m3"
         stage = rru.get_current_rank_layer_info(config)
@@ -271,3 +273,78 @@ def verl_replay_topk(target: np.ndarray, replay_mask: np.ndarray | None, scores:
         return ids.numpy()
     finally:
         RouterReplay.router_instances.remove(replay)
+
+
+# ---- megatron-core models built on CPU ------------------------------------------------------------------
+
+
+@contextmanager
+def built_rank(pp: int, rank: int, vpp: int | None = None, **overrides):
+    """This process as pipeline rank `rank`: `(config, the GPTModel chunks megatron-core builds there)` (local
+    spec, CPU, a fake process group for the other ranks: megatron-core only asks it for ranks and sizes while
+    building). `overrides` go to `TransformerConfig` (routing replay on, 16 experts top-4 unless given)."""
+    import warnings
+
+    import pytest
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    kw = dict(num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, moe_ffn_hidden_size=8,
+              num_moe_experts=16, moe_router_topk=4, moe_enable_routing_replay=True,
+              moe_router_load_balancing_type="none", use_cpu_initialization=True, add_bias_linear=False,
+              pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32)
+    kw.update(overrides)
+    config = TransformerConfig(**kw)
+    dist.init_process_group("fake", rank=rank, world_size=pp, store=FakeStore())
+    try:
+        parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp,
+                                                 virtual_pipeline_model_parallel_size=vpp,
+                                                 create_gloo_process_groups=False)
+        chunks = []
+        with warnings.catch_warnings(), pytest.MonkeyPatch.context() as mp:
+            warnings.simplefilter("ignore")
+            # ties the embedding across stages with an all-reduce on CUDA; nothing of the routers
+            mp.setattr(LanguageModule, "setup_embeddings_and_output_layer", lambda self: None)
+            # TopKRouter puts its expert-bias buffers on `torch.cuda.current_device()`
+            # (megatron/core/transformer/moe/router.py): the CPU here
+            mp.setattr(torch.cuda, "current_device", lambda: "cpu")
+            for vp in range(vpp or 1):
+                stage = vp if vpp else None
+                spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=stage)
+                mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=stage)
+                chunks.append(GPTModel(config, spec, vocab_size=32, max_sequence_length=16,
+                                       pre_process=rank == 0 and vp == 0,
+                                       post_process=rank == pp - 1 and vp == (vpp or 1) - 1,
+                                       share_embeddings_and_output_weights=False,
+                                       mtp_block_spec=mtp, vp_stage=stage))
+        yield config, chunks
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def verl_case(client, sequences, prompt_lengths: Sequence[int], response_lengths: Sequence[int], *, num_layers: int,
+              moe_layer_freq: list[int], num_experts: int, top_k: int, axis: str, path: str = "engine", tp: int = 1,
+              cp: int = 1, pp: int = 1, fp8: bool = False, widths: tuple[int, int] | None = None,
+              router: dict | None = None) -> tuple[dict, object]:
+    """`verl_rank_targets`' case for `sequences` ((run, request) pairs of `prompt_lengths` + `response_lengths`
+    tokens): the client's `verl_batch` on `axis` ("model" / "moe"), with verl's masks; and that batch. `widths`:
+    the batch's (prompt, response) widths, default the longest of each; `router`: the model's other router settings."""
+    pw, rw = widths or (max(prompt_lengths), max(response_lengths))
+    dense = client.verl_batch(list(sequences), prompt_lengths=list(prompt_lengths), prompt_width=pw, response_width=rw,
+                              layer_axis=axis, missing="router")
+    response_mask = np.zeros((len(sequences), rw), np.int64)
+    for b, n in enumerate(response_lengths):
+        response_mask[b, :n] = 1
+    case = {"tp": tp, "cp": cp, "pp": pp, "num_layers": num_layers, "moe_layer_freq": list(moe_layer_freq),
+            "fp8": fp8, "num_experts": num_experts, "top_k": top_k, "path": path, "router": router,
+            "routes": dense.dense().numpy(), "attention_mask": dense.attention_mask().numpy(),
+            "response_mask": response_mask,
+            "replay_mask": dense.dense_replay_mask().numpy() if path == "engine" else None}
+    return case, dense

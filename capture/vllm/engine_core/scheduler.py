@@ -5,7 +5,9 @@ a prefill-only request of P/D disaggregation) and `Scheduler.schedule` (attach t
 and the weight version to the next `SchedulerOutput` as its `SchedulerNotes`; with vLLM's own R3 on, hits go to the
 tee). Notes not yet delivered are also kept in this engine core's `FinishJournal` until `update_from_output` of the
 step that carried them; `shutdown` removes an empty journal. A worker without a request's note falls back to
-"finished" and its own length count.
+"finished" and its own length count. An in-process engine core (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) runs the one
+step more that a spawned one's busy loop runs to clear finished requests (`patch_inproc_client`), so the last
+requests of a `generate` reach the workers' sinks without waiting for the next.
 
 Design: docs/design/vllm_engine_core.md.
 """
@@ -42,6 +44,7 @@ def patch_scheduler() -> None:
 
     if is_patched(Scheduler.schedule):
         return
+    patch_inproc_client()
     prefix_hits.patch_kv_cache()
     weight_version.patch_set_weight_version()
     orig_free, orig_schedule = Scheduler._free_request, Scheduler.schedule
@@ -107,3 +110,29 @@ def patch_scheduler() -> None:
     patch(Scheduler, "schedule", schedule)
     patch(Scheduler, "update_from_output", update_from_output)
     patch(Scheduler, "shutdown", shutdown)
+
+
+def patch_inproc_client() -> None:
+    """Wrap `InprocClient.get_output`: after a step that left the scheduler with finished requests whose notes have
+    not gone out and nothing unfinished, run the next (empty) step too.
+
+    A spawned engine core's busy loop steps while `Scheduler.has_requests()`, which counts finished requests not yet
+    cleared: that step carries their notes to the workers. `LLM.generate` in-process stops stepping as soon as its
+    own requests are done, so without this the last ones would stay open in the service until the next call.
+    """
+    from vllm.v1.engine.core_client import InprocClient
+
+    if is_patched(InprocClient.get_output):
+        return
+    orig_get_output = InprocClient.get_output
+
+    def get_output(self, *a, **kw):
+        out = orig_get_output(self, *a, **kw)
+        core = self.engine_core
+        scheduler = getattr(core, "scheduler", None)
+        if scheduler is not None and scheduler.__dict__.get(_FREED) and not scheduler.has_unfinished_requests():
+            _, executed = core.step_fn()  # no request left to run: an empty step, outputs empty
+            core.post_step(model_executed=executed)
+        return out
+
+    patch(InprocClient, "get_output", get_output)

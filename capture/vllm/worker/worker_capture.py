@@ -1,7 +1,8 @@
 """Runs in each vLLM worker process: `WorkerCapture`, one worker's capture (one model runner), started at load_model.
 
 `startup` (the `load_model` hook, `runner.py`) composes the parts, each in its own module: the start-up checks
-(`startup_checks.check_config`), `bind_model` on every MoE router (`binder.py`), the recorder of the capture mode
+(`startup_checks.check_config`), `bind_model` on every MoE router (`binder.py`) and a warning for each way the
+engine routes unlike the checkpoint (`startup_checks.routing_divergences`), the recorder of the capture mode
 (`recorder_choice.choose_recorder`), the PCP router mask (`forward_sharding.pcp_padding_mask`), the sink process
 (`capture.vllm.sink.handoff.start_sink`, only on the TP/PCP rank 0 of each DP rank), then the per-step hook state
 (`step_hooks.StepHooks`) and one log line. With vLLM's own `enable_return_routed_experts` on it binds nothing: the
@@ -18,13 +19,13 @@ from collections.abc import Callable
 import torch
 
 from capture.vllm.config import CaptureMode, PluginConfig, capture_source
-from capture.vllm.log import info
+from capture.vllm.log import info, warn
 from capture.vllm.sink.handoff import StepHandoff, start_sink
 from capture.vllm.worker.binder import bind_model, install_set_hook
 from capture.vllm.worker.forward_sharding import Parallel, pcp_padding_mask
 from capture.vllm.worker.frame_buffer import StepFrameBuffer
 from capture.vllm.worker.recorder_choice import choose_recorder
-from capture.vllm.worker.startup_checks import check_config, model_num_hidden_layers
+from capture.vllm.worker.startup_checks import check_config, model_num_hidden_layers, routing_divergences
 from capture.vllm.worker.step_hooks import StepHooks
 from replay_format import RunShape, Source
 
@@ -65,6 +66,9 @@ class WorkerCapture:
         check_config(vcfg, self.config.capture_mode)
         install_set_hook()
         bound = bind_model(model, _before_start)
+        for divergence in routing_divergences(vcfg, [b.router for b in bound]):
+            warn("routing-replay: %s; the run's agreement report (a trainer's comparison) shows the mismatch per "
+                 "layer, and replaying the stored routes makes the trainer follow this engine", divergence)
         chains = [b.router.capture_fn for b in bound]
         by_layer = {b.layer_id: i for i, b in enumerate(sorted(bound, key=lambda b: b.layer_id))}
         by_runner = {id(b.runner): by_layer[b.layer_id] for b in bound}
