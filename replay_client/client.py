@@ -25,7 +25,7 @@ from replay_client.openai_ids import Endpoint, choice_request_ids, stored_reques
 from replay_client.records import ExpertLoad, IngestAnswer, RequestSummary, ResponseAnswer, RunSummary
 from replay_client.trainer import TrainerBatch, compare_body, megatron_query, verl_query
 from replay_client.transport import NotFoundError, ReplayError, StrictReadError, Transport
-from replay_format import ARROW_STREAM_MEDIA_TYPE, NPY_MEDIA_TYPE, Flag, LayerAxis, flag_names
+from replay_format import ARROW_STREAM_MEDIA_TYPE, NPY_MEDIA_TYPE, Flag, LayerAxis, ReplayDeprecationWarning, flag_names
 from replay_format.core import Backing
 from replay_format.route import read_routes
 from replay_format.trajectory import TrajectoryInfo, read_trajectory_info
@@ -113,7 +113,7 @@ class _ListedVersions(WeightVersions):
 
     def _listed(self, what: str) -> list[str | None]:
         warnings.warn(f"Route.versions() answers a WeightVersions: {what} it as a list of labels is deprecated; use "
-                      "Route.versions().per_row()", DeprecationWarning, stacklevel=3)
+                      "Route.versions().per_row()", ReplayDeprecationWarning, stacklevel=3)
         return self.per_row()
 
     def __eq__(self, other: object) -> bool:

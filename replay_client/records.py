@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self, Union, get_args, get_origin, get_type_hints
 
-from replay_format import RunShape
+from replay_format import ReplayDeprecationWarning, RunShape
 from replay_format.weight_versions import VersionSpan
 
 __all__ = ["ExpertLoad", "IngestAnswer", "Record", "RequestSummary", "ResponseAnswer", "ResponseItemAnswer",
@@ -49,7 +49,7 @@ class Record:
     def _deprecated(self, what: str, use: str) -> Mapping[str, Any]:
         """The answer as the dict it was, after a DeprecationWarning: `what` is deprecated, `use` instead."""
         warnings.warn(f"{type(self).__name__}{what} is deprecated (the client's answers are typed records now): "
-                      f"use {use}", DeprecationWarning, stacklevel=3)
+                      f"use {use}", ReplayDeprecationWarning, stacklevel=3)
         return self.raw or self.to_json()
 
     def _attribute(self, key: object) -> str:
@@ -240,6 +240,7 @@ class IngestAnswer(Record):
     flagged: dict[str, int]
     bytes: int
     recomputed: int = 0
+    padding_slots_dropped: int = 0
     raw: dict[str, Any] = _raw()
 
 

@@ -17,6 +17,7 @@ from replay_format.core import (
     FormatError,
     FormatVersion,
     LayerAxis,
+    ReplayDeprecationWarning,
     RunShape,
     Source,
     UndecodableError,
@@ -29,6 +30,6 @@ from replay_format.core import (
 
 __all__ = [
     "ALL_FLAGS", "ARROW_STREAM_MEDIA_TYPE", "FLAG_MASK", "ID_RULE", "JSON_MEDIA_TYPE", "NO_TOKEN", "NPY_MEDIA_TYPE",
-    "WRITER_FLAGS", "Flag", "FormatError", "FormatVersion", "LayerAxis", "RunShape", "Source", "UndecodableError",
-    "check_id", "expert_dtype", "flag_names", "parse_flag", "valid_id",
+    "WRITER_FLAGS", "Flag", "FormatError", "FormatVersion", "LayerAxis", "ReplayDeprecationWarning", "RunShape",
+    "Source", "UndecodableError", "check_id", "expert_dtype", "flag_names", "parse_flag", "valid_id",
 ]

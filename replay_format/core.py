@@ -39,6 +39,12 @@ class FormatError(ValueError):
     """Bytes or metadata that do not follow a format's spec; the message names what is wrong."""
 
 
+class ReplayDeprecationWarning(DeprecationWarning):
+    """A name, or a way of reading an answer, that routing-replay keeps for one release more; the message names
+    what to use instead. Its own category, so a user's filter (and the project's own tests) can turn exactly these
+    into errors."""
+
+
 class UndecodableError(FormatError):
     """The bytes are not the container the format needs at all (not Arrow IPC, not .npy, not JSON)."""
 

@@ -14,7 +14,7 @@ from fastapi.staticfiles import StaticFiles
 from replay_service import __version__
 from replay_service.api import compares, health, ingest, ops, references, requests, runs, trainer, trajectories
 from replay_service.api.auth import Tokens, authorize
-from replay_service.api.errors import install_error_handlers
+from replay_service.api.errors import CloseUnreadBodies, install_error_handlers
 from replay_service.api.models import AUTH
 from replay_service.buffers import BufferPool
 from replay_service.health.exporter import RunHealthCollector
@@ -134,6 +134,7 @@ def create_app(settings: ServiceSettings | None = None, store: RouteStore | None
         app.include_router(module.router, dependencies=[Depends(authorize)], responses=AUTH)
 
     app.add_middleware(LatencyMiddleware, metrics=app.state.metrics)
+    app.add_middleware(CloseUnreadBodies)  # outermost: whichever layer answered before the body had arrived
 
     app.mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web")
     return app

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import enum
 from pathlib import Path
+from typing import Any
 
-from pydantic import Field
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from replay_format.segment import IdLayout, SegmentCompression
 
 DEFAULT_PORT = 8470
+ENV_PREFIX = "REPLAY_"
 
 
 class StaleTableScope(enum.StrEnum):
@@ -30,7 +32,7 @@ class ReadPlace(enum.Enum):
 class ServiceSettings(BaseSettings):
     """Every setting of the service; each is also the environment variable `REPLAY_<NAME>`."""
 
-    model_config = SettingsConfigDict(env_prefix="REPLAY_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
     # Defaults are passed as `default=`: type checkers read a positional one as "required".
     data_dir: Path = Field(default=Path("replay-data"), description="directory of the Arrow store")
@@ -68,7 +70,7 @@ class ServiceSettings(BaseSettings):
         default=1 << 30, ge=0, description="of those, bytes held decompressed in memory at most (compressed segments, "
         "REPLAY_SEGMENT_COMPRESSION; an uncompressed one is a map of the page cache and counts nothing)")
     stale_table_rows: int = Field(
-        default=1 << 21, description="rows the STALE content check remembers, one table per host shared by every "
+        default=1 << 21, ge=1, description="rows the STALE content check remembers, one table per host shared by every "
         "worker (32 B a row, rounded up to a power of two: 64 MiB by default)")
     stale_table_scope: StaleTableScope = Field(
         default=StaleTableScope.HOST, description="host: one STALE table shared by every worker of `serve`, so a "
@@ -146,3 +148,41 @@ class ServiceSettings(BaseSettings):
         default=60.0, gt=0, description="seconds between two retention passes (when a limit is set)")
     fsync: bool = Field(
         default=True, description="fsync data and index before acknowledging (turn off only for throwaway data)")
+
+    @field_validator("index_url")
+    @classmethod
+    def _a_postgresql_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("postgresql://", "postgres://")):
+            raise ValueError("the index is a PostgreSQL database: postgresql://user:password@host:port/database "
+                             "(or leave it unset for <data_dir>/index.sqlite)")
+        return value
+
+    @field_validator("data_dir")
+    @classmethod
+    def _a_directory(cls, value: Path) -> Path:
+        if value.exists() and not value.is_dir():
+            raise ValueError("it names a file: the store needs a directory (made if missing)")
+        return value
+
+
+class BadSetting(ValueError):
+    """Settings that cannot be used; the message names each one, its value and what it needs, in one line."""
+
+
+def load_settings(options: dict[str, str] | None = None, **given: Any) -> ServiceSettings:
+    """The settings from the environment (`REPLAY_*`) and `given` (what the command line set: None is not set);
+    BadSetting naming each bad value, as the command-line option where `options` ({field: "--option"}) names one
+    that was given, else as its variable."""
+    given = {k: v for k, v in given.items() if v is not None}
+    try:
+        return ServiceSettings(**given)
+    except ValidationError as exc:
+        raise BadSetting("; ".join(_bad(error, given, options or {}) for error in exc.errors())) from None
+
+
+def _bad(error: Any, given: dict[str, Any], options: dict[str, str]) -> str:
+    field = str(error["loc"][0]) if error.get("loc") else "?"
+    name = options.get(field, field) if field in given else ENV_PREFIX + field.upper()
+    what = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+    return f"{name}={str(error.get('input'))!r:.80}: {what}"
+

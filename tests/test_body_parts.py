@@ -82,7 +82,7 @@ def test_an_ingest_through_the_protocol_reads_back_byte_equal(tmp_path):
     with served_in_thread(app, http=PROTOCOL, loop="uvloop") as port:
         client = ReplayClient(f"http://127.0.0.1:{port}")
         try:
-            assert client.ingest(batch_bytes("parts", "w", 0, ["r"] * 12000, positions, experts))["stored"]
+            assert client.ingest(batch_bytes("parts", "w", 0, ["r"] * 12000, positions, experts)).stored
             assert client.get_route("parts", "r", strict=True).experts.tobytes() == experts.tobytes()
         finally:
             client.close()

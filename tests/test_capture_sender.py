@@ -59,8 +59,8 @@ def _config(url, spill, **kw) -> SenderConfig:
 def _assert_all_arrived(url, expected, num_tokens=None):
     client = ReplayClient(url)
     run = client.run("cap")
-    assert run["rows"] == sum(len(v) for v in expected.values())
-    assert run["flagged"]["CONFLICT"] == 0 and run["flagged"]["STALE"] == 0
+    assert run.rows == sum(len(v) for v in expected.values())
+    assert run.flagged["CONFLICT"] == 0 and run.flagged["STALE"] == 0
     for request_id, rows in expected.items():
         route = client.get_route("cap", request_id, strict=True)
         assert route.experts.tobytes() == rows.tobytes()
@@ -87,7 +87,7 @@ def test_kill_mid_stream_then_every_row_arrives_once(tmp_path):
         assert sender.stats.drained_batches == sender.stats.spilled_batches
         assert sender.stats.sent_rows == 60 * STEP_ROWS and sender.stats.dropped_rows == 0
         _assert_all_arrived(service.url, _expected(60))
-        assert ReplayClient(service.url).request("cap", "req-3")["status"] == "finished"
+        assert ReplayClient(service.url).request("cap", "req-3").status == "finished"
         assert not list((tmp_path / "spill").iterdir())
     finally:
         service.stop()
@@ -253,7 +253,7 @@ def test_spill_of_the_previous_code_drains_and_a_newer_one_is_kept_aside(tmp_pat
         assert sender.flush(60)
         sender.close(10)
         _assert_all_arrived(service.url, {"old-0": experts})
-        assert ReplayClient(service.url).request("cap", "old-0")["status"] == "finished"
+        assert ReplayClient(service.url).request("cap", "old-0").status == "finished"
     assert sender.stats.drained_batches == 1
     assert [p.name for p in spill.iterdir()] == [item_name(3, "old-writer", 2) + ".bad"]  # kept, not lost
 

@@ -45,7 +45,7 @@ def test_the_fixtures_use_the_chosen_backends(shared_service):
     experts = routes(rng, 12)
     body = bytes(batch_bytes("scaleout-probe", "w", 0, ["probe"] * 12, np.arange(12), experts))
     client = ReplayClient(shared_service.url)
-    assert client.ingest(body)["stored"]
+    assert client.ingest(body).stored
     assert client.get_route("scaleout-probe", "probe").experts.tobytes() == experts.tobytes()
     data = shared_service.data_dir
     local_segments = list((data / "runs" / "scaleout-probe").glob("*.arrow"))

@@ -51,7 +51,7 @@ def test_a_verl_query_writes_the_body_keys_in_order():
     VerlQuery(sequences=(SequenceRef("r", "a", 2),), prompt_lengths=(3,), prompt_width=3, response_width=1),
 ], ids=lambda q: type(q).__name__)
 def test_the_api_model_turns_the_body_back_into_the_same_query(query):
-    model = api.MegatronQuery if isinstance(query, MegatronQuery) else api.VerlQuery
+    model = api.MegatronQueryBody if isinstance(query, MegatronQuery) else api.VerlQueryBody
     assert model.model_validate(query.to_json()).query() == query
 
 

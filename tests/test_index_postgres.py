@@ -78,9 +78,9 @@ def test_two_replicas_ingest_one_run_at_once(tmp_path, postgres_url):
         for replica in (a, b):
             client = ReplayClient(replica.url)
             summary = client.run(run)
-            assert summary["rows"] == 2 * writers * per_writer * n
-            assert summary["requests"] == writers * per_writer + 1
-            assert client.request(run, "shared")["rows"] == writers * per_writer * n  # no lost counter update
+            assert summary.rows == 2 * writers * per_writer * n
+            assert summary.requests == writers * per_writer + 1
+            assert client.request(run, "shared").rows == writers * per_writer * n  # no lost counter update
             assert client.get_route(run, "shared", strict=True).experts.tobytes() == shared.tobytes()
             for request, experts in own.items():
                 assert client.get_route(run, request, strict=True).experts.tobytes() == experts.tobytes()
@@ -262,8 +262,8 @@ def test_expert_load_is_exact_on_every_replica(tmp_path, postgres_url):
         want = expected_load(list(sent.values()))
         for replica in replicas:
             load = ReplayClient(replica.url).expert_load(run)
-            assert np.array_equal(np.array(load["counts"]), want)
-            assert load["rows"] == writers * per_writer * n
+            assert np.array_equal(np.array(load.counts), want)
+            assert load.rows == writers * per_writer * n
 
 
 def test_a_run_deleted_on_one_replica_is_gone_on_the_other(tmp_path, postgres_url):
@@ -287,9 +287,9 @@ def test_a_run_deleted_on_one_replica_is_gone_on_the_other(tmp_path, postgres_ur
             assert answer.status_code == 200 and answer.json()["duplicate"] is False  # a fresh run: seq 0 is new
         for replica in (a, b):
             client = ReplayClient(replica.url)
-            assert client.run(run)["rows"] == n
+            assert client.run(run).rows == n
             assert client.get_route(run, "r2", strict=True).experts.tobytes() == again.tobytes()
-            assert np.array_equal(np.array(client.expert_load(run)["counts"]), expected_load([again], 4, 16))
+            assert np.array_equal(np.array(client.expert_load(run).counts), expected_load([again], 4, 16))
 
 
 def test_a_batch_in_flight_when_another_replica_deletes_its_run(tmp_path, postgres_url):
@@ -397,7 +397,7 @@ def test_a_replica_that_loses_its_index_answers_503_and_recovers(tmp_path):
             client = ReplayClient(replica.url)
             route = client.get_route("lost", "r", strict=True)
             assert route.experts.tobytes() == np.concatenate([first, second]).tobytes()
-            assert np.array_equal(np.array(client.expert_load("lost")["counts"]), expected_load([first, second]))
+            assert np.array_equal(np.array(client.expert_load("lost").counts), expected_load([first, second]))
     finally:
         cluster.close()
 
@@ -424,16 +424,17 @@ def test_a_schema_5_database_is_migrated_and_its_rows_read_as_version_unknown(tm
     with ServiceProcess(tmp_path / "data", env=env) as service:
         client = ReplayClient(service.url)
         summary = client.request("pg5", "r")
-        assert (summary["rows"], summary["weight_versions"], summary["recomputed"]) == (8, [], 0)
-        assert client.get_route("pg5", "r").versions() == [None] * 8
+        assert (summary.rows, summary.weight_versions, summary.recomputed) == (8, [], 0)
+        assert client.get_route("pg5", "r").versions().per_row() == [None] * 8
         for seq, (ex, label) in enumerate(((v1, "v1"), (v2, "v2")), start=1):
             batch = build_rows(RowsMeta("pg5", "w", seq, RunShape(48, 8, 128)), ["s"] * 8, np.arange(8), ex,
                                weight_versions=WeightVersions.single(label, 8))
             client.ingest(encode_stream(batch))
         summary = client.request("pg5", "s")
-        assert (summary["recomputed"], summary["first_recomputed"], summary["flagged"]["CONFLICT"]) == (8, 0, 0)
-        assert summary["weight_versions"] == [{"version": "v1", "start": 0, "end": 8}]
-        assert client.get_route("pg5", "s", recompute="latest").versions() == ["v2"] * 8
-        assert client.run("pg5")["weight_versions"] == [{"version": "v1", "rows": 8}, {"version": None, "rows": 8}]
+        assert (summary.recomputed, summary.first_recomputed, summary.flagged["CONFLICT"]) == (8, 0, 0)
+        assert [s.to_json() for s in summary.weight_versions] == [{"version": "v1", "start": 0, "end": 8}]
+        assert client.get_route("pg5", "s", recompute="latest").versions().per_row() == ["v2"] * 8
+        assert [v.raw for v in client.run("pg5").weight_versions] == [{"version": "v1", "rows": 8},
+                                                                     {"version": None, "rows": 8}]
     with psycopg.connect(url) as conn:
         assert conn.execute("SELECT version FROM schema_version").fetchone() == (SCHEMA_VERSION,)

@@ -261,7 +261,7 @@ def test_a_service_on_the_bucket_serves_ranges_and_refuses_a_damaged_block(s3, t
     data = tmp_path / "data"
     with ServiceProcess(data, env=env) as service:
         client = ReplayClient(service.url)
-        assert client.ingest(body)["stored"]
+        assert client.ingest(body).stored
         for rid in full:
             client.finish("svc", rid, 9_001)
         for rid, expected in full.items():

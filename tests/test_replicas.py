@@ -295,10 +295,10 @@ def test_three_replicas_survive_a_kill_and_a_network_cut(tmp_path):
                         assert route.experts.tobytes() == batch.experts.tobytes(), (name, batch.request)
                         assert route.token_ids.tobytes() == batch.tokens.tobytes(), (name, batch.request)
                     summary = client.run(RUN)
-                    assert summary["rows"] == len(acked) * ROWS, (name, summary)  # stored once, retries or not
-                    assert summary["requests"] == len(acked), (name, summary)
+                    assert summary.rows == len(acked) * ROWS, (name, summary)  # stored once, retries or not
+                    assert summary.requests == len(acked), (name, summary)
                     load = client.expert_load(RUN)
-                    assert np.array_equal(np.array(load["counts"]), expected_load([x.experts for x in acked.values()]))
+                    assert np.array_equal(np.array(load.counts), expected_load([x.experts for x in acked.values()]))
             with psycopg.connect(index_url) as conn:
                 stored = conn.execute("SELECT COUNT(*) FROM segments WHERE run_id = %s", (RUN,)).fetchone()
             assert stored == (len(acked),)  # one segment per batch, however often it was posted

@@ -176,7 +176,7 @@ def test_a_run_written_in_both_layouts_reads_back_equal_verifies_and_reindexes(t
     files = {layout: [_raw(p) for p in (data / "runs" / f"only-{layout}").glob("*.arrow")] for layout in IdLayout}
     assert all("experts" in batch.schema.names for batch in files[IdLayout.ROWS])
     assert all(layer_column(0) in batch.schema.names for batch in files[IdLayout.LAYERS])
-    assert summaries[IdLayout.LAYERS]["bytes_per_id"] < summaries[IdLayout.ROWS]["bytes_per_id"]
+    assert summaries[IdLayout.LAYERS].bytes_per_id < summaries[IdLayout.ROWS].bytes_per_id
 
     done = run_cli("verify", "--data", str(data))
     assert done.returncode == 0, done.stdout + done.stderr

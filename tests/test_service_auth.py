@@ -155,7 +155,7 @@ def test_a_request_takes_rows_and_its_finish_from_its_writer_only(secured):
 def test_the_client_sends_its_token(secured):
     url = str(secured.base_url)
     with ReplayClient(url, token=READ) as client:
-        assert client.run("auth-run")["run_id"] == "auth-run"
+        assert client.run("auth-run").run_id == "auth-run"
     with ReplayClient(url, token=None) as client, pytest.raises(Exception, match="401"):
         client.run("auth-run")
 

@@ -32,7 +32,7 @@ def store_sent(client: ReplayClient, run: str, writer: str, requests: dict[str, 
     positions = np.concatenate([np.arange(len(ids), dtype=np.int32) for ids in requests.values()])
     experts = np.concatenate(list(requests.values()))
     assert client.ingest(batch_bytes(run, writer, 0, names, positions, experts.reshape(len(names), -1),
-                                     shape=SHAPE, token_ids=positions + 7))["stored"]
+                                     shape=SHAPE, token_ids=positions + 7)).stored
     for name, ids in requests.items():
         client.finish(run, name, len(ids) + 1)
 
@@ -79,10 +79,10 @@ def test_a_run_of_mixed_codecs_reads_back_equal_verifies_and_reindexes(tmp_path)
             check_reads(client, "mixed", sent)  # this start's segments beside the earlier codecs'
             summaries[codec] = client.run(f"only-{codec}")
     for summary in summaries.values():
-        ids = summary["rows"] * SHAPE.row_width
-        assert summary["bytes_per_id"] == summary["bytes"] / ids
-    assert summaries[SegmentCompression.ZSTD]["bytes_per_id"] < 1 < summaries[SegmentCompression.NONE]["bytes_per_id"]
-    assert summaries[SegmentCompression.LZ4]["bytes"] < summaries[SegmentCompression.NONE]["bytes"]
+        ids = summary.rows * SHAPE.row_width
+        assert summary.bytes_per_id == summary.bytes / ids
+    assert summaries[SegmentCompression.ZSTD].bytes_per_id < 1 < summaries[SegmentCompression.NONE].bytes_per_id
+    assert summaries[SegmentCompression.LZ4].bytes < summaries[SegmentCompression.NONE].bytes
 
     done = run_cli("verify", "--data", str(data))
     assert done.returncode == 0, done.stdout + done.stderr
@@ -97,7 +97,7 @@ def test_a_run_of_mixed_codecs_reads_back_equal_verifies_and_reindexes(tmp_path)
     reindex_from_segments(data)
     with ServiceProcess(data) as service, ReplayClient(service.url) as client:
         check_reads(client, "mixed", sent)
-        assert client.run("only-zstd")["bytes_per_id"] == summaries[SegmentCompression.ZSTD]["bytes_per_id"]
+        assert client.run("only-zstd").bytes_per_id == summaries[SegmentCompression.ZSTD].bytes_per_id
 
 
 def test_the_run_summary_reports_bytes_per_id(shared_service):
@@ -108,6 +108,6 @@ def test_the_run_summary_reports_bytes_per_id(shared_service):
         summary = client.run("bytes-per-id")
     files = sorted((Path(shared_service.data_dir) / "runs" / "bytes-per-id").glob("*.arrow"))
     on_disk = sum(f.stat().st_size for f in files)
-    assert summary["bytes"] == on_disk
-    assert summary["bytes_per_id"] == on_disk / (49 * SHAPE.row_width)
-    assert summary["bytes_per_id"] > 1  # uncompressed: one byte per id, the other columns and the framing on top
+    assert summary.bytes == on_disk
+    assert summary.bytes_per_id == on_disk / (49 * SHAPE.row_width)
+    assert summary.bytes_per_id > 1  # uncompressed: one byte per id, the other columns and the framing on top

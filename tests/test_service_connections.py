@@ -188,7 +188,7 @@ def test_a_writer_gets_through_a_flood_of_slow_heads_that_fills_every_connection
     print(f"flood: {flood.opened} connections, ended {answers}; writer: {statuses}")
     assert statuses == [200] * 10, f"writer: {statuses}; flood: {answers}"
     assert answers.get("503", 0) >= 1, answers  # the writer's requests took slots the flood held
-    assert ReplayClient(service.url).run("flooded")["rows"] == 10 * 8
+    assert ReplayClient(service.url).run("flooded").rows == 10 * 8
 
 
 def _ingest_counts(service: ServiceProcess) -> Counter[str]:

@@ -43,16 +43,16 @@ def test_the_two_writers_rows_read_as_one_route_in_either_order(client, order):
     run = f"pd-{seed}"
     if order == "prefill first":
         client.ingest(prefill)
-        assert client.request(run, "r")["status"] == "open"  # no finish from the prefill engine
+        assert client.request(run, "r").status == "open"  # no finish from the prefill engine
         client.ingest(decode)
         client.finish(run, "r", TOKENS)
     else:
         client.ingest(decode)
         client.finish(run, "r", TOKENS)
-        assert client.request(run, "r")["flagged"]["GAP"] == LOADED  # the prompt's loaded part is not here yet
+        assert client.request(run, "r").flagged["GAP"] == LOADED  # the prompt's loaded part is not here yet
         client.ingest(prefill)  # rows below a finished request's end land
     summary = client.request(run, "r")
-    assert summary["status"] == "finished" and summary["clean"] and summary["rows"] == TOKENS - 1, summary
+    assert summary.status == "finished" and summary.clean and summary.rows == TOKENS - 1, summary
     got = client.get_route(run, "r", strict=True)
     assert np.array_equal(got.positions, np.arange(TOKENS - 1)) and np.array_equal(got.experts, route)
 
@@ -78,6 +78,6 @@ def test_a_tail_the_two_engines_computed_differently_is_conflict(client):
     client.ingest(batch_bytes("pd-4", "decode-engine.0", 0, ["r"] * len(dec), dec, other[dec], shape=SHAPE))
     client.finish("pd-4", "r", TOKENS)
     summary = client.request("pd-4", "r")
-    assert summary["flagged"]["CONFLICT"] == 1 and summary["first_flagged_position"] == 70, summary
+    assert summary.flagged["CONFLICT"] == 1 and summary.first_flagged_position == 70, summary
     got = client.get_route("pd-4", "r")
     assert np.array_equal(got.experts[70], route[70])  # the prefill engine's, stored first

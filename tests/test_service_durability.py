@@ -27,10 +27,10 @@ def test_retried_ingest_is_stored_once(service):
     body = batch_bytes("retry", "w0", 7, ["a"] * 64, np.arange(64), ex)
     client = ReplayClient(service.url)
     first, second = client.ingest(body), client.ingest(body)
-    assert first["stored"] and not first["duplicate"]
-    assert second["duplicate"] and not second["stored"]
+    assert first.stored and not first.duplicate
+    assert second.duplicate and not second.stored
     summary = client.run("retry")
-    assert summary["rows"] == 64 and summary["flagged"]["CONFLICT"] == 0
+    assert summary.rows == 64 and summary.flagged["CONFLICT"] == 0
     assert client.get_route("retry", "a", strict=True).experts.tobytes() == ex.tobytes()
     # The same (writer, seq) with other rows is refused: that is a writer bug, not a retry.
     other = batch_bytes("retry", "w0", 7, ["a"] * 64, np.arange(64), routes(rng, 64))
@@ -40,7 +40,7 @@ def test_retried_ingest_is_stored_once(service):
     except ReplayError as exc:
         assert exc.status == 409 and "already stored seq 7" in exc.detail
     # Another writer may send the same seq number.
-    assert client.ingest(batch_bytes("retry", "w1", 7, ["b"] * 64, np.arange(64), ex))["stored"]
+    assert client.ingest(batch_bytes("retry", "w1", 7, ["b"] * 64, np.arange(64), ex)).stored
 
 
 def _writer(url, run, writer, batches, acked, stop):
@@ -88,7 +88,7 @@ def test_kill9_mid_stream_keeps_every_acknowledged_row(tmp_path):
     with ServiceProcess(data, log_path=tmp_path / "restart.log") as again:
         client = ReplayClient(again.url)
         assert not list(data.rglob("*.tmp"))
-        stored = {r["request_id"] for r in client.requests("crash")}
+        stored = {r.request_id for r in client.requests("crash")}
         for key, (request, ex) in expected.items():
             if key in acknowledged:
                 route = client.get_route("crash", request, strict=True)
@@ -102,8 +102,8 @@ def test_kill9_mid_stream_keeps_every_acknowledged_row(tmp_path):
             for body in batches[writer]:
                 client.ingest(body)
         summary = client.run("crash")
-        assert summary["requests"] == 80 and summary["rows"] == 80 * rows_per_batch
-        assert all(v == 0 for v in summary["flagged"].values())
+        assert summary.requests == 80 and summary.rows == 80 * rows_per_batch
+        assert all(v == 0 for v in summary.flagged.values())
 
 
 def test_partial_files_never_break_startup(tmp_path):

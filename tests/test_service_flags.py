@@ -51,7 +51,7 @@ def planted(shared_service):
     fl.append(flags["gap"][keep])
     answer = client.ingest(batch_bytes("flags", "w", 0, ids, np.concatenate(pos), np.concatenate(ex),
                                        token_ids=np.concatenate(tok), flags=np.concatenate(fl)))
-    assert answer["padding_dropped"] == 3
+    assert answer.padding_dropped == 3
     # 'conflict': position 120 arrives again from a recompute with other ids; 121 again identical.
     redo = base["conflict"][[120, 121]].copy()
     redo[0] = routes(rng, 1)[0]
@@ -79,7 +79,7 @@ def test_each_planted_row_is_flagged_alone(planted, name):
     route = client.get_route("flags", name)
     assert route.flagged_rows() == [(position, [flag.name])]
     summary = client.request("flags", name)
-    assert summary["flagged"][flag.name] == 1 and summary["first_flagged_position"] == position
+    assert summary.flagged[flag.name] == 1 and summary.first_flagged_position == position
     with pytest.raises(StrictReadError) as refused:
         client.get_route("flags", name, strict=True)
     assert refused.value.status == 409
@@ -94,7 +94,7 @@ def test_gap_reported_on_read(planted):
     assert len(route.positions) == N
     gap_rows = [p for p, names in route.flagged_rows() if names == ["GAP"]]
     assert gap_rows == list(range(90, 100))
-    assert client.request("flags", "gap")["flagged"]["GAP"] == 10
+    assert client.request("flags", "gap").flagged["GAP"] == 10
     with pytest.raises(StrictReadError):
         client.get_route("flags", "gap", strict=True)
     # A clean range of a flagged request is served strictly.
@@ -105,7 +105,7 @@ def test_padding_never_served(planted):
     client, base = planted
     route = client.get_route("flags", "padding", strict=True)
     assert len(route.positions) == N and route.experts.tobytes() == base["padding"].tobytes()
-    assert client.request("flags", "padding")["flagged"]["PADDING"] == 3
+    assert client.request("flags", "padding").flagged["PADDING"] == 3
 
 
 def test_conflict_serves_first_stored_and_identical_resend_is_quiet(planted):
@@ -113,7 +113,7 @@ def test_conflict_serves_first_stored_and_identical_resend_is_quiet(planted):
     route = client.get_route("flags", "conflict")
     assert route.experts[120].tobytes() == base["conflict"][120].tobytes()
     assert route.flagged_rows() == [(120, ["CONFLICT"])]
-    assert client.request("flags", "conflict")["rows"] == N
+    assert client.request("flags", "conflict").rows == N
 
 
 def test_shared_prefix_is_not_stale_and_clean_stays_clean(planted):
@@ -125,12 +125,12 @@ def test_shared_prefix_is_not_stale_and_clean_stays_clean(planted):
 
 def test_listing_filters_by_flag_with_cursor(planted):
     client, _ = planted
-    assert {r["request_id"] for r in client.requests("flags", "STALE", page_size=1)} == {"stale-writer", "stale-copy"}
-    assert [r["request_id"] for r in client.requests("flags", Flag.GAP)] == ["gap"]
-    assert [r["request_id"] for r in client.requests("flags", "padding")] == ["padding"]
+    assert {r.request_id for r in client.requests("flags", "STALE", page_size=1)} == {"stale-writer", "stale-copy"}
+    assert [r.request_id for r in client.requests("flags", Flag.GAP)] == ["gap"]
+    assert [r.request_id for r in client.requests("flags", "padding")] == ["padding"]
     assert len(list(client.requests("flags", page_size=3))) == 10
     run = client.run("flags")
-    assert run["flagged"]["STALE"] == 2 and run["flagged"]["GAP"] == 10 and run["flagged"]["CONFLICT"] == 1
+    assert run.flagged["STALE"] == 2 and run.flagged["GAP"] == 10 and run.flagged["CONFLICT"] == 1
 
 
 def test_batch_strict_refuses_naming_the_request(planted):

@@ -156,7 +156,7 @@ def test_many_writers_at_once_through_the_service(shared_service):
     assert answers["reused"] == 409
     client = ReplayClient(shared_service.url)
     summary = client.run(run)
-    assert summary["rows"] == writers * per_writer * n and summary["requests"] == writers * per_writer
+    assert summary.rows == writers * per_writer * n and summary.requests == writers * per_writer
     for request, ex in expected.items():
         assert client.get_route(run, request, strict=True).experts.tobytes() == ex.tobytes()
 
@@ -203,4 +203,4 @@ def test_kill9_during_concurrent_ingests_loses_no_acknowledged_batch(tmp_path):
         for w in bodies:  # writers resume; retries are idempotent
             for body in bodies[w]:
                 client.ingest(body)
-        assert client.run("crash")["rows"] == writers * per_writer * n
+        assert client.run("crash").rows == writers * per_writer * n

@@ -48,7 +48,7 @@ def _ingest(client: ReplayClient, run: str, parts: list[tuple[str, np.ndarray, n
     answer = client.ingest(batch_bytes(run, "w", seq, ids, np.concatenate([p for _, p, _ in parts]),
                                        np.concatenate([x for _, _, x in parts]),
                                        token_ids=rng.integers(0, 150000, len(ids)), flags=fl))
-    assert answer["stored"]
+    assert answer.stored
 
 
 def _whole(rid: str, rows: np.ndarray) -> tuple[str, np.ndarray, np.ndarray]:

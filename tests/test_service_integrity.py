@@ -48,20 +48,20 @@ def _fill(url: str, run: str) -> None:
     client = ReplayClient(url)
     rng = np.random.default_rng(13)
     a = routes(rng, 16, SHAPE)
-    assert _rows(client, run, "a", range(10), a[:10], seq=0)["stored"]
+    assert _rows(client, run, "a", range(10), a[:10], seq=0).stored
     pad = np.zeros(7, np.uint16)
     pad[-1] = 64  # PADDING: dropped, counted
-    assert _rows(client, run, "b", range(7), routes(rng, 7, SHAPE), seq=1, flags=pad)["stored"]
+    assert _rows(client, run, "b", range(7), routes(rng, 7, SHAPE), seq=1, flags=pad).stored
     late = a[3:15].copy()
     late[0] = routes(rng, 1, SHAPE)[0]  # position 3 again, other ids: a late CONFLICT on the served row
-    assert _rows(client, run, "a", range(3, 15), late, seq=2)["stored"]
+    assert _rows(client, run, "a", range(3, 15), late, seq=2).stored
     client.finish(run, "a", 16)
     client.finish(run, "b", 9, status="aborted")  # rows 0..5 stored, 6..7 GAP
     answer = calls.post(f"{url}/v1/runs/{run}/references", timeout=30, json={"references": [
         {"request_id": "c", "start": 0, "end": 4, "source_request_id": "a"}]})
     assert answer.status_code == 200, answer.text
-    assert _rows(client, run, "c", range(4, 8), routes(rng, 4, SHAPE), seq=3)["stored"]
-    assert _rows(client, run, "d", range(5), routes(rng, 5, SHAPE), seq=0, writer="w2")["stored"]
+    assert _rows(client, run, "c", range(4, 8), routes(rng, 4, SHAPE), seq=3).stored
+    assert _rows(client, run, "d", range(5), routes(rng, 5, SHAPE), seq=0, writer="w2").stored
 
 
 def _snapshot(url: str, run: str) -> dict:
@@ -88,8 +88,8 @@ def test_index_loss_is_refused_then_rebuilt_identically(tmp_path):
         _fill(service.url, run)
         before = _snapshot(service.url, run)
         before_runs = ReplayClient(service.url).runs()
-    assert before["a"][0]["flagged"]["CONFLICT"] == 1 and before["b"][0]["flagged"]["PADDING"] == 1
-    assert before["c"][0]["referenced_rows"] == 4 and before["b"][0]["status"] == "aborted"
+    assert before["a"][0].flagged["CONFLICT"] == 1 and before["b"][0].flagged["PADDING"] == 1
+    assert before["c"][0].referenced_rows == 4 and before["b"][0].status == "aborted"
     files = _segments(data, run)
     assert len(files) == 5
 
@@ -114,7 +114,7 @@ def test_index_loss_is_refused_then_rebuilt_identically(tmp_path):
         assert ReplayClient(service.url).runs() == before_runs
         again = _rows(ReplayClient(service.url), run, "a", range(10), routes(np.random.default_rng(13), 16, SHAPE)[:10],
                       seq=0)
-        assert again.get("duplicate") is True  # digests were restored: a retry is still a retry
+        assert again.duplicate is True  # digests were restored: a retry is still a retry
     assert _segments(data, run) == files
 
 
@@ -181,8 +181,8 @@ def test_flipped_byte_is_never_served(shared_service):
     url, data, run = shared_service.url, shared_service.data_dir, "integrity-flip"
     client = ReplayClient(url)
     ids = routes(np.random.default_rng(5), 12, SHAPE)
-    assert _rows(client, run, "r", range(12), ids, seq=0)["stored"]
-    assert _rows(client, run, "other", range(3), routes(np.random.default_rng(6), 3, SHAPE), seq=1)["stored"]
+    assert _rows(client, run, "r", range(12), ids, seq=0).stored
+    assert _rows(client, run, "other", range(3), routes(np.random.default_rng(6), 3, SHAPE), seq=1).stored
     damaged = next(p for p in _segments(data, run) if ids.tobytes() in p.read_bytes())
     rel = damaged.relative_to(data / "runs").as_posix()
 

@@ -55,7 +55,7 @@ def test_model_axis_reads_are_vllms_routed_experts_byte_for_byte(client, shared_
     engine = vllm_output(rng, 40)
     client.upload_vllm_output("ax-ds", "r0", engine, num_experts=64, moe_layers=DEEPSEEK.moe_layers)
     run = client.run("ax-ds")
-    assert run["num_hidden_layers"] == 8 and run["moe_layers"] == [3, 4, 5, 6, 7]
+    assert run.num_hidden_layers == 8 and run.moe_layers == (3, 4, 5, 6, 7)
 
     model = client.get_route("ax-ds", "r0", strict=True, layer_axis="model")
     assert model.experts.shape == (40, 8, 8) and model.layers == tuple(range(8)) and model.layer_axis == "model"
@@ -155,7 +155,7 @@ def test_sglang_json_on_either_axis(client):
     client.upload_sglang_output("ax-sgl2", "s0", base64.b64encode(np.ascontiguousarray(engine[:, 3:])).decode(),
                                 num_layers=5, top_k=8, num_experts=64, moe_layers=DEEPSEEK.moe_layers,
                                 num_hidden_layers=8)
-    assert client.run("ax-sgl2")["num_hidden_layers"] == 8
+    assert client.run("ax-sgl2").num_hidden_layers == 8
     assert client.get_route("ax-sgl2", "s0", layer_axis="model").experts.astype(np.int32).tolist() == engine.tolist()
 
 
@@ -170,22 +170,22 @@ def test_a_run_learns_its_model_layer_count_once(client, shared_service):
     """max(moe_layers) + 1 is what a writer that did not know says; a larger stated count is learnt, then kept."""
     derived = RunShape(2, 2, 16, (1, 3))  # num_hidden_layers unknown: 4
     client.ingest(_hidden_batch("ax-learn", 0, derived, stated=False))
-    assert client.run("ax-learn")["num_hidden_layers"] == 4
+    assert client.run("ax-learn").num_hidden_layers == 4
     assert client.get_route("ax-learn", "h", layer_axis="model").experts.shape == (2, 4, 2)
     client.ingest(_hidden_batch("ax-learn", 1, RunShape(2, 2, 16, (1, 3), 6)))  # a writer that knows: 6 layers
-    assert client.run("ax-learn")["num_hidden_layers"] == 6
+    assert client.run("ax-learn").num_hidden_layers == 6
     assert client.get_route("ax-learn", "h", layer_axis="model").experts.shape == (4, 6, 2)
     client.ingest(_hidden_batch("ax-learn", 2, derived))  # the derived count agrees with any
     client.ingest(_hidden_batch("ax-learn", 3, derived, stated=False))
     with pytest.raises(ReplayError, match="model of 6 layers .* says 7") as conflict:
         client.ingest(_hidden_batch("ax-learn", 4, RunShape(2, 2, 16, (1, 3), 7)))
     assert conflict.value.status == 409
-    assert client.run("ax-learn")["num_hidden_layers"] == 6 and client.request("ax-learn", "h")["rows"] == 8
+    assert client.run("ax-learn").num_hidden_layers == 6 and client.request("ax-learn", "h").rows == 8
     # An upload wider than the derived count is the model axis of a larger model, learnt the same way.
     client.ingest(_hidden_batch("ax-learn2", 0, derived, stated=False))
     wide = RunShape(2, 2, 16, (1, 3), 5).to_model_axis(routes(np.random.default_rng(9), 3, derived))
     client.upload_vllm_output("ax-learn2", "u", wide)
-    assert client.run("ax-learn2")["num_hidden_layers"] == 5
+    assert client.run("ax-learn2").num_hidden_layers == 5
     assert client.get_route("ax-learn2", "u", layer_axis="model").experts.tobytes() == wide.tobytes()
 
 

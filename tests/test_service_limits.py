@@ -196,7 +196,7 @@ def test_stalled_uploads_do_not_stop_other_writers(tmp_path):
             t.join(60)
         assert written == [[200, 200, 200]] * 4
         assert stalled == [408] * 8
-        assert ReplayClient(service.url).run("busy")["rows"] == 4 * 3 * 8
+        assert ReplayClient(service.url).run("busy").rows == 4 * 3 * 8
 
         # an idle connection (nothing sent) is closed after the keep-alive timeout
         with socket.create_connection(("127.0.0.1", service.port), timeout=10) as idle:
@@ -247,7 +247,7 @@ def test_a_full_disk_is_a_507_and_recovers(tmp_path):
             assert calls.post(f"{service.url}/v1/ingest", content=bodies[1], headers=ARROW).status_code == 200
             assert sender.close(30)
             assert sender.stats.refused == 0
-            assert ReplayClient(service.url).run("full")["rows"] == 1024
-            assert ReplayClient(service.url).run("full-sender")["rows"] == 8
+            assert ReplayClient(service.url).run("full").rows == 1024
+            assert ReplayClient(service.url).run("full-sender").rows == 8
     finally:
         subprocess.run(["umount", "-l", str(mount)])

@@ -42,11 +42,11 @@ def test_demo_run_has_every_flag_kind(tmp_path):
         client = ReplayClient(proc.url)
         run = client.run("demo")
         for flag in ("ZERO", "DUPLICATE", "OUT_OF_RANGE", "STALE", "CONFLICT", "GAP", "PADDING"):
-            assert run["flagged"][flag] > 0, flag
+            assert run.flagged[flag] > 0, flag
             assert list(client.requests("demo", flag)), flag
         assert client.get_route("demo", "clean-00", strict=True).clean
         load = client.expert_load("demo")
-        assert len(load["counts"]) == 48 and max(load["imbalance"]) > 1.5
+        assert len(load.counts) == 48 and max(load.imbalance) > 1.5
     # Loading the demo again into the same directory stores nothing twice.
     with ServiceProcess(tmp_path / "data", demo=True, log_path=tmp_path / "again.log") as proc:
-        assert ReplayClient(proc.url).run("demo")["rows"] == run["rows"]
+        assert ReplayClient(proc.url).run("demo").rows == run.rows

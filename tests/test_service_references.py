@@ -98,15 +98,15 @@ def test_reference_after_the_source_rows_reads_them_and_counts_once(url):
     _same(route, np.concatenate([src[:PROMPT], own]))
     assert route.token_ids[:PROMPT].tolist() == list(range(1000, 1000 + PROMPT))  # the source's token ids
     summary = run.summary("r")
-    assert (summary["rows"], summary["referenced_rows"], summary["expected_rows"]) == (PROMPT + DECODE, PROMPT,
+    assert (summary.rows, summary.referenced_rows, summary.expected_rows) == (PROMPT + DECODE, PROMPT,
                                                                                        PROMPT + DECODE)
-    assert summary["clean"] and summary["flagged"]["GAP"] == 0
-    assert run.summary("s")["referenced_rows"] == 0
+    assert summary.clean and summary.flagged["GAP"] == 0
+    assert run.summary("s").referenced_rows == 0
     info = run.client.run(run.run)
-    assert (info["rows"], info["referenced_rows"], info["references"]) == (2 * (PROMPT + DECODE), PROMPT, 1)
+    assert (info.rows, info.referenced_rows, info.references) == (2 * (PROMPT + DECODE), PROMPT, 1)
     # The expert load counts rows as computed: the referenced rows once (by the source), not twice.
     load = run.client.expert_load(run.run)
-    assert load["rows"] == PROMPT + DECODE + DECODE
+    assert load.rows == PROMPT + DECODE + DECODE
 
 
 def test_reference_before_the_source_rows_resolves_when_they_come(url):
@@ -115,13 +115,13 @@ def test_reference_before_the_source_rows_resolves_when_they_come(url):
     run.create()
     assert run.resolved(("r", 0, PROMPT, "s")) == {"received": 1, "new": 1, "rows_resolved": 0}
     waiting = run.summary("r")  # the reference says r has these positions: until resolved they are GAP
-    assert (waiting["rows"], waiting["expected_rows"], waiting["flagged"]["GAP"]) == (0, PROMPT, PROMPT)
+    assert (waiting.rows, waiting.expected_rows, waiting.flagged["GAP"]) == (0, PROMPT, PROMPT)
     assert (run.route("r").flags == Flag.GAP).all()
     run.rows("r", np.arange(PROMPT, PROMPT + DECODE), own)
     run.rows("s", np.arange(PROMPT + 4), src)  # the source's rows: r's reference resolves in this commit
     run.client.finish(run.run, "r", PROMPT + DECODE + 1)
     _same(run.route("r", strict=True), np.concatenate([src[:PROMPT], own]))
-    assert run.summary("r")["referenced_rows"] == PROMPT and run.summary("r")["clean"]
+    assert run.summary("r").referenced_rows == PROMPT and run.summary("r").clean
 
 
 def test_source_rows_in_two_batches_around_the_reference(url):
@@ -129,11 +129,11 @@ def test_source_rows_in_two_batches_around_the_reference(url):
     src = run.new_routes(PROMPT + 8)
     run.rows("s", np.arange(40), src[:40])
     assert run.resolved(("r", 0, PROMPT, "s"))["rows_resolved"] == 40
-    assert run.summary("r")["flagged"]["GAP"] == PROMPT - 40
+    assert run.summary("r").flagged["GAP"] == PROMPT - 40
     run.rows("s", np.arange(40, PROMPT + 8), src[40:])
     run.client.finish(run.run, "r", PROMPT + 1)
     _same(run.route("r", strict=True), src[:PROMPT])
-    assert run.summary("r")["rows"] == PROMPT
+    assert run.summary("r").rows == PROMPT
 
 
 def test_a_range_is_sliced_exactly_and_two_sources_compose(url):
@@ -147,7 +147,7 @@ def test_a_range_is_sliced_exactly_and_two_sources_compose(url):
     run.client.finish(run.run, "r", PROMPT + 4)
     _same(run.route("r", strict=True), np.concatenate([a[:32], b[32:PROMPT], own]))
     _same(run.route("r", start=30, end=34), np.concatenate([a[30:32], b[32:34]]), start=30)
-    assert run.summary("r")["rows"] == PROMPT + 3 and run.summary("r")["referenced_rows"] == PROMPT
+    assert run.summary("r").rows == PROMPT + 3 and run.summary("r").referenced_rows == PROMPT
 
 
 def test_a_source_that_never_arrives_leaves_gap_never_other_rows(url):
@@ -161,7 +161,7 @@ def test_a_source_that_never_arrives_leaves_gap_never_other_rows(url):
     assert (route.flags[:PROMPT] == Flag.GAP).all() and not route.experts[:PROMPT].any()
     assert not route.flags[PROMPT:].any() and route.experts[PROMPT:].tobytes() == own.tobytes()
     summary = run.summary("r")
-    assert (summary["rows"], summary["flagged"]["GAP"], summary["clean"]) == (DECODE, PROMPT, False)
+    assert (summary.rows, summary.flagged["GAP"], summary.clean) == (DECODE, PROMPT, False)
     with pytest.raises(StrictReadError):
         run.route("r", strict=True)
 
@@ -174,13 +174,13 @@ def test_the_same_reference_twice_and_a_retried_source_batch_count_once(url):
     assert run.resolved(ref, ref) == {"received": 2, "new": 1, "rows_resolved": 0}  # a repeat within one body
     first = run.rows("s", np.arange(PROMPT), src, seq=7)
     again = run.rows("s", np.arange(PROMPT), src, seq=7)  # the sender retried: same writer and seq
-    assert first["stored"] and again["duplicate"]
+    assert first.stored and again.duplicate
     assert run.resolved(ref) == {"received": 1, "new": 0, "rows_resolved": 0}  # a replayed spill
     run.client.finish(run.run, "r", PROMPT + 1)
     _same(run.route("r", strict=True), src)
     summary = run.summary("r")
-    assert (summary["rows"], summary["referenced_rows"]) == (PROMPT, PROMPT)
-    assert run.client.run(run.run)["references"] == 1
+    assert (summary.rows, summary.referenced_rows) == (PROMPT, PROMPT)
+    assert run.client.run(run.run).references == 1
 
 
 def test_kill_9_between_reference_and_source_rows_in_both_orders(tmp_path):
@@ -198,7 +198,7 @@ def test_kill_9_between_reference_and_source_rows_in_both_orders(tmp_path):
         for request, expected in (("ra", a), ("rb", b)):
             run.client.finish(run.run, request, PROMPT + 1)
             _same(run.route(request, strict=True), expected)
-            assert run.summary(request)["referenced_rows"] == PROMPT
+            assert run.summary(request).referenced_rows == PROMPT
 
 
 def test_a_later_own_row_that_differs_is_a_conflict(url):
@@ -209,7 +209,7 @@ def test_a_later_own_row_that_differs_is_a_conflict(url):
     run.resolved(("r", 0, PROMPT, "s"))
     run.rows("r", [10, 11], np.stack([src[10], other[1]]))  # 10 identical (a resend), 11 differs
     summary = run.summary("r")
-    assert (summary["rows"], summary["flagged"]["CONFLICT"], summary["first_flagged_position"]) == (PROMPT, 1, 11)
+    assert (summary.rows, summary.flagged["CONFLICT"], summary.first_flagged_position) == (PROMPT, 1, 11)
     route = run.route("r")
     assert route.experts[11].tobytes() == src[11].tobytes()  # the first held row is served, flagged
     assert route.flags[11] == Flag.CONFLICT and not np.delete(route.flags, 11).any()
@@ -223,7 +223,7 @@ def test_an_earlier_own_row_wins_and_a_differing_reference_row_flags_it(url):
     run.rows("r", [3, 4], np.stack([src[3], mine[1]]))
     assert run.resolved(("r", 0, PROMPT, "s"))["rows_resolved"] == PROMPT - 2  # r's own positions not counted again
     summary = run.summary("r")
-    assert (summary["rows"], summary["referenced_rows"], summary["flagged"]["CONFLICT"]) == (PROMPT, PROMPT - 2, 1)
+    assert (summary.rows, summary.referenced_rows, summary.flagged["CONFLICT"]) == (PROMPT, PROMPT - 2, 1)
     route = run.route("r")
     assert route.experts[4].tobytes() == mine[1].tobytes() and route.flags[4] == Flag.CONFLICT
     assert route.experts[3].tobytes() == src[3].tobytes() and route.flags[3] == 0
@@ -239,7 +239,7 @@ def test_a_source_conflict_reaches_the_referencing_request(url):
     for request in ("s", "r", "t"):
         route = run.route(request)
         assert route.flags[5] == Flag.CONFLICT and route.experts[5].tobytes() == src[5].tobytes(), request
-        assert run.summary(request)["flagged"]["CONFLICT"] == 1
+        assert run.summary(request).flagged["CONFLICT"] == 1
 
 
 @pytest.mark.parametrize("order", ["rows-first", "refs-first", "chain-reversed"])
@@ -257,7 +257,7 @@ def test_chains_resolve_in_any_order(url, order):
         steps[step]()
     _same(run.route("r"), src)
     _same(run.route("t"), src[:32])
-    assert run.summary("t")["referenced_rows"] == 32
+    assert run.summary("t").referenced_rows == 32
 
 
 def test_a_reference_cycle_terminates(url):
@@ -268,7 +268,7 @@ def test_a_reference_cycle_terminates(url):
     run.rows("a", np.arange(PROMPT), src)
     _same(run.route("a"), src)
     _same(run.route("b"), src)
-    assert (run.summary("a")["referenced_rows"], run.summary("b")["referenced_rows"]) == (0, PROMPT)
+    assert (run.summary("a").referenced_rows, run.summary("b").referenced_rows) == (0, PROMPT)
 
 
 def test_the_trainer_and_batch_reads_serve_referenced_rows(url):
@@ -309,13 +309,13 @@ def test_a_group_of_samples_stores_the_prompt_once(url):
         _same(on.route(f"g{i}", strict=True), expected)
         _same(off.route(f"g{i}"), expected)
     off_info, on_info, bare_info = (r.client.run(r.run) for r in (off, on, bare))
-    assert off_info["rows"] == on_info["rows"] == n * (prompt + DECODE)
-    assert on_info["referenced_rows"] == (n - 1) * prompt and on_info["references"] == (n - 1) * (prompt // block)
-    assert on_info["bytes"] == bare_info["bytes"]
+    assert off_info.rows == on_info.rows == n * (prompt + DECODE)
+    assert on_info.referenced_rows == (n - 1) * prompt and on_info.references == (n - 1) * (prompt // block)
+    assert on_info.bytes == bare_info.bytes
     row_bytes = SHAPE.row_width + 10  # ids, position, token, flags: the prompt's rows, n times or once
-    assert off_info["bytes"] - on_info["bytes"] >= (n - 1) * prompt * row_bytes
-    print(f"GRPO group of {n} x {prompt}-position prompt: {off_info['bytes']} B with every sample storing it, "
-          f"{on_info['bytes']} B with references")
+    assert off_info.bytes - on_info.bytes >= (n - 1) * prompt * row_bytes
+    print(f"GRPO group of {n} x {prompt}-position prompt: {off_info.bytes} B with every sample storing it, "
+          f"{on_info.bytes} B with references")
 
 
 @pytest.mark.parametrize(("reference", "problem"), [
@@ -333,7 +333,7 @@ def test_bad_references_are_422_naming_the_problem_and_store_nothing(url, refere
     run.rows("s", [0], run.new_routes(1))
     answer = calls.post(f"{url}/v1/runs/{run.run}/references", json={"references": [reference]})
     assert answer.status_code == 422 and problem in answer.json()["detail"], answer.text
-    assert run.client.run(run.run)["references"] == 0
+    assert run.client.run(run.run).references == 0
 
 
 def test_too_many_references_unknown_runs_and_bad_run_ids(url):

@@ -44,7 +44,7 @@ def _store(url: str, run: str, requests: int = 4, rows: int = 32, seq: int = 0, 
     ids = [rid for rid in full for _ in range(rows)]
     positions = np.tile(np.arange(rows, dtype=np.int32), requests)
     experts = np.concatenate(list(full.values())).reshape(len(ids), -1)
-    assert client.ingest(batch_bytes(run, "w", seq, ids, positions, experts, shape=SHAPE))["stored"]
+    assert client.ingest(batch_bytes(run, "w", seq, ids, positions, experts, shape=SHAPE)).stored
     for rid in full:
         client.finish(run, rid, rows + 1)
     return full

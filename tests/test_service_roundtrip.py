@@ -38,7 +38,7 @@ def stored(shared_service):
             tok.append(tokens[rid][s])
         answer = client.ingest(batch_bytes("rt", f"w{seq}", 0, ids, np.concatenate(pos), np.concatenate(ex),
                                            token_ids=np.concatenate(tok)))
-        assert answer["stored"] and answer["flagged"] == {}
+        assert answer.stored and answer.flagged == {}
     for rid, n in lengths.items():
         client.finish("rt", rid, n + 1)
     return client, full, tokens
@@ -94,19 +94,19 @@ def test_arrays_are_views_and_torch_shares_memory(stored):
 def test_summaries_and_listing(stored, shared_service):
     client, full, _ = stored
     run = client.run("rt")
-    assert run["requests"] == 3 and run["rows"] == sum(len(v) for v in full.values())
-    assert all(v == 0 for v in run["flagged"].values())
-    assert [r["request_id"] for r in client.requests("rt", page_size=2)] == ["req-a", "req-b", "req-c"]
+    assert run.requests == 3 and run.rows == sum(len(v) for v in full.values())
+    assert all(v == 0 for v in run.flagged.values())
+    assert [r.request_id for r in client.requests("rt", page_size=2)] == ["req-a", "req-b", "req-c"]
     summary = client.request("rt", "req-c")
-    assert summary["status"] == "finished" and summary["num_tokens"] == 1001 and summary["clean"]
+    assert summary.status == "finished" and summary.num_tokens == 1001 and summary.clean
     load = client.expert_load("rt")
-    counts = np.array(load["counts"])
+    counts = np.array(load.counts)
     expected = np.zeros((48, 128), np.int64)
     for ex in full.values():
         for layer in range(48):
             expected[layer] += np.bincount(ex[:, layer].reshape(-1), minlength=128)
     assert np.array_equal(counts, expected)
-    assert load["rows"] == run["rows"]
+    assert load.rows == run.rows
 
 
 def test_vllm_routed_experts_upload_keeps_moe_layers(shared_service):
@@ -124,10 +124,10 @@ def test_vllm_routed_experts_upload_keeps_moe_layers(shared_service):
     route = client.get_route("vllm-out", "r0", strict=True)
     assert route.moe_layers == (2, 3, 4, 5)
     assert route.experts.tobytes() == moe.astype(np.uint8).tobytes()
-    assert client.request("vllm-out", "r0")["num_tokens"] == 100
+    assert client.request("vllm-out", "r0").num_tokens == 100
     # The same upload again is idempotent; the run now knows its layers, so no list is needed.
-    assert client.upload_vllm_output("vllm-out", "r0", engine, num_experts=64, moe_layers=[2, 3, 4, 5])["duplicate"]
-    assert client.upload_vllm_output("vllm-out", "r0", engine)["duplicate"]
+    assert client.upload_vllm_output("vllm-out", "r0", engine, num_experts=64, moe_layers=[2, 3, 4, 5]).duplicate
+    assert client.upload_vllm_output("vllm-out", "r0", engine).duplicate
     assert client.get_route("vllm-out", "r0", layer_axis="model").experts.tobytes() == engine.astype(np.uint8).tobytes()
 
 

@@ -56,7 +56,7 @@ def _batches() -> tuple[list[bytes], dict[str, np.ndarray]]:
 
 def _store(client: ReplayClient, bodies: list[bytes]) -> None:
     for body in bodies:
-        assert client.ingest(body)["stored"]
+        assert client.ingest(body).stored
     for rid, n in LENGTHS.items():
         client.finish(RUN, rid, n + 1)
 
@@ -112,7 +112,7 @@ def test_a_retry_is_stored_once(pair, s3):
     _, remote, bucket, bodies, _ = pair
     client = ReplayClient(remote.url)
     again = client.ingest(bodies[1])
-    assert not again["stored"]
+    assert not again.stored
     assert len(S3Segments(s3.fs(), f"{bucket}/segments", "").paths()) == 2  # the retry's upload was deleted
 
 
@@ -240,7 +240,7 @@ def test_a_bucket_gone_at_run_time_answers_503_and_indexes_nothing(tmp_path):
     try:
         with ServiceProcess(data, env=own.env(bucket)) as service:
             client = ReplayClient(service.url)
-            assert client.ingest(bodies[0])["stored"]  # not read back: its segment is in no cache
+            assert client.ingest(bodies[0]).stored  # not read back: its segment is in no cache
             assert client.http.get("/healthz").status_code == 200
             own.stop()
             url = f"s3://{bucket}/segments"
@@ -254,7 +254,7 @@ def test_a_bucket_gone_at_run_time_answers_503_and_indexes_nothing(tmp_path):
             assert ingest.status_code == 503, ingest.text
             assert ingest.json()["segment_store"] == url
             retry = client.ingest(bodies[0])  # answered from the index: the store is not needed
-            assert not retry["stored"]
+            assert not retry.stored
             index = Index(data / "index.sqlite", fsync=False)
             try:
                 assert len(index.indexed_paths()) == 1  # only the batch acknowledged before

@@ -56,9 +56,9 @@ def test_vllm_turns_with_prompt_start_read_back_as_one_request(client, shared_se
         turn = full[start : t - 1]  # what vLLM hands out for this turn: (T - 1 - start, num_hidden_layers, K)
         answer = client.upload_vllm_output("turns-v", "chat", turn, num_experts=64, moe_layers=DEEPSEEK.moe_layers,
                                            start=start)
-        assert answer["stored"] and answer["rows"] == len(turn)
+        assert answer.stored and answer.rows == len(turn)
         summary = client.request("turns-v", "chat")
-        assert summary["num_tokens"] == t and summary["status"] == "finished" and summary["clean"], (k, summary)
+        assert summary.num_tokens == t and summary.status == "finished" and summary.clean, (k, summary)
     route = client.get_route("turns-v", "chat", strict=True, layer_axis="model")
     assert route.positions.tolist() == list(range(len(full)))
     assert route.experts.tobytes() == full.astype(np.uint8).tobytes()
@@ -69,7 +69,7 @@ def test_vllm_turns_with_prompt_start_read_back_as_one_request(client, shared_se
     # A retried turn is a duplicate; an earlier turn again leaves the request's end where the last turn put it.
     start, t = bounds[1]
     again = client.upload_vllm_output("turns-v", "chat", full[start : t - 1], start=start)
-    assert again["duplicate"] and client.request("turns-v", "chat")["num_tokens"] == bounds[-1][1]
+    assert again.duplicate and client.request("turns-v", "chat").num_tokens == bounds[-1][1]
     # The same turn with other rows is not a retry: 409, as a reused seq.
     other = full[start : t - 1].copy()
     other[0, 3] = (other[0, 3] + 1) % 64
@@ -89,7 +89,7 @@ def test_one_upload_from_an_offset_lands_at_its_positions(client, shared_service
                         headers={"content-type": NPY_MEDIA_TYPE})
     assert answer.status_code == 200, answer.text
     summary = client.request("turns-one", "r")
-    assert summary["num_tokens"] == 42 and summary["rows"] == 41 - start and summary["flagged"]["GAP"] == start
+    assert summary.num_tokens == 42 and summary.rows == 41 - start and summary.flagged["GAP"] == start
     tail = client.get_route("turns-one", "r", start=start, strict=True, layer_axis="model")
     assert tail.positions[0] == start and tail.experts.tobytes() == full[start:].astype(np.uint8).tobytes()
     head = client.get_route("turns-one", "r", end=start)
@@ -106,7 +106,7 @@ def test_sglang_turns_with_routed_experts_start_len(client):
     route = client.get_route("turns-s", "chat", strict=True, layer_axis="model")
     assert route.experts.astype(np.int32).tolist() == full.tolist()
     assert route.token_ids.tolist() == tokens[:-1].tolist()
-    assert client.request("turns-s", "chat")["num_tokens"] == len(tokens)
+    assert client.request("turns-s", "chat").num_tokens == len(tokens)
     # token_ids from the turn's start are read the same way.
     start, t = bounds[1]
     payload = base64.b64encode(np.ascontiguousarray(full[start : t - 1])).decode()
@@ -126,11 +126,11 @@ def test_arrow_positions_are_absolute(client, shared_service):
         return encode_stream(build_rows(RowsMeta("x", "x", 0, shape), ["a"] * (hi - lo), np.arange(lo, hi), ex[lo:hi]))
 
     assert calls.post(url, content=body(0, 5), headers=arrow).status_code == 200
-    assert client.request("turns-a", "a")["num_tokens"] == 6
+    assert client.request("turns-a", "a").num_tokens == 6
     wrong = calls.post(url, content=body(5, 9), params={"start": 0}, headers=arrow)  # relative positions assumed
     assert wrong.status_code == 422 and "positions are absolute" in wrong.json()["detail"]
     assert calls.post(url, content=body(5, 9), params={"start": 5}, headers=arrow).status_code == 200
-    assert client.request("turns-a", "a")["num_tokens"] == 10
+    assert client.request("turns-a", "a").num_tokens == 10
     assert client.get_route("turns-a", "a", strict=True).experts.tobytes() == ex.tobytes()
 
 
@@ -138,7 +138,7 @@ def test_uploads_that_would_misplace_rows_are_refused_and_store_nothing(client, 
     full, tokens, bounds = conversation(5, [(10, 4), (6, 3)])
     (s1, t1), (s2, t2) = bounds
     client.upload_vllm_output("turns-bad", "r", full[: t1 - 1], num_experts=64, moe_layers=DEEPSEEK.moe_layers)
-    rows_before = client.request("turns-bad", "r")["rows"]
+    rows_before = client.request("turns-bad", "r").rows
     # start = the previous length instead of length - 1: one row off, every later row shifted. Refused.
     with pytest.raises(ReplayError, match=rf"next turn starts at row {t1 - 1}.* starts at {t1}") as gap:
         client.upload_vllm_output("turns-bad", "r", full[t1 : t2 - 1], start=t1)
@@ -147,7 +147,7 @@ def test_uploads_that_would_misplace_rows_are_refused_and_store_nothing(client, 
     with pytest.raises(ReplayError, match="would never be served") as unfinished:
         client.upload_vllm_output("turns-bad", "r", full[s2 : t2 - 1], start=s2, finish=False)
     assert unfinished.value.status == 409
-    assert client.request("turns-bad", "r")["rows"] == rows_before  # nothing stored by either
+    assert client.request("turns-bad", "r").rows == rows_before  # nothing stored by either
     # The query and the body disagreeing on the start, or token ids of no sensible length.
     url = f"{shared_service.url}/v1/runs/turns-bad/requests/r/routes"
     doc = {"routed_experts": base64.b64encode(np.ascontiguousarray(full[s2 : t2 - 1])).decode(), "num_layers": 8,
@@ -157,7 +157,7 @@ def test_uploads_that_would_misplace_rows_are_refused_and_store_nothing(client, 
     bad_tokens = calls.post(url, json={**doc, "token_ids": tokens[: s2 + 2].tolist()})
     assert bad_tokens.status_code == 422 and "token_ids has" in bad_tokens.json()["detail"]
     assert calls.post(url, json=doc).status_code == 200
-    assert client.request("turns-bad", "r")["num_tokens"] == t2
+    assert client.request("turns-bad", "r").num_tokens == t2
     # An aborted request is not finished or extended by an upload.
     client.finish("turns-bad", "ab", 5, status="aborted")
     with pytest.raises(ReplayError, match="was aborted") as aborted:
@@ -171,5 +171,5 @@ def test_without_finish_an_open_request_stays_open(client):
                               finish=False)
     client.upload_vllm_output("turns-open", "o", full[6:], start=6, finish=False)
     summary = client.request("turns-open", "o")
-    assert summary["status"] == "open" and summary["rows"] == len(full) and summary["num_tokens"] is None
+    assert summary.status == "open" and summary.rows == len(full) and summary.num_tokens is None
     assert client.get_route("turns-open", "o", layer_axis="model").experts.tobytes() == full.astype(np.uint8).tobytes()

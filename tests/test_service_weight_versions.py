@@ -79,7 +79,7 @@ def test_versions_round_trip_on_every_read_path(shared_service):
         client.finish(run, r, n + 1)
         route = client.get_route(run, r, strict=True)  # Arrow
         assert route.experts.tobytes() == ex[r].tobytes()
-        assert route.versions() == labels[r]
+        assert route.versions().per_row() == labels[r]
         table = pa.ipc.open_stream(raw(shared_service, run, r).content).read_all()
         assert table.column("weight_version").to_pylist() == labels[r]  # the column itself, byte for byte
         doc = raw(shared_service, run, r, format="json").json()
@@ -89,13 +89,13 @@ def test_versions_round_trip_on_every_read_path(shared_service):
         assert json.loads(npy.headers["X-Replay-Weight-Versions"]) == spans_of(labels[r])
         assert np.load(io.BytesIO(npy.content)).tobytes() == ex[r].tobytes()
         part = client.get_route(run, r, start=15, end=20)
-        assert part.versions() == labels[r][15:20]
+        assert part.versions().per_row() == labels[r][15:20]
         summary = client.request(run, r)
-        assert summary["weight_versions"] == spans_of(labels[r])
-        assert (summary["recomputed"], summary["first_recomputed"], summary["clean"]) == (0, None, True)
+        assert [s.to_json() for s in summary.weight_versions] == spans_of(labels[r])
+        assert (summary.recomputed, summary.first_recomputed, summary.clean) == (0, None, True)
     for got, r in zip(client.get_routes(run, ["b", "a"]), ("b", "a")):  # the batch read: one dictionary each
-        assert got.versions() == labels[r] and got.experts.tobytes() == ex[r].tobytes()
-    assert client.run(run)["weight_versions"] == [
+        assert got.versions().per_row() == labels[r] and got.experts.tobytes() == ex[r].tobytes()
+    assert [v.raw for v in client.run(run).weight_versions] == [
         {"version": "ckpt:v2/rank@0+x=1_y.z", "rows": 30}, {"version": "default", "rows": 5},
         {"version": "step-100", "rows": 17}, {"version": "step-101", "rows": 23}, {"version": None, "rows": 5}]
 
@@ -111,22 +111,22 @@ def test_a_recompute_under_another_version_is_counted_and_located_not_conflict(s
     v2[same] = v1[same]
     client.ingest(body(run, "w", 0, ["r"] * n, np.arange(n), v1, ["v1"] * n))
     answer = client.ingest(body(run, "w", 1, ["r"] * (n + 4), np.arange(n + 4), v2, ["v2"] * (n + 4)))
-    assert answer["flagged"] == {} and answer["recomputed"] == n - len(same)
+    assert answer.flagged == {} and answer.recomputed == n - len(same)
     client.finish(run, "r", n + 5)
     summary = client.request(run, "r")
-    assert summary["flagged"]["CONFLICT"] == 0 and summary["clean"]
-    assert (summary["recomputed"], summary["first_recomputed"]) == (n - len(same), 3)
-    assert summary["rows"] == n + 4
-    assert summary["weight_versions"] == [{"version": "v1", "start": 0, "end": n}, {"version": "v2", "start": n,
-                                                                                     "end": n + 4}]
+    assert summary.flagged["CONFLICT"] == 0 and summary.clean
+    assert (summary.recomputed, summary.first_recomputed) == (n - len(same), 3)
+    assert summary.rows == n + 4
+    assert [s.to_json() for s in summary.weight_versions] == [{"version": "v1", "start": 0, "end": n},
+                                                              {"version": "v2", "start": n, "end": n + 4}]
     first = client.get_route(run, "r", strict=True)
     assert first.experts.tobytes() == np.concatenate([v1, v2[n:]]).tobytes()
-    assert first.versions() == ["v1"] * n + ["v2"] * 4
+    assert first.versions().per_row() == ["v1"] * n + ["v2"] * 4
     latest = client.get_route(run, "r", recompute="latest", strict=True)
-    assert latest.experts.tobytes() == v2.tobytes() and latest.versions() == ["v2"] * (n + 4)
+    assert latest.experts.tobytes() == v2.tobytes() and latest.versions().per_row() == ["v2"] * (n + 4)
     only_v1 = client.get_route(run, "r", weight_version="v1")
     assert only_v1.experts[:n].tobytes() == v1.tobytes() and (only_v1.flags[n:] == Flag.GAP).all()
-    assert not only_v1.flags[:n].any() and only_v1.versions() == ["v1"] * n + [None] * 4
+    assert not only_v1.flags[:n].any() and only_v1.versions().per_row() == ["v1"] * n + [None] * 4
     assert client.get_route(run, "r", weight_version="v2").experts.tobytes() == v2.tobytes()
     assert (client.get_route(run, "r", weight_version="v3").flags == Flag.GAP).all()  # none of that version
     batch = client.get_routes(run, ["r"], recompute="latest")[0]
@@ -140,10 +140,10 @@ def test_a_recompute_under_another_version_is_counted_and_located_not_conflict(s
     v3 = routes(rng, n)
     client.ingest(body(run, "w", 3, ["r"] * n, np.arange(n), v3, ["v3"] * n))
     summary = client.request(run, "r")
-    assert summary["recomputed"] == n and summary["flagged"]["CONFLICT"] == 0  # 0, 1, 2, 5 now too (v3 differs)
+    assert summary.recomputed == n and summary.flagged["CONFLICT"] == 0  # 0, 1, 2, 5 now too (v3 differs)
     assert client.get_route(run, "r", recompute="latest").experts[:n].tobytes() == v3.tobytes()
     assert client.get_route(run, "r").experts[:n].tobytes() == v1.tobytes()  # the first computation, always
-    assert client.run(run)["recomputed"] == n
+    assert client.run(run).recomputed == n
 
 
 def test_a_recompute_inside_one_batch(shared_service):
@@ -154,9 +154,9 @@ def test_a_recompute_inside_one_batch(shared_service):
     a, b = routes(rng, 6), routes(rng, 6)
     answer = client.ingest(body(run, "w", 0, ["r"] * 12, np.r_[0:6, 0:6], np.concatenate([a, b]),
                                 ["old"] * 6 + ["new"] * 6))
-    assert answer["flagged"] == {} and answer["recomputed"] == 6
+    assert answer.flagged == {} and answer.recomputed == 6
     summary = client.request(run, "r")
-    assert (summary["recomputed"], summary["first_recomputed"], summary["rows"]) == (6, 0, 6)
+    assert (summary.recomputed, summary.first_recomputed, summary.rows) == (6, 0, 6)
     assert client.get_route(run, "r").experts.tobytes() == a.tobytes()
     assert client.get_route(run, "r", recompute="latest").experts.tobytes() == b.tobytes()
 
@@ -172,9 +172,9 @@ def test_differing_ids_under_one_version_or_an_unknown_one_stay_conflict(shared_
     first, second = ([v] * 4 if v is not None else None for v in versions)
     client.ingest(body(run, "w", 0, ["r"] * 4, np.arange(4), a, first))
     answer = client.ingest(body(run, "w", 1, ["r"] * 4, np.arange(4), b, second))
-    assert answer["flagged"] == {"CONFLICT": 2} and answer["recomputed"] == 0
+    assert answer.flagged == {"CONFLICT": 2} and answer.recomputed == 0
     summary = client.request(run, "r")
-    assert (summary["flagged"]["CONFLICT"], summary["first_flagged_position"], summary["recomputed"]) == (2, 1, 0)
+    assert (summary.flagged["CONFLICT"], summary.first_flagged_position, summary.recomputed) == (2, 1, 0)
     route = client.get_route(run, "r")
     assert route.experts.tobytes() == a.tobytes()
     assert route.flagged_rows() == [(1, ["CONFLICT"]), (3, ["CONFLICT"])]
@@ -183,7 +183,7 @@ def test_differing_ids_under_one_version_or_an_unknown_one_stay_conflict(shared_
     answer = client.ingest(body(run, "w", 2, ["q"] * 8, np.r_[0:4, 0:4], np.concatenate([a, b]),
                                 None if first is None and second is None else (first or [None] * 4)
                                 + (second or [None] * 4)))
-    assert answer["flagged"] == {"CONFLICT": 2} and answer["recomputed"] == 0
+    assert answer.flagged == {"CONFLICT": 2} and answer.recomputed == 0
 
 
 def test_versions_of_a_recompute_identical_ids_are_a_resend(shared_service):
@@ -192,11 +192,12 @@ def test_versions_of_a_recompute_identical_ids_are_a_resend(shared_service):
     a = routes(np.random.default_rng(23005), 5)
     client.ingest(body(run, "w", 0, ["r"] * 5, np.arange(5), a, ["v1"] * 5))
     answer = client.ingest(body(run, "w", 1, ["r"] * 5, np.arange(5), a, ["v2"] * 5))
-    assert answer["flagged"] == {} and answer["recomputed"] == 0
+    assert answer.flagged == {} and answer.recomputed == 0
     summary = client.request(run, "r")
-    assert (summary["rows"], summary["recomputed"]) == (5, 0)
-    assert client.get_route(run, "r").versions() == ["v1"] * 5
-    assert client.get_route(run, "r", recompute="latest").versions() == ["v2"] * 5  # the last computation stored
+    assert (summary.rows, summary.recomputed) == (5, 0)
+    assert client.get_route(run, "r").versions().per_row() == ["v1"] * 5
+    latest = client.get_route(run, "r", recompute="latest")
+    assert latest.versions().per_row() == ["v2"] * 5  # the last computation stored
 
 
 def test_a_mirrored_prefix_under_another_version_is_a_recompute(shared_service):
@@ -212,11 +213,11 @@ def test_a_mirrored_prefix_under_another_version_is_a_recompute(shared_service):
         {"request_id": "r", "start": 0, "end": 4, "source_request_id": "src"}]}, timeout=30)
     assert answer.status_code == 200, answer.text
     summary = client.request(run, "r")
-    assert (summary["recomputed"], summary["first_recomputed"], summary["flagged"]["CONFLICT"]) == (4, 0, 0)
+    assert (summary.recomputed, summary.first_recomputed, summary.flagged["CONFLICT"]) == (4, 0, 0)
     assert client.get_route(run, "r").experts.tobytes() == own.tobytes()
     latest = client.get_route(run, "r", recompute="latest")
     assert latest.experts.tobytes() == np.concatenate([src[:4], own[4:]]).tobytes()
-    assert latest.versions() == ["old"] * 4 + ["new"] * 4
+    assert latest.versions().per_row() == ["old"] * 4 + ["new"] * 4
 
 
 def npy(array: np.ndarray) -> bytes:
@@ -241,15 +242,15 @@ def test_vllm_spans_over_output_tokens_become_row_versions(shared_service):
                     weight_versions=json.dumps(spans))
     assert answer.status_code == 200, answer.text
     route = client.get_route(run, "r", strict=True)
-    assert route.versions() == ["default"] * 7 + ["step-1"] * 4
-    assert client.request(run, "r")["weight_versions"] == [{"version": "default", "start": 0, "end": 7},
-                                                           {"version": "step-1", "start": 7, "end": 11}]
+    assert route.versions().per_row() == ["default"] * 7 + ["step-1"] * 4
+    assert [s.to_json() for s in client.request(run, "r").weight_versions] == [
+        {"version": "default", "start": 0, "end": 7}, {"version": "step-1", "start": 7, "end": 11}]
     # a later turn (start 11, a prompt of 14 tokens: 3 new, then 4 outputs) under a new version
     turn = routes(np.random.default_rng(23008), 6, SMALL)
     answer = upload(shared_service, run, "r", npy(turn), NPY_MEDIA_TYPE, start=11, prompt_tokens=14,
                     weight_versions=json.dumps([["step-2", 0, 4]]))
     assert answer.status_code == 200, answer.text
-    assert client.get_route(run, "r").versions() == ["default"] * 7 + ["step-1"] * 4 + ["step-2"] * 6
+    assert client.get_route(run, "r").versions().per_row() == ["default"] * 7 + ["step-1"] * 4 + ["step-2"] * 6
 
 
 def test_sglang_spans_and_one_version_for_every_row(shared_service):
@@ -261,12 +262,12 @@ def test_sglang_spans_and_one_version_for_every_row(shared_service):
            "weight_versions": [{"version": "a", "start": 0, "end": 2}, {"version": "b", "start": 2, "end": 7}]}
     answer = calls.post(f"{shared_service.url}/v1/runs/{run}/requests/r/routes", json=doc, timeout=30)
     assert answer.status_code == 200, answer.text
-    assert client.get_route(run, "r").versions() == ["a"] * 4 + ["b"] * 5
+    assert client.get_route(run, "r").versions().per_row() == ["a"] * 4 + ["b"] * 5
     doc = {"routed_experts": doc["routed_experts"], "num_layers": 4, "top_k": 2, "num_experts": 8,
            "weight_version": "7"}  # SGLang's meta_info["weight_version"]: one version for the whole request
     answer = calls.post(f"{shared_service.url}/v1/runs/{run}/requests/s/routes", json=doc, timeout=30)
     assert answer.status_code == 200, answer.text
-    assert client.get_route(run, "s").versions() == ["7"] * 9
+    assert client.get_route(run, "s").versions().per_row() == ["7"] * 9
 
 
 def test_the_clients_uploads_send_the_engines_spans_as_returned(shared_service):
@@ -279,13 +280,13 @@ def test_the_clients_uploads_send_the_engines_spans_as_returned(shared_service):
     ex = routes(np.random.default_rng(23011), 11, SMALL)
     client.upload_vllm_output(run, "r", ex, num_experts=8,
                               weight_versions=[WeightVersionSpan("default", 0, 3), WeightVersionSpan("step-1", 3, 7)])
-    assert client.get_route(run, "r").versions() == ["default"] * 7 + ["step-1"] * 4
+    assert client.get_route(run, "r").versions().per_row() == ["default"] * 7 + ["step-1"] * 4
     ids = routes(np.random.default_rng(23012), 9, SMALL).astype(np.int32)
     client.upload_sglang_output(run, "s", ids, num_layers=4, top_k=2, num_experts=8,
                                 weight_versions=[{"version": "a", "start": 0, "end": 2}, ["b", 2, 7]])
-    assert client.get_route(run, "s").versions() == ["a"] * 4 + ["b"] * 5
+    assert client.get_route(run, "s").versions().per_row() == ["a"] * 4 + ["b"] * 5
     client.upload_sglang_output(run, "t", ids, num_layers=4, top_k=2, num_experts=8, weight_version="7")
-    assert client.get_route(run, "t").versions() == ["7"] * 9
+    assert client.get_route(run, "t").versions().per_row() == ["7"] * 9
     with pytest.raises(Exception, match="overlap"):
         client.upload_vllm_output(run, "u", ex, num_experts=8, weight_versions=[("a", 0, 3), ("b", 2, 7)])
 
@@ -373,8 +374,8 @@ def test_a_2_4_batch_an_old_segment_and_an_old_index_read_back_as_version_unknow
     batch = batch.replace_schema_metadata({**decode_metadata(batch.schema.metadata, "rows"), "format_version": "2.4"})
     with ServiceProcess(data) as service:
         client = ReplayClient(service.url)
-        assert client.ingest(encode_stream(batch))["stored"]
-        assert client.get_route("old", "r").versions() == [None] * 6
+        assert client.ingest(encode_stream(batch)).stored
+        assert client.get_route("old", "r").versions().per_row() == [None] * 6
     segment = next((data / "runs" / "old").glob("*.arrow"))
     stored = pa.ipc.open_file(pa.py_buffer(segment.read_bytes())).get_batch(0)
     md = decode_metadata(stored.schema.metadata, "segment")
@@ -395,20 +396,21 @@ def test_a_2_4_batch_an_old_segment_and_an_old_index_read_back_as_version_unknow
     with ServiceProcess(data) as service:
         client = ReplayClient(service.url)
         route = client.get_route("old", "r")
-        assert route.experts.tobytes() == old.tobytes() and route.versions() == [None] * 6
+        assert route.experts.tobytes() == old.tobytes() and route.versions().per_row() == [None] * 6
         assert raw(service, "old", "r", format="npy").headers["X-Replay-Weight-Versions"] == "[]"
         assert [row["weight_version"] for row in raw(service, "old", "r", format="json").json()["rows"]] == [None] * 6
         summary = client.request("old", "r")
-        assert (summary["weight_versions"], summary["recomputed"], summary["first_recomputed"]) == ([], 0, None)
-        assert client.run("old")["weight_versions"] == [{"version": None, "rows": 6}]
+        assert (summary.weight_versions, summary.recomputed, summary.first_recomputed) == ([], 0, None)
+        assert [v.raw for v in client.run("old").weight_versions] == [{"version": None, "rows": 6}]
         # new rows with versions beside the old ones: an unknown row and a known one differ -> CONFLICT, as before
         new[0] = old[3]  # positions 3..5 again: identical at 3 (a resend), other ids at 4 and 5
         answer = client.ingest(body("old", "w", 1, ["r"] * 6 + ["t"] * 6, np.r_[3:9, 0:6],
                                     np.concatenate([new, routes(rng, 6)]), ["v1"] * 12))
-        assert answer["flagged"] == {"CONFLICT": 2} and answer["recomputed"] == 0
-        assert client.get_route("old", "r").versions() == [None] * 6 + ["v1"] * 3
+        assert answer.flagged == {"CONFLICT": 2} and answer.recomputed == 0
+        assert client.get_route("old", "r").versions().per_row() == [None] * 6 + ["v1"] * 3
         before = {r: client.request("old", r) for r in ("r", "t")}
-        assert client.run("old")["weight_versions"] == [{"version": "v1", "rows": 9}, {"version": None, "rows": 6}]
+        assert [v.raw for v in client.run("old").weight_versions] == [{"version": "v1", "rows": 9},
+                                                                     {"version": None, "rows": 6}]
     with sqlite3.connect(data / "index.sqlite") as conn:
         assert conn.execute("PRAGMA user_version").fetchone()[0] >= 6
     rebuilt = subprocess.run([sys.executable, "-m", "replay_service.ops.cli", "reindex", "--data", str(data)],
@@ -418,7 +420,7 @@ def test_a_2_4_batch_an_old_segment_and_an_old_index_read_back_as_version_unknow
         client = ReplayClient(service.url)
         for r in ("r", "t"):
             assert client.request("old", r) == before[r]
-        assert client.get_route("old", "t").versions() == ["v1"] * 6
+        assert client.get_route("old", "t").versions().per_row() == ["v1"] * 6
 
 
 def test_reindex_rebuilds_versions_and_recompute_counters(tmp_path):
@@ -431,7 +433,7 @@ def test_reindex_rebuilds_versions_and_recompute_counters(tmp_path):
         client.ingest(body("rx", "w", 1, ["r"] * 8, np.arange(8), b, ["v3"] * 8))
         client.finish("rx", "r", 9)
         before, run_before = client.request("rx", "r"), client.run("rx")
-        assert before["recomputed"] == 8
+        assert before.recomputed == 8
     rebuilt = subprocess.run([sys.executable, "-m", "replay_service.ops.cli", "reindex", "--data", str(data)],
                              capture_output=True, text=True, timeout=120)
     assert rebuilt.returncode == 0, rebuilt.stdout + rebuilt.stderr
@@ -439,5 +441,5 @@ def test_reindex_rebuilds_versions_and_recompute_counters(tmp_path):
         client = ReplayClient(service.url)
         assert client.request("rx", "r") == before
         after = client.run("rx")
-        assert (after["weight_versions"], after["recomputed"]) == (run_before["weight_versions"], 8)
-        assert client.get_route("rx", "r", recompute="latest").versions() == ["v3"] * 8
+        assert (after.weight_versions, after.recomputed) == (run_before.weight_versions, 8)
+        assert client.get_route("rx", "r", recompute="latest").versions().per_row() == ["v3"] * 8

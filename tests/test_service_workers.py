@@ -81,7 +81,7 @@ def test_round_trips_retries_and_metrics_across_workers(tmp_path):
             for request, experts in sent.items():
                 assert np.array_equal(client.get_route("w2", request, strict=True).experts, experts)
         run = ReplayClient(service.url, http=http_a).runs()[0]
-        assert run["rows"] == 12 * ROWS  # stored once each
+        assert run.rows == 12 * ROWS  # stored once each
 
         def scrape(http: httpx.Client) -> dict[str, float]:
             families = {}
@@ -103,7 +103,7 @@ def test_round_trips_retries_and_metrics_across_workers(tmp_path):
         data, experts = body("w2", "again", 0, rng)
         again = http_b.post("/v1/ingest", content=data, headers=ARROW)
         assert again.status_code == 200 and not again.json()["duplicate"], again.text
-        assert ReplayClient(service.url, http=http_a).run("w2")["rows"] == ROWS
+        assert ReplayClient(service.url, http=http_a).run("w2").rows == ROWS
 
 
 def _probe_trial(original_http: httpx.Client, copy_http: httpx.Client, run: str, trial: int,
@@ -276,7 +276,7 @@ def read_back(url: str, run: str, acked: dict[str, np.ndarray]) -> None:
     client = ReplayClient(url)
     for request, experts in acked.items():
         assert np.array_equal(client.get_route(run, request, strict=True).experts, experts), request
-    assert client.run(run)["rows"] >= len(acked) * ROWS
+    assert client.run(run).rows >= len(acked) * ROWS
 
 
 def test_kill_9_of_a_worker_under_8_writers_loses_no_acknowledged_batch(tmp_path):

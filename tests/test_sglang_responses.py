@@ -121,9 +121,9 @@ def assert_read_back(client: ReplayClient, run: str, rid: str, model: np.ndarray
     moe = client.get_route(run, rid, start=start, strict=True, layer_axis="moe")
     assert np.array_equal(moe.experts.astype(np.int32), sent[:, list(shape.moe_layers)])
     assert moe.positions.tolist() == list(range(start, start + len(sent)))
-    assert moe.versions() == expected_versions(item, start)
+    assert moe.versions().per_row() == expected_versions(item, start)
     summary = client.request(run, rid)
-    assert summary["status"] == "finished"
+    assert summary.status == "finished"
 
 
 @pytest.mark.parametrize(("sglang_dtype", "shape", "sent"), [
@@ -142,7 +142,7 @@ def test_one_answer_as_returned(client, sglang_dtype, shape, sent, start, versio
     assert item["meta_info"].get("routed_experts_dtype") == sent
     answer = client.upload_sglang_response(run, item, start=start, top_k=shape.top_k, num_experts=shape.num_experts,
                                            moe_layers=shape.moe_layers)
-    assert [(i["index"], i["request_id"], i["start"], i["rows"], i["stored"]) for i in answer["items"]] == [
+    assert [(i.index, i.request_id, i.start, i.rows, i.stored) for i in answer.items] == [
         (0, "4f1c2d9e8a7b", start, 20 - start, True)]
     assert_read_back(client, run, "4f1c2d9e8a7b", model, shape, start, item)
     route = client.get_route(run, "4f1c2d9e8a7b", start=start)
@@ -157,17 +157,17 @@ def test_batched_generate_stored_in_one_call(client):
               for i, (p, o, m) in enumerate(reqs)]
     result = client.upload_sglang_response(run, answer, start=start, top_k=4, num_experts=64,
                                            moe_layers=SMALL.moe_layers)
-    assert [i["request_id"] for i in result["items"]] == ["b0", "b1", "b2"]
+    assert [i.request_id for i in result.items] == ["b0", "b1", "b2"]
     for i, (_, _, model) in enumerate(reqs):
         assert_read_back(client, run, f"b{i}", model, SMALL, start, answer[i])
-    assert client.run(run)["requests"] == 3
+    assert client.run(run).requests == 3
     # The same answer again is a retry: nothing stored twice.
     again = client.upload_sglang_response(run, answer, start=start)
-    assert [i["duplicate"] for i in again["items"]] == [True, True, True]
+    assert [i.duplicate for i in again.items] == [True, True, True]
     # Under the caller's ids (a dict from SGLang's id to its own), the run's shape from the run.
     mine = client.upload_sglang_response("sgr-batch-mine", answer, start=start, top_k=4, num_experts=64,
                                          moe_layers=SMALL.moe_layers, request_ids={"b0": "x0", "b1": "x1", "b2": "x2"})
-    assert [i["request_id"] for i in mine["items"]] == ["x0", "x1", "x2"]
+    assert [i.request_id for i in mine.items] == ["x0", "x1", "x2"]
     assert_read_back(client, "sgr-batch-mine", "x1", reqs[1][2], SMALL, start, answer[1])
 
 

@@ -95,8 +95,8 @@ def shared(postgres, moto_s3, tmp_path_factory):
     b = ServiceProcess(root / "b", env=setup.env).start()
     try:
         ca, cb = ReplayClient(a.url), ReplayClient(b.url)
-        assert ca.ingest(bodies[0])["stored"]
-        assert cb.ingest(bodies[1])["stored"]
+        assert ca.ingest(bodies[0]).stored
+        assert cb.ingest(bodies[1]).stored
         cb.finish(RUN, "req-a", LENGTHS["req-a"] + 1)  # told only to B
         ca.finish(RUN, "req-b", LENGTHS["req-b"] + 3, status="aborted")  # told only to A: GAP rows at its end
         refs = calls.post(f"{b.url}/v1/runs/{RUN}/references", timeout=30, json={"references": [
@@ -179,7 +179,7 @@ def test_reindex_rebuilds_a_lost_database_from_the_bucket(shared, postgres):
     with ServiceProcess(shared.root / "c", env={**shared.env, "REPLAY_INDEX_URL": fresh}) as replica:
         after = _snapshot(replica.url, RUN)
     assert after == before
-    assert after["req-a"][0]["status"] == "finished" and after["req-b"][0]["status"] == "aborted"
+    assert after["req-a"][0].status == "finished" and after["req-b"][0].status == "aborted"
     again = shared.cli("reindex", REPLAY_INDEX_URL=fresh)  # now it holds a run: refused, nothing changed
     assert again.exit_code == 2, again.output
     assert "needs an empty database" in again.output and "holds 1 runs" in again.output
@@ -190,7 +190,7 @@ def test_deleting_a_run_deletes_its_journal_objects(shared):
     client = ReplayClient(url)
     rng = np.random.default_rng(2)
     body = bytes(batch_bytes("gone", "w", 0, ["r"] * 8, np.arange(8), routes(rng, 8)))
-    assert client.ingest(body)["stored"]
+    assert client.ingest(body).stored
     client.finish("gone", "r", 9)
     assert shared.store().other_objects(f"gone/{JOURNAL_DIR}", ".jsonl")
     assert calls.delete(f"{url}/v1/runs/gone", timeout=30).status_code == 200

@@ -45,7 +45,7 @@ def ingest(client: ReplayClient, seq: int, request: str, rows: np.ndarray, versi
     n = len(rows)
     batch = build_rows(RowsMeta(RUN, "w", seq, SHAPE), [request] * n, np.arange(n, dtype=np.int32), rows,
                        flags=flags, weight_versions=None if versions is None else WeightVersions.of_labels(versions))
-    assert client.ingest(encode_stream(batch))["stored"]
+    assert client.ingest(encode_stream(batch)).stored
     client.finish(RUN, request, n + 1)
 
 
@@ -167,6 +167,6 @@ def test_a_flagged_row_replays_no_version_whatever_the_policy(stored):
     routed = client.megatron_batch([(RUN, request)], missing="router")
     assert routed.fallback[at] == 1 and routed.versions()[at] is None
     assert routed.versions() == ["3"] * at + [None] + ["3"] * (tokens - 2 - at) + [None]
-    assert client.request(RUN, request)["flagged"][Flag.ZERO.name] == 1
+    assert client.request(RUN, request).flagged[Flag.ZERO.name] == 1
     # single looks at the rows replayed: one version, served
     assert client.megatron_batch([(RUN, request)], missing="filler", versions="single").staleness().rows == {"3": 6}

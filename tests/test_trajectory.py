@@ -48,7 +48,7 @@ class Writer:
         batch = build_rows(meta, [request] * len(positions), positions, experts,
                            token_ids=None if tokens is None else tokens[positions],
                            weight_versions=None if versions is None else WeightVersions.of_labels(versions))
-        assert self.client.ingest(encode_stream(batch))["stored"]
+        assert self.client.ingest(encode_stream(batch)).stored
         self.client.finish(self.run, request, num_tokens or int(positions[-1]) + 2, status)
 
 
@@ -82,11 +82,12 @@ def test_first_keeps_every_turn_as_it_sampled_and_latest_serves_the_newest_compu
     assert route.trajectory == TrajectoryInfo(tuple(names), spans, RecomputeRule.FIRST, differing=19)
     assert route.turn.tolist() == [0] * 11 + [1] * 8 + [2] * 11
     assert route.token_ids.tolist() == tokens[:30].tolist()
-    assert route.versions() == ["v1"] * 11 + ["v2"] * 8 + ["v3"] * 11  # each row carries its turn's version
+    assert route.versions().per_row() == ["v1"] * 11 + ["v2"] * 8 + ["v3"] * 11  # each row carries its turn's version
     # latest: the last turn holds every position: its recompute everywhere
     latest = client.get_trajectory("traj-chat", names, recompute="latest")
     assert np.array_equal(latest.experts, turns[2]) and latest.turn.tolist() == [2] * 30
-    assert latest.trajectory.rule is RecomputeRule.LATEST is latest.recompute and latest.versions() == ["v3"] * 30
+    assert latest.trajectory.rule is RecomputeRule.LATEST is latest.recompute
+    assert latest.versions().per_row() == ["v3"] * 30
     # one turn is that request's own route
     alone = client.get_trajectory("traj-chat", ["turn-1"])
     assert np.array_equal(alone.experts, turns[1]) and alone.trajectory.spans == (TurnSpan(0, "turn-1", 0, 19),)
@@ -103,7 +104,7 @@ def test_a_partial_rollout_resubmitted_under_new_weights_reads_as_one_route(clie
     writer.turn("ro-0-resume", np.arange(24), resumed, tokens, ["step-101"] * 24)
     route = client.get_trajectory("traj-partial", ["ro-0", "ro-0-resume"])
     assert np.array_equal(route.experts, np.concatenate([first, resumed[14:]]))
-    assert route.versions() == ["step-100"] * 14 + ["step-101"] * 10
+    assert route.versions().per_row() == ["step-100"] * 14 + ["step-101"] * 10
     assert [(s.request_id, s.start, s.end) for s in route.trajectory.spans] == [("ro-0", 0, 14),
                                                                                 ("ro-0-resume", 14, 24)]
     assert np.array_equal(client.get_trajectory("traj-partial", ["ro-0", "ro-0-resume"], recompute="latest").experts,
@@ -123,7 +124,7 @@ def test_a_turn_that_holds_only_its_new_rows_takes_the_prefix_from_the_turn_befo
         route = client.get_trajectory("traj-cached", ["c-0", "c-1"], recompute=rule)
         assert np.array_equal(route.experts, np.concatenate([one, two])) and route.clean, rule
         assert route.trajectory.differing == 0 and route.turn.tolist() == [0] * 9 + [1] * 8
-        assert route.versions() == ["a"] * 9 + ["b"] * 8
+        assert route.versions().per_row() == ["a"] * 9 + ["b"] * 8
 
 
 def test_turns_that_do_not_continue_each_other_are_refused_naming_the_turn_and_position(client):
@@ -163,7 +164,7 @@ def test_a_position_no_turn_holds_is_a_gap_row_and_strict_refuses_it(client):
     writer.turn("g-1", np.arange(8, 12), routes(rng, 4, SHAPE), None, ["y"] * 4)  # 6 and 7: nobody's row
     route = client.get_trajectory("traj-gap", ["g-0", "g-1"])
     assert [p for p, _ in route.flagged_rows()] == [6, 7] and route.turn.tolist() == [0] * 6 + [-1] * 2 + [1] * 4
-    assert route.versions()[5:9] == ["x", None, None, "y"]
+    assert route.versions().per_row()[5:9] == ["x", None, None, "y"]
     with pytest.raises(StrictReadError) as err:
         client.get_trajectory("traj-gap", ["g-0", "g-1"], strict=True)
     assert [r["position"] for r in err.value.bad_rows] == [6, 7]
@@ -199,14 +200,14 @@ def test_within_a_turn_the_same_rule_picks_among_its_own_computations(client):
     writer.turn("r-0", np.arange(6), new, tokens, ["b"] * 6, num_tokens=7)  # recomputed under b
     writer.turn("r-1", np.arange(6, 13), more, tokens, ["b"] * 7)
     summary = client.request("traj-recompute", "r-0")
-    assert summary["recomputed"] == 6 and summary["clean"]
+    assert summary.recomputed == 6 and summary.clean
     assert np.array_equal(client.get_route("traj-recompute", "r-0").experts, old)
     latest = client.get_route("traj-recompute", "r-0", recompute="latest")
-    assert np.array_equal(latest.experts, new) and latest.versions() == ["b"] * 6
+    assert np.array_equal(latest.experts, new) and latest.versions().per_row() == ["b"] * 6
     assert latest.recompute is RecomputeRule.LATEST
     only = client.get_routes("traj-recompute", ["r-0"], weight_version="a")[0]
-    assert np.array_equal(only.experts, old) and only.versions() == ["a"] * 6
+    assert np.array_equal(only.experts, old) and only.versions().per_row() == ["a"] * 6
     first = client.get_trajectory("traj-recompute", ["r-0", "r-1"])
     assert np.array_equal(first.experts, np.concatenate([old, more])) and first.trajectory.differing == 0
     last = client.get_trajectory("traj-recompute", ["r-0", "r-1"], recompute="latest")
-    assert np.array_equal(last.experts, np.concatenate([new, more])) and last.versions() == ["b"] * 13
+    assert np.array_equal(last.experts, np.concatenate([new, more])) and last.versions().per_row() == ["b"] * 13

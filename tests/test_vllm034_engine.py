@@ -66,7 +66,7 @@ def _wait_stored(client: ReplayClient, run_id: str, returned: dict, log: str, ti
                 s = client.request(run_id, rid)
             except Exception:  # any error (404): not stored yet
                 continue
-            if s["status"] != "open" and s["rows"] >= len(r["routed_experts"]):
+            if s.status != "open" and s.rows >= len(r["routed_experts"]):
                 summaries[rid] = s
                 del pending[rid]
         time.sleep(0.2)
@@ -87,8 +87,8 @@ def test_every_stored_route_is_what_vllm_returned(where, service, tmp_path):
     with ReplayClient(service.url) as client:
         summaries = _wait_stored(client, run_id, returned, log)
         run = client.run(run_id)  # created by the engine core's tee, on the MoE layers its workers reported
-        assert run["source"] == "vllm-output"
-        assert (run["moe_layers"], run["num_hidden_layers"]) == (MOE_LAYERS, driver.LAYERS)
+        assert run.source == "vllm-output"
+        assert (run.moe_layers, run.num_hidden_layers) == (MOE_LAYERS, driver.LAYERS)
         for rid, r in returned.items():
             rows = np.asarray(r["routed_experts"], dtype=r["dtype"])  # vLLM's CompletionOutput.routed_experts
             tokens = r["prompt"] + r["output"]
@@ -100,7 +100,7 @@ def test_every_stored_route_is_what_vllm_returned(where, service, tmp_path):
             assert whole.experts.tobytes() == rows.tobytes(), rid  # dense layer 0 included, zero as vLLM's
             assert stored.positions.tolist() == list(range(len(rows))), rid
             assert stored.token_ids.tolist() == tokens[: len(rows)], rid
-            assert summaries[rid]["status"] == "finished" and summaries[rid]["num_tokens"] == len(tokens), rid
+            assert summaries[rid].status == "finished" and summaries[rid].num_tokens == len(tokens), rid
     # the rows a hit request returned for its cached blocks are the first request's (vLLM's block store)
     first = np.asarray(returned["first"]["routed_experts"])
     for rid in HITS:

@@ -103,7 +103,7 @@ def wait_finished(client: ReplayClient, run_id: str, seqs: dict, timeout: float 
                 s = client.request(run_id, rid)
             except Exception:  # any error: not there yet
                 continue
-            if s["status"] != "open" and s["rows"] >= len(seq) - 1:
+            if s.status != "open" and s.rows >= len(seq) - 1:
                 summaries[rid] = s
                 del pending[rid]
         time.sleep(0.2)
@@ -117,8 +117,8 @@ def check_against_reference(client, run_id: str, model_dir: str, seqs: dict, sum
     compared = 0
     for rid, seq in seqs.items():
         s = summaries[rid]
-        assert s["status"] == "finished" and s["num_tokens"] == len(seq), s
-        assert s["clean"] and s["rows"] == len(seq) - 1, s
+        assert s.status == "finished" and s.num_tokens == len(seq), s
+        assert s.clean and s.rows == len(seq) - 1, s
         route = client.get_route(run_id, rid, strict=True)
         assert route.positions.tolist() == list(range(len(seq) - 1)), rid
         assert not route.flags.any(), route.flagged_rows()
@@ -153,7 +153,7 @@ def test_routes_equal_transformers(engine, service, model_dir):
         compared = check_against_reference(client, run_id, model_dir, seqs, summaries)
         run = client.run(run_id)
     assert compared == sum(len(s) - 1 for s in seqs.values()) * 2
-    assert run["num_moe_layers"] == 2 and run["top_k"] == TOP_K and run["num_experts"] == 8, run
+    assert run.num_moe_layers == 2 and run.top_k == TOP_K and run.num_experts == 8, run
 
 
 @pytest.mark.parametrize("engine", [1], indirect=True, ids=["tp1"])  # shown once: TP only changes who sends
@@ -193,7 +193,7 @@ def _run(llm, batch: list[list[int]], n: list[int], seed: int = 0) -> dict[str, 
 
 
 def _stored_rows(summary: dict) -> int:
-    return summary["rows"] - summary["referenced_rows"]
+    return summary.rows - summary.referenced_rows
 
 
 def test_cached_prefixes_read_complete_and_equal(engine, service, model_dir):
@@ -207,7 +207,7 @@ def test_cached_prefixes_read_complete_and_equal(engine, service, model_dir):
     with ReplayClient(service.url) as client:
         summaries = wait_finished(client, run_id, seqs, timeout=120)
         check_against_reference(client, run_id, model_dir, seqs, summaries)
-        referenced = {rid: summaries[rid]["referenced_rows"] for rid in second}
+        referenced = {rid: summaries[rid].referenced_rows for rid in second}
     # Every second-batch request took its full blocks from the cache (the last prompt token always runs):
     # repeats 64 and 32, the next turn 96 (3 blocks of the first turn), the n = 4 samples 32 each.
     assert sorted(referenced.values()) == sorted([2 * BLOCK, BLOCK, 3 * BLOCK] + [BLOCK] * 4), referenced
@@ -222,7 +222,7 @@ def test_grpo_group_stores_the_prompt_once(engine, service, model_dir):
         summaries = wait_finished(client, run_id, seqs, timeout=120)
         check_against_reference(client, run_id, model_dir, seqs, summaries)
         stored = sum(_stored_rows(summaries[rid]) for rid in seqs)
-        readable = sum(summaries[rid]["rows"] for rid in seqs)
+        readable = sum(summaries[rid].rows for rid in seqs)
     # One sample computed the prompt's 4 full blocks; the other 7 referenced them.
     tail = len(prompt) - 4 * BLOCK + MAX_TOKENS - 1
     assert readable == 8 * (len(prompt) + MAX_TOKENS - 1)

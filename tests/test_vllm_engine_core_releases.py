@@ -80,10 +80,10 @@ def test_every_row_is_stored_as_fed_under_the_users_id(driven, route):
     for every request, read by the id the user gave vLLM; nothing under vLLM's internal ids."""
     run = driven.run(route)
     requests = driven.requests(route)
-    assert {s["request_id"] for s in driven.client.requests(run)} == set(requests)
+    assert {s.request_id for s in driven.client.requests(run)} == set(requests)
     shape = driven.client.run(run)
-    assert (shape["moe_layers"], shape["num_hidden_layers"], shape["top_k"], shape["num_experts"]) == ([1, 2], 3, 2, 8)
-    assert shape["source"] == ("vllm-plugin" if route == "plugin" else "vllm-output")
+    assert (shape.moe_layers, shape.num_hidden_layers, shape.top_k, shape.num_experts) == ([1, 2], 3, 2, 8)
+    assert shape.source == ("vllm-plugin" if route == "plugin" else "vllm-output")
     for user, entry in requests.items():
         expected = driven.expected(route, user)
         stored = driven.client.get_route(run, user, strict=True, layer_axis="model")
@@ -101,8 +101,8 @@ def test_requests_end_as_vllm_ended_them(driven, route):
         if entry["prefill_only"] or past_the_end(entry, len(driven.expected(route, user))):
             continue
         summary = driven.client.request(run, user)
-        assert (summary["status"], summary["num_tokens"]) == (entry["status"], entry["num_tokens"]), user
-        assert summary["clean"] and summary["rows"] == entry["num_tokens"] - 1, user
+        assert (summary.status, summary.num_tokens) == (entry.status, entry.num_tokens), user
+        assert summary.clean and summary.rows == entry["num_tokens"] - 1, user
         checked += 1
     assert checked >= 10
 
@@ -118,7 +118,7 @@ def test_a_request_that_ends_while_its_next_step_runs_keeps_its_rows_and_its_fin
     for user, entry in cases.items():
         rows = len(driven.expected("plugin", user))
         summary = driven.client.request(run, user)
-        assert (summary["status"], summary["num_tokens"]) == (entry["status"], max(entry["num_tokens"], rows + 1)), \
+        assert (summary.status, summary.num_tokens) == (entry.status, max(entry.num_tokens, rows + 1)), \
             (user, summary)
 
 
@@ -132,7 +132,7 @@ def test_a_prefill_only_request_is_left_to_the_decode_engine(driven, route):
     assert set(prefill) == {"pd-pre"}
     for user, entry in prefill.items():
         summary = driven.client.request(run, user)
-        assert (summary["status"], summary["num_tokens"], summary["rows"]) == ("open", None, entry["ends_at"]), \
+        assert (summary.status, summary.num_tokens, summary.rows) == ("open", None, entry["ends_at"]), \
             (route, summary)
 
 
@@ -146,8 +146,8 @@ def test_prefix_cache_hits(driven, route):
     referenced = {user: sum(b - a for a, b, _ in entry["references"]) for user, entry in requests.items()}
     assert {u for u, n in referenced.items() if n} == {"sys-b", "1_grp", "2_grp", "kv-b", "off-b"}
     for user in requests:
-        assert driven.client.request(run, user)["referenced_rows"] == referenced[user], user
-    assert driven.client.run(run)["references"] == 5
+        assert driven.client.request(run, user).referenced_rows == referenced[user], user
+    assert driven.client.run(run).references == 5
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -161,9 +161,9 @@ def test_each_row_carries_the_weights_that_computed_it(driven, route):
     for user, entry in driven.requests(route).items():
         assert set(entry["versions"]) == LABELS.get(user, {"default"}), user
         stored = driven.client.get_route(run, user, strict=True, layer_axis="model")
-        assert stored.versions() == entry["versions"], user
+        assert stored.versions().per_row() == entry["versions"], user
         summary = driven.client.request(run, user)
-        assert summary["recomputed"] == entry.get("recomputed", 0), user
+        assert summary.recomputed == entry.get("recomputed", 0), user
     kv_b = driven.requests(route)["kv-b"]
     assert kv_b["versions"][:8] == [NEW_WEIGHTS[0]] * 8 and kv_b["versions"][-1] == NEW_WEIGHTS[1]
     if route == "plugin":
@@ -171,4 +171,4 @@ def test_each_row_carries_the_weights_that_computed_it(driven, route):
             assert driven.requests(route)[user]["recomputed"] > 0
             latest = driven.client.get_route(run, user, strict=True, layer_axis="model", recompute="latest")
             assert latest.experts.tobytes() == driven.expected(route, user, "latest").tobytes(), user
-            assert set(latest.versions()) == {NEW_WEIGHTS[0]}, user
+            assert set(latest.versions().per_row()) == {NEW_WEIGHTS[0]}, user

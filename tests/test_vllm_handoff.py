@@ -84,7 +84,7 @@ def _assert_routes(url, run_id, expected):
     client = ReplayClient(url)
     for request_id, rows in expected.items():
         summary = client.request(run_id, request_id)
-        assert summary["status"] == "finished" and summary["rows"] == len(rows)
+        assert summary.status == "finished" and summary.rows == len(rows)
         route = client.get_route(run_id, request_id, strict=True)
         assert route.experts.tobytes() == rows.tobytes()
 
@@ -139,7 +139,7 @@ def test_prefix_cache_hits_read_as_the_computing_requests_rows(service, tmp_path
     expected["user-9"] = np.concatenate([expected["user-0"][:12], own.experts])
     _assert_routes(service.url, "h-refs", expected)
     summary = ReplayClient(service.url).request("h-refs", "user-9")
-    assert summary["referenced_rows"] == 12 and summary["clean"], summary
+    assert summary.referenced_rows == 12 and summary.clean, summary
 
 
 def test_spec_decode_rejected_rows_dropped(service, tmp_path):
@@ -152,7 +152,7 @@ def test_spec_decode_rejected_rows_dropped(service, tmp_path):
                     Ended("user-1-0123abcd", 7, FinishStatus.FINISHED)])
     assert handoff.close(30.0)
     client = ReplayClient(service.url)
-    assert client.request("h2", "user-0")["rows"] == 3
+    assert client.request("h2", "user-0").rows == 3
     assert client.get_route("h2", "user-0").experts.tobytes() == step.experts[:3].tobytes()
     assert client.get_route("h2", "user-1").experts.tobytes() == step.experts[6:].tobytes()
 

@@ -40,7 +40,7 @@ def test_vllm_routed_experts_land_equal(svc):
             assert route.positions.tolist() == list(range(n))
             np.testing.assert_array_equal(route.experts, moe)
             assert route.experts.dtype == np.uint8 and not route.flags.any()
-            assert c.request("vllm-out", rid)["status"] == "finished"
+            assert c.request("vllm-out", rid).status == "finished"
             np.testing.assert_array_equal(c.get_route("vllm-out", rid, layer_axis="model").experts, full)
 
 
@@ -66,7 +66,7 @@ def test_vllm_turns_from_routed_experts_prompt_start_land_at_their_positions(svc
     with ReplayClient(svc.url) as c:
         c.upload_vllm_output("vllm-turns", "chat", full[:19], num_experts=16, moe_layers=[1, 2, 3])  # T1 = 20
         c.upload_vllm_output("vllm-turns", "chat", full[19:], start=19)  # T2 = 31
-        assert c.request("vllm-turns", "chat")["num_tokens"] == 31
+        assert c.request("vllm-turns", "chat").num_tokens == 31
         np.testing.assert_array_equal(c.get_route("vllm-turns", "chat", strict=True, layer_axis="model").experts, full)
 
 

@@ -91,8 +91,8 @@ def test_a_prefix_back_from_the_offload_tier_reads_complete(engine, model_dir, s
         summaries = wait_finished(client, run_id, seqs, timeout=90)
         check_against_reference(client, run_id, model_dir, seqs, summaries)
     # a-again: block 0 hit on the device, block 1 loaded back from the storage folder; both were a's computation.
-    assert summaries["a-again"]["referenced_rows"] == 2 * BLOCK, summaries["a-again"]
-    assert all(summaries[r]["referenced_rows"] == 0 for r in ("a", "b", "c"))
+    assert summaries["a-again"].referenced_rows == 2 * BLOCK, summaries["a-again"]
+    assert all(summaries[r].referenced_rows == 0 for r in ("a", "b", "c"))
 
 
 def test_prefill_on_one_engine_decode_on_another_reads_as_one_route(engine, model_dir, shared_service, storage,
@@ -110,17 +110,17 @@ def test_prefill_on_one_engine_decode_on_another_reads_as_one_route(engine, mode
     with ReplayClient(shared_service.url) as client:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # the prefill engine's rows: every prompt position, and no finish
-            held = {r["request_id"]: r for r in client.requests(run_id)}
-            if all(rid in held and held[rid]["rows"] == len(p) for rid, p in requests.items()):
+            held = {r.request_id: r for r in client.requests(run_id)}
+            if all(rid in held and held[rid].rows == len(p) for rid, p in requests.items()):
                 break
             time.sleep(0.2)
         for rid, prompt in requests.items():
             s = client.request(run_id, rid)
-            assert s["status"] == "open" and s["rows"] == len(prompt) and len(prefilled[rid]) == len(prompt) + 1, s
+            assert s.status == "open" and s.rows == len(prompt) and len(prefilled[rid]) == len(prompt) + 1, s
         seqs = _run(engine, requests, NEW_TOKENS)  # the decode engine loads each prompt's KV from storage
         summaries = wait_finished(client, run_id, seqs, timeout=90)
         check_against_reference(client, run_id, model_dir, seqs, summaries)
         for rid, s in summaries.items():
-            assert s["referenced_rows"] == 0, s  # its loaded blocks were no computation of this engine's
+            assert s.referenced_rows == 0, s  # its loaded blocks were no computation of this engine's
             route = client.get_route(run_id, rid, strict=True)
             assert np.array_equal(route.positions, np.arange(len(seqs[rid]) - 1))

@@ -85,7 +85,7 @@ def test_offline_llm_children_found_from_request_output(model_dir, service, tmp_
     with ReplayClient(service.url) as client:
         summaries = wait_finished(client, run_id, seqs, timeout=120)  # slack for a loaded 2-core machine
         check_against_reference(client, run_id, model_dir, seqs, summaries)
-        assert {s["request_id"] for s in client.requests(run_id)} == set(seqs)
+        assert {s.request_id for s in client.requests(run_id)} == set(seqs)
         route = client.get_openai_route(run_id, outs[1].request_id, choice_index=1, endpoint="offline", n=2)
         assert route.request_id == "1_1"
 
@@ -139,7 +139,7 @@ def test_each_choice_found_from_the_response(api_server, service, model_dir):
         summaries = wait_finished(client, RUN_ID, seqs, timeout=120)
         check_against_reference(client, RUN_ID, model_dir, seqs, summaries)
         # nothing is stored under any other id
-        assert {s["request_id"] for s in client.requests(RUN_ID)} == set(seqs)
+        assert {s.request_id for s in client.requests(RUN_ID)} == set(seqs)
         # the client's readers by what the user holds
         for resp, n in ((several, 1), (sampled, 2), (chat, None), (chat_n, None)):
             routes = client.get_openai_routes(RUN_ID, resp, n=n, strict=True)

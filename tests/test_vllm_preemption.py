@@ -50,4 +50,4 @@ def test_preempted_samples_resume_from_the_cache_and_read_complete(model_dir, sh
         summaries = wait_finished(client, run_id, seqs, timeout=120)
         check_against_reference(client, run_id, model_dir, seqs, summaries)
     # One sample computed the prompt's two full blocks, the five others (resumed ones again) referenced them.
-    assert sorted(s["referenced_rows"] for s in summaries.values()) == [0] + [2 * BLOCK] * 5
+    assert sorted(s.referenced_rows for s in summaries.values()) == [0] + [2 * BLOCK] * 5

@@ -102,7 +102,7 @@ def _read_back(client: ReplayClient, run: str, rid: str, sent: np.ndarray, start
     if tokens is not None:
         assert moe.token_ids.tolist() == tokens[start:-1]
     summary = client.request(run, rid)
-    assert summary["status"] == "finished" and summary["num_tokens"] == start + len(sent) + 1
+    assert summary.status == "finished" and summary.num_tokens == start + len(sent) + 1
 
 
 @pytest.mark.parametrize("shape", [SHAPE, WIDE], ids=["uint8", "uint16"])
@@ -116,12 +116,12 @@ def test_a_completions_answer_of_three_prompts_and_n_2(client, shape, token_ids)
     answer = client.upload_vllm_response(run, completion_response("req-7", prompts, outputs, arrays, token_ids), n=n,
                                          num_experts=shape.num_experts, moe_layers=shape.moe_layers)
     ids = [f"{s}_cmpl-req-7-{p}" for p in range(3) for s in range(n)]  # vllm_ids: prompt i // n, sample i % n
-    assert [i["request_id"] for i in answer["items"]] == ids and all(i["stored"] for i in answer["items"])
+    assert [i.request_id for i in answer.items] == ids and all(i.stored for i in answer.items)
     for k, rid in enumerate(ids):
         prompt, out = prompts[k // n], outputs[k // n][k % n]
         _read_back(client, run, rid, arrays[k // n][k % n], 0, shape, prompt + out if token_ids else None)
     again = client.upload_vllm_response(run, completion_response("req-7", prompts, outputs, arrays, token_ids), n=n)
-    assert all(i["duplicate"] for i in again["items"])  # a retry stores nothing twice
+    assert all(i.duplicate for i in again.items)  # a retry stores nothing twice
 
 
 def test_a_chat_answer_of_n_3_from_a_later_turn(client):
@@ -132,7 +132,7 @@ def test_a_chat_answer_of_n_3_from_a_later_turn(client):
     arrays = [capture(SHAPE, rng, prompt, o, start) for o in outs]
     answer = client.upload_vllm_response(run, chat_response("conv-1", prompt, outs, arrays, True), start=start,
                                          num_experts=SHAPE.num_experts, moe_layers=SHAPE.moe_layers)
-    assert [(i["request_id"], i["start"]) for i in answer["items"]] == [(f"{c}_chatcmpl-conv-1", start)
+    assert [(i.request_id, i.start) for i in answer.items] == [(f"{c}_chatcmpl-conv-1", start)
                                                                          for c in range(3)]
     for c, (out, arr) in enumerate(zip(outs, arrays)):
         _read_back(client, run, f"{c}_chatcmpl-conv-1", arr, start, SHAPE, prompt + out)
@@ -167,12 +167,12 @@ def test_an_offline_request_output_with_its_weight_versions(client):
         for i, (o, a, s) in enumerate(zip(outs, arrays, spans))])
     answer = client.upload_vllm_response("vllm-offline", output, num_experts=SHAPE.num_experts,
                                          moe_layers=SHAPE.moe_layers)
-    assert [i["request_id"] for i in answer["items"]] == ["0_12", "1_12"]
+    assert [i.request_id for i in answer.items] == ["0_12", "1_12"]
     _read_back(client, "vllm-offline", "0_12", arrays[0], 0, SHAPE, prompt + outs[0])
     route = client.get_route("vllm-offline", "0_12")
     # output token j is the row at position P-1+j; the prompt's rows take token 0's version
-    assert route.versions() == ["3"] * (len(prompt) - 1 + 4) + ["4"] * 3
-    assert set(client.get_route("vllm-offline", "1_12").versions()) == {"3"}
+    assert route.versions().per_row() == ["3"] * (len(prompt) - 1 + 4) + ["4"] * 3
+    assert set(client.get_route("vllm-offline", "1_12").versions().per_row()) == {"3"}
 
 
 def _refused(client: ReplayClient, run: str, body: dict, match: str, **params) -> None:

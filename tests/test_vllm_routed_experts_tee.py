@@ -245,8 +245,8 @@ def test_the_service_stores_exactly_what_vllms_connector_commits(vllm_world, sha
             assert stored.positions.tolist() == list(range(len(returned)))
             assert stored.token_ids.tolist() == engine.last_tokens[internal][: len(returned)]
             summary = client.request(run, user_id)
-            assert summary["num_tokens"] == len(engine.last_tokens[internal])
-            assert summary["status"] == ("aborted" if user_id == "d" else "finished")
+            assert summary.num_tokens == len(engine.last_tokens[internal])
+            assert summary.status == ("aborted" if user_id == "d" else "finished")
     a, b = np.concatenate(engine.returned["a-0123abcd"]), np.concatenate(engine.returned["b-89abcdef"])
     np.testing.assert_array_equal(b[:8], a[:8])  # b's hit blocks: a's rows, from vLLM's store
     c = np.concatenate(engine.returned["c-00000001"])

@@ -201,8 +201,8 @@ def test_nothing_lost_when_vllm_stops(stop, model_dir, service, reference_once, 
                 got[rid] = client.request(run_id, rid)
             except Exception:  # noqa: BLE001 - not stored at all
                 got[rid] = None
-        finished = [r for r, s in got.items() if s and s["status"] == "finished"]
-        complete = [r for r, s in got.items() if s and s["rows"] == len(seqs[r]) - 1]
+        finished = [r for r, s in got.items() if s and s.status == "finished"]
+        complete = [r for r, s in got.items() if s and s.rows == len(seqs[r]) - 1]
         assert len(finished) == len(complete) == NUM_REQUESTS, (
             f"{stop.value}: {len(finished)}/{NUM_REQUESTS} finished, {len(complete)}/{NUM_REQUESTS} with all rows "
             f"(spill left: {len(left)} items); e.g. {[got[r] for r in seqs if r not in finished][:2]}; "
@@ -242,8 +242,8 @@ def _assert_stored(url: str, run_id: str, rows: dict[str, np.ndarray], status: d
     with ReplayClient(url) as client:
         for rid, want in rows.items():
             summary = client.request(run_id, rid)
-            assert summary["status"] == (status or {}).get(rid, "finished"), summary
-            assert summary["num_tokens"] == len(want) + 1 and summary["rows"] == len(want), summary
+            assert summary.status == (status or {}).get(rid, "finished"), summary
+            assert summary.num_tokens == len(want) + 1 and summary.rows == len(want), summary
             route = client.get_route(run_id, rid, strict=True)
             assert route.experts.tobytes() == want.tobytes(), rid
 

@@ -415,18 +415,19 @@ def _check_round(engine: Engine, service, batch: dict[str, list[int]], clear_cac
     for rid, seq in seqs.items():
         rows, at = ends[rid], switch[rid]
         summary = summaries[rid]
-        assert summary["status"] == "finished" and summary["num_tokens"] == len(seq), summary
-        assert summary["flagged"]["CONFLICT"] == 0, (rid, summary)  # needs the service's recompute rule
-        assert summary["clean"] and summary["rows"] == rows, (rid, summary)
+        assert summary.status == "finished" and summary.num_tokens == len(seq), summary
+        assert summary.flagged["CONFLICT"] == 0, (rid, summary)  # needs the service's recompute rule
+        assert summary.clean and summary.rows == rows, (rid, summary)
         recomputed: list[int] = []  # positions stored twice with different ids (as stored: top-k is unsorted here)
         if clear_cache:
             twice = stored[rid]
             recomputed = [p for p in range(at) if (twice[first][p] != twice[second][p]).any()]
             assert len(recomputed) >= int(_differ(first_ref[rid][:at], second_ref[rid][:at]).sum()) > 0, rid
-        assert summary.get("recomputed") == len(recomputed), (rid, recomputed, summary)
-        assert summary.get("first_recomputed") == (recomputed[0] if recomputed else None), (rid, summary)
-        assert summary.get("weight_versions") == [{"version": first, "start": 0, "end": at},
-                                                  {"version": second, "start": at, "end": rows}], summary
+        assert summary.recomputed == len(recomputed), (rid, recomputed, summary)
+        assert summary.first_recomputed == (recomputed[0] if recomputed else None), (rid, summary)
+        assert [s.to_json() for s in summary.weight_versions] == [{"version": first, "start": 0, "end": at},
+                                                                  {"version": second, "start": at, "end": rows}], \
+            summary
         served = _route_json(service.url, rid)  # the default rule: the first computation per position
         assert [r["position"] for r in served["rows"]] == list(range(rows))
         assert [r.get("weight_version") for r in served["rows"]] == [first] * at + [second] * (rows - at), rid
@@ -554,7 +555,7 @@ def _check_trajectory(client: ReplayClient, turns: list[Turn], own: dict[str, Ro
     assert first.trajectory is not None and first.trajectory.turns == tuple(rids)
     assert first.trajectory.spans == tuple(TurnSpan(k, rid, bounds[k], bounds[k + 1]) for k, rid in enumerate(rids))
     assert first.turn is not None and first.turn.tolist() == _turn_index(bounds)
-    assert first.versions() == [turns[k].version for k in _turn_index(bounds)]
+    assert first.versions().per_row() == [turns[k].version for k in _turn_index(bounds)]
     for k, rid in enumerate(rids):  # exactly the turn's own stored rows where it first covers a position
         lo, hi = bounds[k], bounds[k + 1]
         assert np.array_equal(first.experts[lo:hi], own[rid].experts[lo:hi]), (rid, lo, hi)
@@ -570,7 +571,7 @@ def _check_trajectory(client: ReplayClient, turns: list[Turn], own: dict[str, Ro
     assert latest.recompute == RecomputeRule.LATEST and latest.positions.tolist() == list(range(last.rows))
     assert latest.trajectory is not None
     assert latest.trajectory.spans == (TurnSpan(len(rids) - 1, last.request_id, 0, last.rows),)
-    assert latest.versions() == [last.version] * last.rows
+    assert latest.versions().per_row() == [last.version] * last.rows
     assert np.array_equal(latest.experts, own[last.request_id].experts)
     assert not latest.flags.any(), latest.flagged_rows()
 
@@ -578,13 +579,14 @@ def _check_trajectory(client: ReplayClient, turns: list[Turn], own: dict[str, Ro
 def _check_turn(summary: dict, route: Route, turn: Turn, ref: np.ndarray, status: str = "finished") -> None:
     """One turn's own summary and route: all its rows, none flagged, none a recompute within it, all one version,
     equal to transformers under its weights."""
-    assert summary["status"] == status and summary["num_tokens"] == len(turn.sequence), summary
-    assert summary["clean"] and summary["rows"] == turn.rows, summary
-    assert summary["flagged"]["CONFLICT"] == 0 and summary["recomputed"] == 0, summary
-    assert summary["weight_versions"] == [{"version": turn.version, "start": 0, "end": turn.rows}], summary
+    assert summary.status == status and summary.num_tokens == len(turn.sequence), summary
+    assert summary.clean and summary.rows == turn.rows, summary
+    assert summary.flagged["CONFLICT"] == 0 and summary.recomputed == 0, summary
+    assert [s.to_json() for s in summary.weight_versions] == [{"version": turn.version, "start": 0,
+                                                               "end": turn.rows}], summary
     assert route.positions.tolist() == list(range(turn.rows)) and not route.flags.any(), route.flagged_rows()
     assert route.token_ids.tolist() == turn.sequence[:-1]
-    assert route.versions() == [turn.version] * turn.rows
+    assert route.versions().per_row() == [turn.version] * turn.rows
     _same_sets(route.experts.astype(np.int64), ref, f"{turn.request_id} {turn.version}")
 
 
@@ -715,11 +717,11 @@ def test_a_request_aborted_mid_step_ends_aborted_with_every_row_kept(engine, sha
         summaries = wait_finished(client, RUN, users, timeout=60)
         for rid, seq in users.items():
             summary = summaries[rid]
-            assert summary["status"] == "aborted", summary
-            rows = summary["rows"]
-            assert rows >= len(seq) - 1 and summary["num_tokens"] == rows + 1, (rid, len(seq), summary)
-            assert summary["clean"] and summary["flagged"]["CONFLICT"] == 0, summary
-            assert summary["weight_versions"] == [{"version": version, "start": 0, "end": rows}], summary
+            assert summary.status == "aborted", summary
+            rows = summary.rows
+            assert rows >= len(seq) - 1 and summary.num_tokens == rows + 1, (rid, len(seq), summary)
+            assert summary.clean and summary.flagged["CONFLICT"] == 0, summary
+            assert summary.weight_versions == [{"version": version, "start": 0, "end": rows}], summary
             route = client.get_route(RUN, rid)
             assert route.positions.tolist() == list(range(rows)) and not route.flags.any(), route.flagged_rows()
             n = min(rows, len(seq))

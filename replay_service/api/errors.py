@@ -166,3 +166,46 @@ class UnexpectedErrors:
             log.exception("unexpected error answering %s %s", scope.get("method"), scope.get("path"))
             detail = f"internal error ({type(exc).__name__}); the service log has its traceback"
             await JSONResponse({"detail": detail}, status_code=500)(scope, receive, send)
+
+
+class CloseUnreadBodies:
+    """Close the connection after an answer sent before its request's body had arrived to the end (plain ASGI).
+
+    A refusal made on the head alone (413 for a declared length past the limit, 401, 404) or midway (408, 413 past the
+    limit) leaves the rest of the body on the wire; on a kept-alive connection uvicorn would go on reading and
+    dropping all of it, as long as the client sends. `connection: close` on the answer makes uvicorn close the
+    connection once the answer is out, so a refused upload costs only the bytes already in flight.
+    """
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not _has_body(scope["headers"]):
+            await self.app(scope, receive, send)
+            return
+        body_read = False
+
+        async def noting_receive():
+            nonlocal body_read
+            message = await receive()
+            body_read = body_read or message["type"] == "http.disconnect" or not message.get("more_body", False)
+            return message
+
+        async def closing_send(message) -> None:
+            if message["type"] == "http.response.start" and not body_read:
+                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, noting_receive, closing_send)
+
+
+def _has_body(headers) -> bool:
+    """Whether a request's head announces a body: a content-length above 0, or a transfer encoding."""
+    for name, value in headers:
+        if name == b"content-length":
+            return value.strip() not in (b"0", b"")
+        if name == b"transfer-encoding":
+            return True
+    return False
+

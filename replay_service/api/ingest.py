@@ -69,11 +69,14 @@ class IngestAnswer(BaseModel):
     stored: bool = Field(description="this call stored the rows")
     duplicate: bool = Field(description="this (run_id, writer_id, seq) was stored before: nothing written")
     rows: int = Field(description="rows in the batch, padding dropped")
-    padding_dropped: int = Field(description="rows flagged PADDING by the writer: dropped, counted on the request")
+    padding_dropped: int = Field(description="rows flagged PADDING by the writer, or an engine route's rows of -1: "
+                                             "dropped, counted on the request")
     flagged: dict[str, int] = Field(description="rows of this batch per flag, where not 0")
     bytes: int = Field(description="bytes of the segment written (0 for a duplicate)")
     recomputed: int = Field(0, description="positions this batch computed again under another weight version than "
                                            "the rows held there (kept, not CONFLICT), counted once per position")
+    padding_slots_dropped: int = Field(0, description="an engine route's trailing top-k slots of -1 on every row "
+                                                      "(an engine-internal slot past top_k): dropped")
 
 
 class ResponseItemAnswer(IngestAnswer):
@@ -110,7 +113,7 @@ def _answer(metrics: ServiceMetrics, result: IngestResult) -> IngestAnswer:
             metrics.rows_flagged.labels(name).inc(count)
     return IngestAnswer(stored=result.stored, duplicate=not result.stored, rows=result.rows,
                         padding_dropped=result.padding_dropped, flagged=result.flagged, bytes=result.bytes,
-                        recomputed=result.recomputed)
+                        recomputed=result.recomputed, padding_slots_dropped=result.padding_slots_dropped)
 
 
 @router.post("/ingest", summary="Store a batch of rows (Arrow IPC stream, idempotent on run_id, writer_id, seq)",

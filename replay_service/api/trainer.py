@@ -13,7 +13,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from replay_format import ARROW_STREAM_MEDIA_TYPE, LayerAxis
+from replay_format import ARROW_STREAM_MEDIA_TYPE, LayerAxis, ReplayDeprecationWarning
 from replay_format import trainer_query as tq
 from replay_format.trainer_slice import Convention, CpSplit, MissingPolicy, Packing, TotalPad
 from replay_service.api.deps import Settings, Store
@@ -145,7 +145,7 @@ def __getattr__(name: str) -> Any:
     new = _RENAMED.get(name)
     if new is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(f"{__name__}.{name} is deprecated: it is {new}", DeprecationWarning, stacklevel=2)
+    warnings.warn(f"{__name__}.{name} is deprecated: it is {new}", ReplayDeprecationWarning, stacklevel=2)
     return globals()[new]
 
 

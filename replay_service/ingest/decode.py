@@ -26,6 +26,7 @@ from replay_format.weight_versions import VersionSpan
 from replay_service.errors import InvalidInput, UnsupportedMediaType
 from replay_service.ingest.engine_outputs import (
     EngineRoute,
+    EngineRows,
     decode_sglang_json,
     engine_route_rows,
     parse_spans,
@@ -102,11 +103,21 @@ class UploadOptions:
 
 @dataclass
 class Upload:
-    """A decoded route upload: its rows, the first position they start at, and the request length they imply."""
+    """A decoded route upload: its rows, the first position they start at, the request length they imply, and the
+    engine's padding cut from it (`engine_outputs.padding_of`: rows after its last real row, trailing slots)."""
 
     rows: Rows
     start: int
     num_tokens: int  # T: the last row's position + 2 (start + 1 for no rows)
+    padding_rows_cut: int = 0
+    padding_slots_cut: int = 0
+
+    @classmethod
+    def of_engine(cls, engine: EngineRows, start: int, num_tokens: int | None = None) -> Upload:
+        """An engine route's upload; `num_tokens` from its rows unless the answer's token counts say it."""
+        real = engine.rows.num_rows
+        return cls(engine.rows, start, start + real + 1 if num_tokens is None else num_tokens, engine.rows_cut,
+                   engine.slots_cut)
 
 
 def decode_route(content_type: str, body: bytes | memoryview, run_id: str, request_id: str,
@@ -137,9 +148,8 @@ def decode_route(content_type: str, body: bytes | memoryview, run_id: str, reque
                                    route.weight_versions)
     route.weight_version = _agree("weight_version", "weight_version", options.weight_version, route.weight_version)
     route.prompt_tokens = _agree("prompt_tokens", "prompt_tokens", options.prompt_tokens, route.prompt_tokens)
-    rows = engine_route_rows(run_id, request_id, route, run_shape, options.num_experts)
-    start = route.start or 0
-    return Upload(rows, start, start + rows.num_rows + 1)
+    return Upload.of_engine(engine_route_rows(run_id, request_id, route, run_shape, options.num_experts),
+                            route.start or 0)
 
 
 def _agree(query_name: str, body_name: str, query: T | None, body: T | None) -> T | None:

@@ -3,8 +3,10 @@
 Contract: `engine_route_rows` turns an `EngineRoute` into rows at positions `start ..` under the writer
 `upload_writer(request, start)` (a retry of a turn is idempotent), storing only the MoE layers (`choose_layers`: the
 caller's list, else the run's, never guessed); `upload_versions` maps weight-version spans over output tokens onto
-rows. Errors are `FormatError` (`UndecodableError` for a body that is not .npy or JSON), `InvalidInput` or
-`Conflict` (an array that fits neither of the run's axes), naming the problem.
+rows. A -1 is engines' padding (`padding_of`): a row of -1 is a PADDING row (not stored; counted), a trailing slot
+of -1 on every row is dropped (a fused shared-expert slot), any other -1 is refused naming where it is. Errors are
+`FormatError` (`UndecodableError` for a body that is not .npy or JSON), `InvalidInput` or `Conflict` (an array that
+fits neither of the run's axes), naming the problem.
 Design: docs/design/ingest.md ("Engine outputs", "Weight versions of an upload").
 """
 
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from replay_format import NO_TOKEN, FormatError, RunShape, Source, UndecodableError
+from replay_format import NO_TOKEN, Flag, FormatError, RunShape, Source, UndecodableError
 from replay_format.rows import POSITION_MAX, Rows, RowsMeta, narrow_ids
 from replay_format.weight_versions import VersionSpan, WeightVersions, check_label, span_from_json, spans_to_rows
 from replay_service.errors import Conflict, InvalidInput
@@ -295,11 +297,76 @@ def upload_writer(request_id: str, start: int) -> str:
     return f"upload/{request_id}@{start}"
 
 
+PADDING_ID = -1  # what engines write where there is no expert: vLLM's padded MoE rows, SGLang's fused slots, tunix
+
+
+@dataclass(frozen=True)
+class Padding:
+    """Where an engine's array holds -1 as padding (`padding_of`)."""
+
+    rows: np.ndarray  # bool (n,): rows of -1 alone
+    slots: int  # trailing top-k slots of -1 on every other row and layer (a fused shared-expert slot)
+    length: int  # rows up to the last that is not padding: the route's own length
+
+    @property
+    def trailing_rows(self) -> int:
+        """Padding rows after the route's last row (an array padded to a fixed length)."""
+        return len(self.rows) - self.length
+
+
+def padding_of(route: np.ndarray) -> Padding:
+    """The padding of an `(n, layers, K)` array of ids; InvalidInput naming the first -1 that is not padding.
+
+    A row whose every id is -1 is a padding row, wherever it is; then a trailing slot that is -1 on every other row
+    and layer is dropped as an engine-internal slot past `top_k`. Any other -1 (beside expert ids in a row) is no
+    route at all.
+    """
+    if not np.issubdtype(route.dtype, np.signedinteger) or not route.size or route.min() >= 0:
+        return Padding(np.zeros(len(route), bool), 0, len(route))
+    minus = route == PADDING_ID
+    rows = minus.all(axis=(1, 2))
+    kept = minus[~rows]
+    slots = 0
+    while slots < route.shape[2] - 1 and kept.size and kept[:, :, route.shape[2] - 1 - slots].all():
+        slots += 1
+    rest = kept[:, :, :route.shape[2] - slots]
+    if rest.any():
+        row, layer, slot = (int(v) for v in np.argwhere(rest)[0])
+        row = int(np.flatnonzero(~rows)[row])
+        raise InvalidInput(
+            f"row {row} holds -1 at layer {layer}, slot {slot} beside expert ids: -1 is padding only as a whole row "
+            "(not stored, its position left a gap) or as a trailing top-k slot on every row (dropped); send the "
+            "expert ids the engine used for that token, or that whole row as -1")
+    real = np.flatnonzero(~rows)
+    if not real.size:
+        raise InvalidInput(f"every one of the {len(route)} rows is -1 (padding): there is no route to store")
+    return Padding(rows, slots, int(real[-1]) + 1)
+
+
+@dataclass(frozen=True)
+class EngineRows:
+    """An engine route's rows up to its last real one (padding rows among them flagged PADDING), and what its
+    padding left out: rows after the last real one and trailing top-k slots."""
+
+    rows: Rows
+    rows_cut: int
+    slots_cut: int
+
+
 def engine_route_rows(run_id: str, request_id: str, route: EngineRoute, run_shape: RunShape | None,
-                      num_experts: int | None) -> Rows:
-    """Rows at positions `start .. start+n-1` for an upload; idempotent on (run, upload_writer(request, start), n)."""
-    choice = choose_layers(route.route, route.moe_layers, route.num_hidden_layers, run_shape)
-    experts3 = moe_rows(route.route, choice)
+                      num_experts: int | None) -> EngineRows:
+    """Rows at positions `start .. start+n-1` for an upload; idempotent on (run, upload_writer(request, start), n).
+
+    Padding (`padding_of`) is not stored: its rows among the route's are flagged PADDING (dropped at ingest,
+    counted on the request), the rows after its last real row and its trailing slots are cut."""
+    padding = padding_of(route.route)
+    array = route.route[:padding.length, :, :route.route.shape[2] - padding.slots]
+    inside = padding.rows[:padding.length]
+    if inside.any():
+        array = array.copy()
+        array[inside] = 0  # their ids are never read: zero keeps the layer checks to the real rows
+    choice = choose_layers(array, route.moe_layers, route.num_hidden_layers, run_shape)
+    experts3 = moe_rows(array, choice)
     n, num_moe_layers, top_k = experts3.shape
     experts_n = num_experts or route.num_experts or (run_shape.num_experts if run_shape else None)
     if experts_n is None:
@@ -314,10 +381,12 @@ def engine_route_rows(run_id: str, request_id: str, route: EngineRoute, run_shap
     experts = narrow_ids(experts3.reshape(n, num_moe_layers * top_k), experts_n, what="route")
     meta = RowsMeta(run_id=run_id, writer_id=upload_writer(request_id, start), seq=n, shape=shape,
                     source=route.source)
-    return Rows(meta=meta, request_ids=[request_id], request_index=np.zeros(n, np.int32),
+    rows = Rows(meta=meta, request_ids=[request_id], request_index=np.zeros(n, np.int32),
                 positions=np.arange(start, start + n, dtype=np.int32),
                 token_ids=_upload_tokens(route.token_ids, start, n), experts=experts,
-                flags=np.zeros(n, np.uint16), weight_versions=upload_versions(route, start, n))
+                flags=np.where(inside, Flag.PADDING, 0).astype(np.uint16),
+                weight_versions=upload_versions(route, start, n))
+    return EngineRows(rows, padding.trailing_rows, padding.slots)
 
 
 def _upload_tokens(token_ids: np.ndarray | None, start: int, n: int) -> np.ndarray:

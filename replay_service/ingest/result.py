@@ -24,6 +24,7 @@ class IngestResult:
     flagged: dict[str, int] = field(default_factory=dict)  # flag name -> rows of this batch, where not 0
     bytes: int = 0  # segment size
     recomputed: int = 0  # positions this batch newly recomputed under other weights (checks/check.py), not flagged
+    padding_slots_dropped: int = 0  # an engine route's trailing top-k slots of -1 (ingest/engine_outputs.py)
 
     @property
     def stored(self) -> bool:

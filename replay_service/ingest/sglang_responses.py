@@ -119,8 +119,8 @@ def _item_upload(item: object, meta: object, run_id: str, request_id: str, run_s
         weight_version=single,
         prompt_tokens=prompt,
     )
-    return Upload(engine_route_rows(run_id, request_id, route, run_shape, options.num_experts), start,
-                  start + rows + 1)
+    return Upload.of_engine(engine_route_rows(run_id, request_id, route, run_shape, options.num_experts), start,
+                            start + rows + 1)
 
 
 def _count(meta: dict, key: str) -> int:

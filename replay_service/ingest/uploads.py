@@ -7,6 +7,7 @@ of them. Each upload is then stored as one batch of rows and its request's end m
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from replay_service.ingest.decode import Upload
@@ -33,4 +34,6 @@ def store_items(pipeline: IngestPipeline, run_id: str, items: Sequence[ResponseI
 def _store(pipeline: IngestPipeline, run_id: str, request_id: str, upload: Upload, finish: bool) -> IngestResult:
     result = pipeline.ingest(upload.rows)
     pipeline.store.end_upload(run_id, request_id, upload.start, upload.num_tokens, finish)
-    return result
+    # the engine's padding cut before the rows were made is answered with the padding rows the ingest dropped
+    return dataclasses.replace(result, padding_dropped=result.padding_dropped + upload.padding_rows_cut,
+                               padding_slots_dropped=upload.padding_slots_cut)

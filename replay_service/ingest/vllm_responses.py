@@ -20,7 +20,7 @@ from replay_format.vllm_ids import response_request_ids
 from replay_format.vllm_response import ResponseObject, decode_routed_experts
 from replay_service.errors import InvalidInput
 from replay_service.ingest.decode import Upload
-from replay_service.ingest.engine_outputs import EngineRoute, engine_route_rows, load_json, parse_spans
+from replay_service.ingest.engine_outputs import EngineRoute, engine_route_rows, load_json, padding_of, parse_spans
 from replay_service.ingest.responses import ResponseItem, item_errors, same_shape
 
 
@@ -115,7 +115,7 @@ def _choice_upload(choice: _Choice, run_id: str, run_shape: RunShape | None, opt
         raise InvalidInput("it has no routed_experts (start the server with --enable-return-routed-experts, or "
                            "LLM(enable_return_routed_experts=True); an aborted request may have none)")
     array = decode_routed_experts(doc["routed_experts"], "")
-    rows, start = int(array.shape[0]), options.start
+    rows, start = int(array.shape[0]) - padding_of(array).trailing_rows, options.start  # a padded array: its route
     prompt = _token_list(choice.prompt_ids, "prompt_token_ids")
     output = _token_list(choice.output_ids, "token_ids")
     prompt_count = shared_prompt if prompt is None else len(prompt)
@@ -141,8 +141,8 @@ def _choice_upload(choice: _Choice, run_id: str, run_shape: RunShape | None, opt
         weight_versions=None if spans is None else parse_spans(spans, "weight_versions"),
         prompt_tokens=prompt_count,
     )
-    return Upload(engine_route_rows(run_id, choice.request_id, route, run_shape, options.num_experts), start,
-                  start + rows + 1)
+    return Upload.of_engine(engine_route_rows(run_id, choice.request_id, route, run_shape, options.num_experts),
+                            start)
 
 
 def _token_list(value: object, what: str) -> list[int] | None:

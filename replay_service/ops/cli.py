@@ -13,7 +13,7 @@ from uvicorn.config import STARTUP_FAILURE
 
 from replay_service import __version__
 from replay_service.errors import ServiceError
-from replay_service.settings import DEFAULT_PORT, ServiceSettings
+from replay_service.settings import DEFAULT_PORT, BadSetting, ServiceSettings, load_settings
 
 if TYPE_CHECKING:
     from replay_service.store import RouteStore
@@ -34,6 +34,21 @@ def main(
                                  help="print the installed routing-replay version and exit"),
 ) -> None:
     """routing-replay service commands."""
+
+
+# The settings a command-line option sets, by field: a bad value is named as the option where it was given.
+OPTIONS = {"data_dir": "--data", "keep_alive_timeout_s": "--keep-alive-timeout", "max_connections": "--max-connections",
+           "tokens_file": "--tokens-file", "workers": "--workers"}
+
+
+def _settings(**given: Any) -> ServiceSettings:
+    """The settings of a command (`given`: its options, None where not given); exit 2 with one line naming each bad
+    value, its variable or option, and what it needs."""
+    try:
+        return load_settings(OPTIONS, **given)
+    except BadSetting as exc:
+        typer.echo(f"replay-service: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _open_to_serve(settings: ServiceSettings) -> RouteStore:
@@ -104,9 +119,8 @@ def serve(
     from replay_service.api.auth import Tokens, listen_refusal
     from replay_service.app import create_app
 
-    overrides: dict = {"keep_alive_timeout_s": keep_alive_timeout, "max_connections": max_connections,
-                       "tokens_file": tokens_file, "workers": workers}
-    settings = ServiceSettings(data_dir=data, **{k: v for k, v in overrides.items() if v is not None})
+    settings = _settings(data_dir=data, keep_alive_timeout_s=keep_alive_timeout, max_connections=max_connections,
+                         tokens_file=tokens_file, workers=workers)
     refusal = listen_refusal(host, settings.tokens_file, insecure)
     if refusal is not None:
         typer.echo(f"replay-service: {refusal}", err=True)
@@ -184,7 +198,7 @@ def reindex(
     from replay_service.ops.reindex import reindex as rebuild
     from replay_service.store.segments.places import open_segment_store
 
-    settings = ServiceSettings(data_dir=data)
+    settings = _settings(data_dir=data)
     try:
         total = len(open_segment_store(data, settings.segments_url).paths())
         with _progress() as progress:
@@ -231,7 +245,7 @@ def verify(
     from replay_service.ops.verify import verify_store
     from replay_service.store.segments.places import open_segment_store
 
-    settings = ServiceSettings(data_dir=data)
+    settings = _settings(data_dir=data)
     try:
         segments = open_segment_store(data, settings.segments_url)
         with _progress() as progress:
@@ -269,7 +283,7 @@ def delete(
     from replay_service.errors import NotFound
 
     try:
-        store = open_store(ServiceSettings(data_dir=data))
+        store = open_store(_settings(data_dir=data))
     except _refusals() as exc:
         typer.echo(f"replay-service: {exc.message}", err=True)
         raise typer.Exit(2) from None
@@ -296,7 +310,7 @@ def gc(
     from replay_service.app import open_store
     from replay_service.store.lifecycle.retention import collect_orphans, due
 
-    settings = ServiceSettings(data_dir=data)
+    settings = _settings(data_dir=data)
     cap = settings.retention_max_bytes if max_bytes is None else max_bytes
     age = settings.retention_max_age_s if max_age_s is None else max_age_s
     if orphans:
@@ -353,6 +367,7 @@ def export(
     from replay_service.errors import NotFound
     from replay_service.ops.export import export_run
 
+    _settings(data_dir=data)  # refused here, in one line, rather than inside the export
     with _progress() as progress:
         task = progress.add_task("exporting requests", total=None)
         try:

@@ -20,6 +20,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
@@ -58,13 +59,78 @@ def worker_settings(settings: ServiceSettings, workers: int, stale_table: Path |
     return settings.model_copy(update={"max_body_bytes_in_flight": share, "stale_table_file": stale_table})
 
 
+SHARED_PREFIX = "replay-workers-"
+OWNER_FILE = "owner"  # in a shared folder: "<pid> <start time>" of the `serve` parent that made it
+LEGACY_GRACE_S = 60.0  # a shared folder without an owner file (made before there was one) is this old at least
+
+
 def _shared_folder(table: int) -> Path:
     """A new folder for what the workers share: on /dev/shm when it has room for twice the STALE table (its pages
     are then never written back to a disk; a container's small /dev/shm would fault a worker when full), else in
-    the temp folder."""
+    the temp folder. What a `serve` killed before it could remove its own folder left there is removed first
+    (`remove_orphans`): it is RAM, and a crash loop would otherwise fill it one folder per crash."""
     shm = "/dev/shm"
+    for place in (shm, tempfile.gettempdir()):
+        remove_orphans(Path(place))
     room = os.path.isdir(shm) and shutil.disk_usage(shm).free > 2 * table
-    return Path(tempfile.mkdtemp(prefix="replay-workers-", dir=shm if room else None))
+    folder = Path(tempfile.mkdtemp(prefix=SHARED_PREFIX, dir=shm if room else None))
+    (folder / OWNER_FILE).write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
+    return folder
+
+
+def _start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, /proc/PID/stat), None where it does not run."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def remove_orphans(place: Path) -> list[Path]:
+    """Remove the shared folders under `place` whose `serve` is gone; the folders removed.
+
+    A folder's owner file names its parent by pid and start time (a pid used again by another process is not its
+    parent). A folder of an older release, without an owner file, goes when it is LEGACY_GRACE_S old and no running
+    process maps a file of it (`/proc/*/maps`: a live service's workers map its STALE table and tokens)."""
+    removed = []
+    mapped: set[str] | None = None
+    for folder in place.glob(f"{SHARED_PREFIX}*"):
+        try:
+            owner = (folder / OWNER_FILE).read_text().split()
+            gone = _start_time(int(owner[0])) != (int(owner[1]) if owner[1] != "None" else None)
+        except FileNotFoundError:
+            if mapped is None:
+                mapped = _mapped_paths()
+            gone = _age_s(folder) > LEGACY_GRACE_S and not any(p.startswith(f"{folder}/") for p in mapped)
+        except (OSError, ValueError, IndexError):
+            continue  # not ours to judge (another user's, half written): left alone
+        if gone:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    if removed:
+        log.warning("start-up: removed %d shared folders left by a service that did not stop (%s)", len(removed),
+                    ", ".join(str(f) for f in removed))
+    return removed
+
+
+def _age_s(folder: Path) -> float:
+    try:
+        return time.time() - folder.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _mapped_paths() -> set[str]:
+    """Every file path some running process maps (what /proc lets this user read)."""
+    paths: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            lines = maps.read_text().splitlines()
+        except OSError:
+            continue  # gone meanwhile, or another user's
+        paths.update(fields[5].strip() for fields in (line.split(None, 5) for line in lines) if len(fields) == 6)
+    return paths
 
 
 class WorkerCannotStart(RuntimeError):

@@ -64,7 +64,7 @@ def store_requests(client: ReplayClient, run: str, lengths: dict[str, int], seed
         pos.append(np.arange(tokens - 1))
         ex.append(r)
     answer = client.ingest(batch_bytes(run, "w", 0, ids, np.concatenate(pos), np.concatenate(ex), shape=shape))
-    assert answer["stored"]
+    assert answer.stored
     for rid, tokens in lengths.items():
         client.finish(run, rid, tokens)
     return full
