@@ -128,5 +128,7 @@ def test_the_health_report_carries_the_newest_comparison(client, training_run):
     with pytest.raises(RoutingUnhealthy) as drift:
         client.check_batch("series", ["t-0"], fail_on="warn")
     assert drift.value.checks == ["ROUTER_MISMATCH"]
+    worst = ", ".join(f"model layer {layer['model_layer']} at {layer['router_mismatch']:.1%}"
+                      for layer in (newest["per_layer"][i] for i in newest["worst_layers"][:3]))
     assert str(drift.value) == ("run 'series' batch warns on routing health: ROUTER_MISMATCH 0.1021 (limit 0.05) in "
-                                f"comparison {newest['compare_id']!r}")
+                                f"comparison {newest['compare_id']!r}: {worst}")

@@ -424,7 +424,7 @@ def test_a_schema_5_database_is_migrated_and_its_rows_read_as_version_unknown(tm
     with ServiceProcess(tmp_path / "data", env=env) as service:
         client = ReplayClient(service.url)
         summary = client.request("pg5", "r")
-        assert (summary.rows, summary.weight_versions, summary.recomputed) == (8, [], 0)
+        assert (summary.rows, summary.weight_versions, summary.recomputed) == (8, (), 0)
         assert client.get_route("pg5", "r").versions().per_row() == [None] * 8
         for seq, (ex, label) in enumerate(((v1, "v1"), (v2, "v2")), start=1):
             batch = build_rows(RowsMeta("pg5", "w", seq, RunShape(48, 8, 128)), ["s"] * 8, np.arange(8), ex,

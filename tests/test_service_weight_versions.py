@@ -400,7 +400,7 @@ def test_a_2_4_batch_an_old_segment_and_an_old_index_read_back_as_version_unknow
         assert raw(service, "old", "r", format="npy").headers["X-Replay-Weight-Versions"] == "[]"
         assert [row["weight_version"] for row in raw(service, "old", "r", format="json").json()["rows"]] == [None] * 6
         summary = client.request("old", "r")
-        assert (summary.weight_versions, summary.recomputed, summary.first_recomputed) == ([], 0, None)
+        assert (summary.weight_versions, summary.recomputed, summary.first_recomputed) == ((), 0, None)
         assert [v.raw for v in client.run("old").weight_versions] == [{"version": None, "rows": 6}]
         # new rows with versions beside the old ones: an unknown row and a known one differ -> CONFLICT, as before
         new[0] = old[3]  # positions 3..5 again: identical at 3 (a resend), other ids at 4 and 5

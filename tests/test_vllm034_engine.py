@@ -88,7 +88,7 @@ def test_every_stored_route_is_what_vllm_returned(where, service, tmp_path):
         summaries = _wait_stored(client, run_id, returned, log)
         run = client.run(run_id)  # created by the engine core's tee, on the MoE layers its workers reported
         assert run.source == "vllm-output"
-        assert (run.moe_layers, run.num_hidden_layers) == (MOE_LAYERS, driver.LAYERS)
+        assert (run.moe_layers, run.num_hidden_layers) == (tuple(MOE_LAYERS), driver.LAYERS)
         for rid, r in returned.items():
             rows = np.asarray(r["routed_experts"], dtype=r["dtype"])  # vLLM's CompletionOutput.routed_experts
             tokens = r["prompt"] + r["output"]

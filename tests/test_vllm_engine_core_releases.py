@@ -82,7 +82,7 @@ def test_every_row_is_stored_as_fed_under_the_users_id(driven, route):
     requests = driven.requests(route)
     assert {s.request_id for s in driven.client.requests(run)} == set(requests)
     shape = driven.client.run(run)
-    assert (shape.moe_layers, shape.num_hidden_layers, shape.top_k, shape.num_experts) == ([1, 2], 3, 2, 8)
+    assert (shape.moe_layers, shape.num_hidden_layers, shape.top_k, shape.num_experts) == ((1, 2), 3, 2, 8)
     assert shape.source == ("vllm-plugin" if route == "plugin" else "vllm-output")
     for user, entry in requests.items():
         expected = driven.expected(route, user)
@@ -101,7 +101,7 @@ def test_requests_end_as_vllm_ended_them(driven, route):
         if entry["prefill_only"] or past_the_end(entry, len(driven.expected(route, user))):
             continue
         summary = driven.client.request(run, user)
-        assert (summary.status, summary.num_tokens) == (entry.status, entry.num_tokens), user
+        assert (summary.status, summary.num_tokens) == (entry["status"], entry["num_tokens"]), user
         assert summary.clean and summary.rows == entry["num_tokens"] - 1, user
         checked += 1
     assert checked >= 10
@@ -118,7 +118,7 @@ def test_a_request_that_ends_while_its_next_step_runs_keeps_its_rows_and_its_fin
     for user, entry in cases.items():
         rows = len(driven.expected("plugin", user))
         summary = driven.client.request(run, user)
-        assert (summary.status, summary.num_tokens) == (entry.status, max(entry.num_tokens, rows + 1)), \
+        assert (summary.status, summary.num_tokens) == (entry["status"], max(entry["num_tokens"], rows + 1)), \
             (user, summary)
 
 

@@ -721,7 +721,8 @@ def test_a_request_aborted_mid_step_ends_aborted_with_every_row_kept(engine, sha
             rows = summary.rows
             assert rows >= len(seq) - 1 and summary.num_tokens == rows + 1, (rid, len(seq), summary)
             assert summary.clean and summary.flagged["CONFLICT"] == 0, summary
-            assert summary.weight_versions == [{"version": version, "start": 0, "end": rows}], summary
+            assert [s.to_json() for s in summary.weight_versions] == [{"version": version, "start": 0, "end": rows}], \
+                summary
             route = client.get_route(RUN, rid)
             assert route.positions.tolist() == list(range(rows)) and not route.flags.any(), route.flagged_rows()
             n = min(rows, len(seq))

