@@ -1,198 +1,62 @@
-"""`ReplayClient`: the trainer's and writers' side of the replay service's HTTP API.
+"""`ReplayClient`: the trainer's and writers' side of the replay service's HTTP API, synchronous.
 
-Routes arrive as route answers (replay_format/route.md); the arrays handed out are views
-into the received body (no copy), writable so `torch.from_numpy` can wrap them without a
-copy either. Every non-2xx answer raises `ReplayError` carrying the server's detail.
+Every method is an operation of calls.py (its request built there, its answer decoded there) sent through this
+client's `Transport`; `AsyncReplayClient` (async_client.py) sends the same operations from an event loop. Routes and
+trainer slices are views into the received body (no copy); every non-2xx answer raises `ReplayError` carrying the
+server's detail; 429 and 503 are retried as `retries` says. `in_background` starts a call on the client's thread pool
+(the next step's slice while this one trains).
 """
 
 from __future__ import annotations
 
-import base64
-import io
-import json
 import os
-import warnings
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import ParamSpec, TypeVar
 
 import httpx
-import numpy as np
-import pyarrow as pa
 
-from replay_client.health import HealthReport, RoutingUnhealthy, batch_request_ids, gate_level
-from replay_client.openai_ids import Endpoint, choice_request_ids, stored_request_id
-from replay_client.records import ExpertLoad, IngestAnswer, RequestSummary, ResponseAnswer, RunSummary
-from replay_client.trainer import TrainerBatch, compare_body, megatron_query, verl_query
-from replay_client.transport import NotFoundError, ReplayError, StrictReadError, Transport
-from replay_format import ARROW_STREAM_MEDIA_TYPE, NPY_MEDIA_TYPE, Flag, LayerAxis, ReplayDeprecationWarning, flag_names
-from replay_format.core import Backing
-from replay_format.route import read_routes
-from replay_format.trajectory import TrajectoryInfo, read_trajectory_info
-from replay_format.vllm_response import request_output_json
-from replay_format.weight_versions import RecomputeRule, WeightVersions, span_json
+from replay_client import calls
+from replay_client.calls import Exchange, synchronous
+from replay_client.records import RequestSummary
+from replay_client.route import Route, npy_view, routes_from_stream
+from replay_client.transport import (
+    DEFAULT_RETRIES,
+    AnswerTooLarge,
+    NotFoundError,
+    ReplayError,
+    Retries,
+    StrictReadError,
+    Transport,
+)
+from replay_format import Flag
 
 TOKEN_ENV = "ROUTING_REPLAY_TOKEN"  # the bearer token, when none is given (the vLLM sink reads the same variable)
+P = ParamSpec("P")
+R = TypeVar("R")
 
-__all__ = ["NotFoundError", "ReplayClient", "ReplayError", "Route", "StrictReadError", "routes_from_stream"]
-
-
-@dataclass
-class Route:
-    """A route as the service answers it: one request's rows `[start, start + n)`, dense by position (a missing one
-    is a GAP row), with what the answer says of them (the run's shape, the layer axis, which computation of a
-    recomputed position was served), or a trajectory's turns as one route (`get_trajectory`: `trajectory`, `turn`).
-
-    The answer's per-request part alone is the format's `replay_format.route.RequestRoute`; `routes_from_stream`
-    joins each to the answer's metadata. `experts` holds the layers of `layer_axis`: the run's MoE layers (`moe`),
-    or every model layer with dense ones zero (`model`: vLLM's `routed_experts` layout); `layers` names each.
-    """
-
-    run_id: str
-    request_id: str
-    positions: np.ndarray  # int32 (n,)
-    experts: np.ndarray  # (n, len(layers), K) uint8/uint16
-    flags: np.ndarray  # uint16 (n,)
-    token_ids: np.ndarray  # int32 (n,), replay_format.NO_TOKEN (-1) where unknown
-    num_experts: int
-    moe_layers: tuple[int, ...]  # model-layer index of each of the run's MoE layers
-    layer_axis: LayerAxis = LayerAxis.MOE
-    num_hidden_layers: int = 0  # the model's layer count (0: not said; max(moe_layers) + 1)
-    weight_versions: WeightVersions | None = None  # which weights computed each row; None: none known
-    recompute: RecomputeRule = RecomputeRule.FIRST  # which computation of a recomputed position was served
-    trajectory: TrajectoryInfo | None = None  # `get_trajectory`: the turns and which one each row came from
-
-    def __post_init__(self) -> None:
-        self.layer_axis = LayerAxis(self.layer_axis)
-        self.recompute = RecomputeRule(self.recompute)
-        self.num_hidden_layers = self.num_hidden_layers or (self.moe_layers[-1] + 1 if self.moe_layers else 0)
-
-    @property
-    def layers(self) -> tuple[int, ...]:
-        """The model-layer index of each layer of `experts`, in order."""
-        if self.layer_axis == LayerAxis.MODEL:
-            return tuple(range(self.num_hidden_layers))
-        return self.moe_layers
-
-    @property
-    def clean(self) -> bool:
-        """True when no row carries a flag."""
-        return not self.flags.any()
-
-    def flagged_rows(self) -> list[tuple[int, list[str]]]:
-        """(position, flag names) of every flagged row."""
-        return [(int(self.positions[i]), flag_names(int(self.flags[i]))) for i in np.flatnonzero(self.flags)]
-
-    def versions(self) -> WeightVersions:
-        """Each row's weight version (unknown: rows written before versions existed, GAP rows), as the format's and
-        the store's routes give it; `.per_row()` lists the labels (None where unknown).
-
-        For one release the answer also reads as that list, as it was (`==` a list, iteration, indexing, `len`),
-        with a DeprecationWarning naming `.per_row()`.
-        """
-        versions = WeightVersions.unknown(len(self.positions)) if self.weight_versions is None else self.weight_versions
-        return _ListedVersions(versions.labels, versions.index)
-
-    @property
-    def turn(self) -> np.ndarray | None:
-        """A trajectory's rows: int32 per row, the index into `trajectory.turns` of the turn it came from (-1: a GAP
-        row); None for one request's route."""
-        return None if self.trajectory is None else self.trajectory.turn_index(self.positions)
-
-    def torch(self):
-        """The ids as a torch tensor sharing this route's memory (uint8/uint16)."""
-        import torch
-
-        return torch.from_numpy(self.experts)
-
-
-@dataclass(frozen=True, eq=False)
-class _ListedVersions(WeightVersions):
-    """`Route.versions()`: a `WeightVersions` that also reads, deprecated, as the `list[str | None]` of labels
-    `Route.versions()` answered before (one release)."""
-
-    def _listed(self, what: str) -> list[str | None]:
-        warnings.warn(f"Route.versions() answers a WeightVersions: {what} it as a list of labels is deprecated; use "
-                      "Route.versions().per_row()", ReplayDeprecationWarning, stacklevel=3)
-        return self.per_row()
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, WeightVersions):
-            return self.per_row() == other.per_row()
-        if isinstance(other, list | tuple):
-            return self._listed("comparing") == list(other)
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]  # as WeightVersions' (its index is an array)
-
-    def __iter__(self) -> Iterator[str | None]:
-        return iter(self._listed("iterating"))
-
-    def __getitem__(self, row: Any) -> Any:
-        return self._listed("indexing")[row]
-
-    def __len__(self) -> int:
-        self._listed("taking the len() of")
-        return self.num_rows
-
-
-def npy_view(body: Backing) -> np.ndarray:
-    """A `.npy` answer as a writable array viewing `body` (np.load would copy it twice)."""
-    header = io.BytesIO(bytes(body[:4096]))  # header: magic, version, a padded dict; never near 4 KiB
-    version = np.lib.format.read_magic(header)
-    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-    shape, fortran_order, dtype = read_header(header)
-    if dtype.hasobject:
-        raise ValueError(".npy answer holds Python objects")
-    count = int(np.prod(shape, dtype=np.int64))
-    flat = np.frombuffer(body, dtype, count, offset=header.tell())
-    return flat.reshape(shape, order="F" if fortran_order else "C")
-
-
-def routes_from_stream(backing: Backing) -> list[Route]:
-    """A route answer (route.md) as `Route`s whose arrays view `backing`."""
-    meta, routes = read_routes(backing)
-    return [Route(meta.run_id, r.request_id, r.positions, r.experts, r.flags, r.token_ids, meta.shape.num_experts,
-                  meta.shape.moe_layers, meta.layer_axis, meta.shape.num_hidden_layers, r.weight_versions,
-                  meta.recompute) for r in routes]
-
-
-def _version_options(weight_versions: Sequence[Any] | None, weight_version: str | None,
-                     prompt_tokens: int | None) -> dict[str, Any]:
-    """The weight-version fields of an engine-output upload (the service checks them: 422 naming a bad span)."""
-    out: dict[str, Any] = {}
-    if weight_versions is not None:
-        out["weight_versions"] = [span_json(s) for s in weight_versions]
-    if weight_version is not None:
-        out["weight_version"] = weight_version
-    if prompt_tokens is not None:
-        out["prompt_tokens"] = int(prompt_tokens)
-    return out
-
-
-def _selection(recompute: RecomputeRule | str, weight_version: str | None) -> dict[str, Any]:
-    """The read parameters that pick among a position's computations; only those that are not the defaults (so a
-    service before weight versions takes the rest)."""
-    out: dict[str, Any] = {}
-    if RecomputeRule(recompute) is not RecomputeRule.FIRST:
-        out["recompute"] = RecomputeRule(recompute).value
-    if weight_version is not None:
-        out["weight_version"] = weight_version
-    return out
+__all__ = ["AnswerTooLarge", "NotFoundError", "ReplayClient", "ReplayError", "Retries", "Route", "StrictReadError",
+           "npy_view", "routes_from_stream"]
 
 
 class ReplayClient:
     """Write rows, read routes and trainer slices, post comparisons. Thread-safe for reads."""
 
     def __init__(self, base_url: str, timeout: float = 120.0, http: httpx.Client | None = None,
-                 token: str | None = None) -> None:
-        """`token`: the service's bearer token; default: ROUTING_REPLAY_TOKEN (the variable the vLLM sink reads)."""
+                 token: str | None = None, retries: Retries = DEFAULT_RETRIES,
+                 max_answer_bytes: int | None = None) -> None:
+        """`token`: the service's bearer token; default: ROUTING_REPLAY_TOKEN (the variable the vLLM sink reads).
+        `retries`: how 429 and 503 answers are tried again; `max_answer_bytes`: refuse a larger answer before
+        reading it (always: one larger than this host's free memory)."""
         token = token if token is not None else os.environ.get(TOKEN_ENV) or None
-        self._transport = Transport(base_url, timeout, http, token)
+        self._transport = Transport(base_url, timeout, http, token, retries, max_answer_bytes)
         self.http = self._transport.http
+        self._background: ThreadPoolExecutor | None = None
 
     def close(self) -> None:
-        """Close the connections."""
+        """Close the connections (and the background thread, once its calls are done)."""
+        if self._background is not None:
+            self._background.shutdown(wait=True)
         self._transport.close()
 
     def __enter__(self) -> ReplayClient:
@@ -201,439 +65,65 @@ class ReplayClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _json(self, method: str, url: str, **kw) -> Any:
-        return self._transport.json(method, url, **kw)
+    def _drive(self, exchange: Exchange[R]) -> R:
+        """Run an operation of calls.py to its result, sending each of its calls."""
+        answer = None
+        try:
+            while True:
+                answer = self._transport.send(exchange.send(answer))
+        except StopIteration as done:
+            return done.value
 
-    def _fetch_bulk(self, method: str, url: str, doc: dict | None = None, params: dict | None = None,
-                    accept: str = ARROW_STREAM_MEDIA_TYPE) -> Backing:
-        return self._transport.fetch_bulk(method, url, doc, params, accept)
-
-    def _fetch_stream(self, method: str, url: str, **kw) -> bytearray:
-        return self._transport.fetch_stream(method, url, **kw)
-
-    # ---- writers ----------------------------------------------------------
-
-    def ingest(self, batch: pa.RecordBatch | bytes) -> IngestAnswer:
-        """Post one row batch (replay_format/rows.md; metadata with run_id, writer_id, seq); what became of it."""
-        if isinstance(batch, pa.RecordBatch):
-            from replay_format.rows import encode_stream
-
-            batch = encode_stream(batch)
-        return IngestAnswer.from_json(
-            self._json("POST", "/v1/ingest", content=batch, headers={"content-type": ARROW_STREAM_MEDIA_TYPE}))
-
-    def finish(self, run_id: str, request_id: str, num_tokens: int, status: str = "finished") -> RequestSummary:
-        """Say a request ended with `num_tokens` tokens (`status`: finished or aborted); its summary comes back."""
-        return RequestSummary.from_json(self._json(
-            "POST", f"/v1/runs/{run_id}/requests/{request_id}/finish", json={"num_tokens": num_tokens, "status": status}
-        ))
-
-    def upload_route(
-        self,
-        run_id: str,
-        request_id: str,
-        route: np.ndarray,
-        num_experts: int | None = None,
-        moe_layers: Sequence[int] | None = None,
-        finish: bool = True,
-        start: int = 0,
-        num_hidden_layers: int | None = None,
-        weight_versions: Sequence[Any] | None = None,
-        weight_version: str | None = None,
-        prompt_tokens: int | None = None,
-    ) -> IngestAnswer:
-        """A route `(rows, model layers or MoE layers, K)` (e.g. vLLM's `routed_experts`), sent as .npy.
-
-        `start`: the first row's position (vLLM's `routed_experts_prompt_start`: a later turn's rows);
-        they land at `start .. start+rows-1`, and `finish` ends (or extends) the request at
-        `start + rows + 1` tokens. `moe_layers` (model-layer indices) says which layers are MoE
-        layers; a new run whose array has an all-zero layer needs it (the service never guesses).
-        `weight_versions`: vLLM's `CompletionOutput.weight_versions` as returned (`WeightVersionSpan`s,
-        `VersionSpan`s, dicts or triples; spans over OUTPUT tokens), or `weight_version` one label for every row;
-        `prompt_tokens` the prompt's length where the spans do not say it (rows.md, "Weight versions").
-        """
-        buf = io.BytesIO()
-        np.save(buf, np.ascontiguousarray(route), allow_pickle=False)
-        params: dict[str, Any] = {"finish": str(finish).lower(), "start": int(start)}
-        if num_experts is not None:
-            params["num_experts"] = num_experts
-        if moe_layers is not None:
-            params["moe_layers"] = ",".join(str(int(x)) for x in moe_layers)
-        if num_hidden_layers is not None:
-            params["num_hidden_layers"] = int(num_hidden_layers)
-        params.update(_version_options(weight_versions, weight_version, prompt_tokens))
-        if "weight_versions" in params:
-            params["weight_versions"] = json.dumps(params["weight_versions"], separators=(",", ":"))
-        return IngestAnswer.from_json(self._json(
-            "POST",
-            f"/v1/runs/{run_id}/requests/{request_id}/routes",
-            content=buf.getvalue(),
-            params=params,
-            headers={"content-type": NPY_MEDIA_TYPE},
-        ))
-
-    upload_vllm_output = upload_route
-
-    def upload_sglang_output(
-        self,
-        run_id: str,
-        request_id: str,
-        routed_experts: str | np.ndarray,
-        num_layers: int,
-        top_k: int,
-        num_experts: int | None = None,
-        token_ids: Sequence[int] | None = None,
-        moe_layers: Sequence[int] | None = None,
-        start: int | None = None,
-        num_hidden_layers: int | None = None,
-        finish: bool = True,
-        weight_versions: Sequence[Any] | None = None,
-        weight_version: str | None = None,
-        prompt_tokens: int | None = None,
-        routed_experts_dtype: str | None = None,
-    ) -> IngestAnswer:
-        """SGLang's `meta_info["routed_experts"]` (base64 ids; `num_layers` as SGLang counts them).
-
-        `routed_experts_dtype`: `meta_info["routed_experts_dtype"]` as returned (uint8, uint16 or int32: what SGLang
-        sent; None: int32, as SGLang's readers assume). An array is sent as int32. `start` is the request's
-        `routed_experts_start_len` (sent under SGLang's name); `token_ids` are the tokens from `start` (rows or
-        rows + 1 of them) or the whole sequence. `weight_versions` (`meta_info["weight_versions"]`, spans over
-        output tokens) or `weight_version` (one label) as for `upload_route`. A whole `/generate` answer:
-        `upload_sglang_response`.
-        """
-        if not isinstance(routed_experts, str):
-            routed_experts = base64.b64encode(np.ascontiguousarray(routed_experts, np.int32).tobytes()).decode()
-            if routed_experts_dtype not in (None, "int32"):
-                raise ValueError(f"an array is sent as int32, not routed_experts_dtype={routed_experts_dtype!r}")
-        doc: dict[str, Any] = {"routed_experts": routed_experts, "num_layers": num_layers, "top_k": top_k}
-        if routed_experts_dtype is not None:
-            doc["routed_experts_dtype"] = routed_experts_dtype
-        if num_experts is not None:
-            doc["num_experts"] = num_experts
-        if token_ids is not None:
-            doc["token_ids"] = [int(t) for t in token_ids]
-        if moe_layers is not None:
-            doc["moe_layers"] = [int(x) for x in moe_layers]
-        if start is not None:
-            doc["routed_experts_start_len"] = int(start)
-        if num_hidden_layers is not None:
-            doc["num_hidden_layers"] = int(num_hidden_layers)
-        doc.update(_version_options(weight_versions, weight_version, prompt_tokens))
-        return IngestAnswer.from_json(self._json("POST", f"/v1/runs/{run_id}/requests/{request_id}/routes", json=doc,
-                                                 params={"finish": str(finish).lower()}))
-
-    def upload_sglang_response(
-        self,
-        run_id: str,
-        response: dict | Sequence[dict],
-        request_ids: Sequence[str] | dict[str, str] | None = None,
-        start: int = 0,
-        num_experts: int | None = None,
-        num_layers: int | None = None,
-        top_k: int | None = None,
-        moe_layers: Sequence[int] | None = None,
-        num_hidden_layers: int | None = None,
-        finish: bool = True,
-    ) -> ResponseAnswer:
-        """A whole SGLang `/generate` answer as returned (its JSON: one item, or a batch's list), in one call.
-
-        Each item is stored under its `meta_info["id"]` (or `request_ids`: a list in item order, or a dict from
-        SGLang's id to yours) at `start` (the request's `routed_experts_start_len`, one for the whole call), with
-        `meta_info["routed_experts_dtype"]` (absent: int32) and `meta_info["weight_versions"]` (else
-        `weight_version`). SGLang does not send the array's shape: `top_k` (and `num_layers`, else the ids of a row
-        over top_k) for a new run. The service checks every item first: a `ReplayError` names the item's index and
-        request id, and nothing of the answer is stored. The answer's `items` say what became of each.
-        """
-        items = [response] if isinstance(response, dict) else list(response)
-        body: Any = response if isinstance(response, dict) else items
-        if request_ids is not None:
-            if isinstance(request_ids, dict):
-                ids = [item.get("meta_info", {}).get("id") for item in items]
-                missing = [i for i in ids if i not in request_ids]
-                if missing:
-                    raise ValueError(f"request_ids maps no stored id for SGLang's ids {missing[:5]}")
-                request_ids = [request_ids[i] for i in ids]
-            body = {"response": body, "request_ids": list(request_ids)}
-        params: dict[str, Any] = {"start": int(start), "finish": str(finish).lower()}
-        for name, value in (("num_experts", num_experts), ("num_layers", num_layers), ("top_k", top_k),
-                            ("num_hidden_layers", num_hidden_layers)):
-            if value is not None:
-                params[name] = int(value)
-        if moe_layers is not None:
-            params["moe_layers"] = ",".join(str(int(x)) for x in moe_layers)
-        return ResponseAnswer.from_json(self._json("POST", f"/v1/runs/{run_id}/responses/sglang", json=body,
-                                                   params=params))
-
-    def upload_vllm_response(
-        self,
-        run_id: str,
-        response: Any,
-        n: int | None = None,
-        start: int = 0,
-        num_experts: int | None = None,
-        moe_layers: Sequence[int] | None = None,
-        num_hidden_layers: int | None = None,
-        finish: bool = True,
-    ) -> ResponseAnswer:
-        """A whole vLLM answer as returned, every choice in one call (replay_format/vllm_response.md).
-
-        `response`: the `openai` client's `Completion` or `ChatCompletion`, their JSON (a dict), or an offline
-        `RequestOutput` (its outputs' `routed_experts` and `weight_versions` as vLLM hands them out). Each choice is
-        stored under the id the plugin would store it under (`replay_format.vllm_ids`), at `start` (the request's
-        `routed_experts_prompt_start`). `n`: the request's n, needed for a completions answer with several choices.
-        The service checks every choice first: a `ReplayError` names the choice's index and request id, and nothing
-        of the answer is stored. The answer's `items` say what became of each.
-        """
-        if isinstance(response, dict):
-            body = response
-        elif hasattr(response, "model_dump"):  # the openai client's objects keep vLLM's extra fields
-            body = response.model_dump(mode="json")
-        elif hasattr(response, "request_id") and hasattr(response, "outputs"):
-            body = request_output_json(response)
-        else:
-            raise TypeError(f"not a vLLM completions/chat answer or RequestOutput: {type(response).__name__}")
-        params: dict[str, Any] = {"start": int(start), "finish": str(finish).lower()}
-        for name, value in (("n", n), ("num_experts", num_experts), ("num_hidden_layers", num_hidden_layers)):
-            if value is not None:
-                params[name] = int(value)
-        if moe_layers is not None:
-            params["moe_layers"] = ",".join(str(int(x)) for x in moe_layers)
-        return ResponseAnswer.from_json(self._json("POST", f"/v1/runs/{run_id}/responses/vllm", json=body,
-                                                   params=params))
-
-    # ---- readers ----------------------------------------------------------
-
-    def runs(self) -> list[RunSummary]:
-        """Every run's summary."""
-        return [RunSummary.from_json(run) for run in self._json("GET", "/v1/runs")["runs"]]
-
-    def run(self, run_id: str) -> RunSummary:
-        """One run's summary: its shape (`num_moe_layers`, `top_k`, `num_experts`, `moe_layers`: `.shape`), counts,
-        rows per flag."""
-        return RunSummary.from_json(self._json("GET", f"/v1/runs/{run_id}"))
-
-    def request(self, run_id: str, request_id: str) -> RequestSummary:
-        """One request's summary."""
-        return RequestSummary.from_json(self._json("GET", f"/v1/runs/{run_id}/requests/{request_id}"))
+    def in_background(self, method: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> Future[R]:
+        """Start `method(*args, **kwargs)` (a method of this client) on the client's background thread and return
+        its `Future` at once: e.g. the next step's slice while this step trains,
+        `upcoming = client.in_background(client.megatron_batch, next_sequences, **layout)`, then
+        `upcoming.result()` when it is needed (its error, if any, is raised there). Calls run one at a time, in
+        the order started (reads are thread-safe; a separate connection carries them)."""
+        if self._background is None:
+            self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-client")
+        return self._background.submit(method, *args, **kwargs)
 
     def requests(self, run_id: str, flag: str | Flag | None = None, page_size: int = 500) -> Iterator[RequestSummary]:
         """Every request summary of a run (optionally only those with `flag`), following the cursor."""
         cursor = None
         while True:
-            params: dict[str, Any] = {"limit": page_size}
-            if flag is not None:
-                params["flag"] = flag.name if isinstance(flag, Flag) else flag
-            if cursor:
-                params["cursor"] = cursor
-            page = self._json("GET", f"/v1/runs/{run_id}/requests", params=params)
-            yield from (RequestSummary.from_json(item) for item in page["items"])
-            cursor = page["next_cursor"]
-            if not cursor:
+            page = self._drive(calls.requests_page(run_id, flag, page_size, cursor))
+            yield from page.items
+            if page.next_cursor is None:
                 return
+            cursor = page.next_cursor
 
-    def expert_load(self, run_id: str) -> ExpertLoad:
-        """Tokens per expert per MoE layer over the run's clean rows."""
-        return ExpertLoad.from_json(self._json("GET", f"/v1/runs/{run_id}/expert-load"))
+    # ---- the operations (calls.py): writers, readers, trainers, comparisons, run health -----------------
 
-    def get_route(
-        self, run_id: str, request_id: str, start: int = 0, end: int | None = None, strict: bool = False,
-        layer_axis: LayerAxis | str = LayerAxis.MOE, recompute: RecomputeRule | str = RecomputeRule.FIRST,
-        weight_version: str | None = None,
-    ) -> Route:
-        """One request's rows `[start, end)` (default: all); `strict` raises StrictReadError on a flagged row.
-
-        `layer_axis="model"`: every model layer, dense ones zero, as vLLM's `routed_experts`.
-        `recompute="latest"`: where a position was computed again under other weights, the newest computation
-        (default `first`: the rows the sampled tokens were produced with); `weight_version`: that version's rows
-        only (other positions GAP). `route.versions()` gives each row's weight version.
-        """
-        params: dict[str, Any] = {"start": start, "strict": str(strict).lower(),
-                                  "layer_axis": LayerAxis(layer_axis).value, **_selection(recompute, weight_version)}
-        if end is not None:
-            params["end"] = end
-        body = self._fetch_bulk("GET", f"/v1/runs/{run_id}/requests/{request_id}/routes", params=params)
-        return routes_from_stream(body)[0]
-
-    def get_routes(
-        self, run_id: str, request_ids: Sequence[str], start: int = 0, end: int | None = None, strict: bool = False,
-        layer_axis: LayerAxis | str = LayerAxis.MOE, recompute: RecomputeRule | str = RecomputeRule.FIRST,
-        weight_version: str | None = None,
-    ) -> list[Route]:
-        """Many routes in one round trip, in the order asked, on one layer axis (`recompute`, `weight_version`:
-        as in `get_route`)."""
-        doc = {"requests": list(request_ids), "start": start, "end": end, "strict": strict,
-               "layer_axis": LayerAxis(layer_axis).value, **_selection(recompute, weight_version)}
-        body = self._fetch_bulk("POST", f"/v1/runs/{run_id}/routes/batch", doc)  # one buffer, a few large reads
-        return routes_from_stream(body)
-
-    def get_trajectory(
-        self, run_id: str, turns: Sequence[str], recompute: RecomputeRule | str = RecomputeRule.FIRST,
-        strict: bool = False, layer_axis: LayerAxis | str = LayerAxis.MOE,
-    ) -> Route:
-        """The turns of one conversation or resubmitted rollout (request ids, first to last) as one route.
-
-        Positions `0 .. rows of the last turn - 1`; `recompute="first"` (default) takes each from the first turn
-        that holds a row there (each turn's rows as it sampled them: earlier turns immutable), `"latest"` from the
-        last. The route is named after the last turn; `route.trajectory` lists the turns and spans, `route.turn`
-        gives the turn of each row, `route.versions()` each row's weight version. ReplayError 409 when a turn does
-        not continue the one before it (a token that differs, fewer rows).
-        """
-        doc = {"turns": list(turns), "recompute": RecomputeRule(recompute).value, "strict": strict,
-               "layer_axis": LayerAxis(layer_axis).value}
-        body = self._fetch_bulk("POST", f"/v1/runs/{run_id}/routes/trajectory", doc)
-        route = routes_from_stream(body)[0]
-        route.trajectory = read_trajectory_info(body)
-        return route
-
-    def get_route_npy(self, run_id: str, request_id: str, start: int = 0, end: int | None = None,
-                      strict: bool = False, layer_axis: LayerAxis | str = LayerAxis.MOE,
-                      recompute: RecomputeRule | str = RecomputeRule.FIRST,
-                      weight_version: str | None = None) -> np.ndarray:
-        """One request's ids `(n, layers, K)` as the service's .npy answer (the parameters as in `get_route`; the
-        versions travel in a header: `get_route` gives them)."""
-        params: dict[str, Any] = {"start": start, "strict": str(strict).lower(), "format": "npy",
-                                  "layer_axis": LayerAxis(layer_axis).value, **_selection(recompute, weight_version)}
-        if end is not None:
-            params["end"] = end
-        body = self._fetch_bulk("GET", f"/v1/runs/{run_id}/requests/{request_id}/routes", params=params,
-                                accept=NPY_MEDIA_TYPE)
-        return npy_view(body)
-
-    def get_openai_route(
-        self, run_id: str, response_id: str, prompt_index: int = 0, choice_index: int = 0,
-        endpoint: Endpoint | str = Endpoint.COMPLETIONS, n: int = 1, strict: bool = False,
-        layer_axis: LayerAxis | str = LayerAxis.MOE,
-    ) -> Route:
-        """One choice's route from what a vLLM user holds (`replay_client.openai_ids.stored_request_id`).
-
-        `response_id`: the response's `id` (or offline `RequestOutput.request_id`); `prompt_index`:
-        the prompt of a completions request; `choice_index`: the sample (0..n-1); `n`: the request's n.
-        """
-        rid = stored_request_id(response_id, endpoint=endpoint, prompt_index=prompt_index,
-                                choice_index=choice_index, n=n)
-        return self.get_route(run_id, rid, strict=strict, layer_axis=layer_axis)
-
-    def get_openai_routes(self, run_id: str, response: Any, n: int | None = None, strict: bool = False,
-                          layer_axis: LayerAxis | str = LayerAxis.MOE) -> list[Route]:
-        """Every choice's route of an `openai` response (or a vLLM `RequestOutput`), in `choices` order.
-
-        `n`: the request's n, needed for a completions response with several choices.
-        """
-        return self.get_routes(run_id, choice_request_ids(response, n), strict=strict, layer_axis=layer_axis)
-
-    # ---- trainers -----------------------------------------------------------
-
-    def megatron_batch(self, sequences, packing: str = "thd", **options: Any) -> TrainerBatch:
-        """This rank's `RouterReplay` data for a micro-batch of (run, request) (`replay_client.trainer`).
-
-        `options` are `megatron_query`'s (cp/tp size and rank, pad_multiple or seq_length,
-        moe_ordinals or model_layer_range for this pipeline stage, strict). Only this rank's
-        slice travels.
-        """
-        query = megatron_query(sequences, packing, **options)
-        return TrainerBatch.read(self._fetch_bulk("POST", "/v1/trainer/megatron", query.to_json()))
-
-    def verl_batch(self, sequences, prompt_lengths: Sequence[int], prompt_width: int, response_width: int,
-                   **options: Any) -> TrainerBatch:
-        """verl's dense `[batch, prompt_width + response_width, L, K]` and its mask (options: `verl_query`'s)."""
-        query = verl_query(sequences, prompt_lengths, prompt_width, response_width, **options)
-        return TrainerBatch.read(self._fetch_bulk("POST", "/v1/trainer/verl", query.to_json()))
-
-    # ---- comparisons ------------------------------------------------------
-
-    def compare(self, run_id: str, request_ids, positions, experts, label: str | None = None,
-                step: int | None = None, weight_version: str | None = None) -> dict:
-        """Post the trainer's own top-k (n, L, K) per (request, position); the stored comparison comes back.
-
-        `step`: the training step it was made at (comparisons with a step form the run's agreement series,
-        `agreement_series`); `weight_version`: the trainer's weight version it was made against. Both are kept in
-        the stored answer.
-        """
-        body = compare_body(run_id, self.run(run_id).shape, request_ids, positions, experts)
-        params: dict[str, Any] = {}
-        if label is not None:
-            params["label"] = label
-        if step is not None:
-            params["step"] = int(step)
-        if weight_version is not None:
-            params["weight_version"] = weight_version
-        return self._json("POST", f"/v1/runs/{run_id}/compare", content=body, params=params or None,
-                          headers={"content-type": ARROW_STREAM_MEDIA_TYPE})
-
-    def compares(self, run_id: str) -> list[dict]:
-        """A run's stored comparisons, newest first."""
-        return self._json("GET", f"/v1/runs/{run_id}/compares")["compares"]
-
-    def compare_result(self, run_id: str, compare_id: str) -> dict:
-        """One stored comparison."""
-        return self._json("GET", f"/v1/runs/{run_id}/compares/{compare_id}")
-
-    def compare_request(self, run_id: str, compare_id: str, request_id: str, start: int = 0,
-                        end: int | None = None) -> dict:
-        """Per position and MoE layer, 0|1 mismatch of one request in a stored comparison."""
-        params: dict[str, Any] = {"start": start}
-        if end is not None:
-            params["end"] = end
-        return self._json("GET", f"/v1/runs/{run_id}/compares/{compare_id}/requests/{request_id}", params=params)
-
-    def agreement_series(self, run_id: str) -> list[dict]:
-        """The run's comparisons posted with a `step`, in step order (ties by creation time): each point's `step`,
-        `weight_version`, `compare_id`, `created_at`, `label`, `tokens`, `router_mismatch`, `token_mismatch`,
-        `jaccard` and `worst_layers` (up to 3: `layer`, `model_layer`, `router_mismatch`)."""
-        return self._json("GET", f"/v1/runs/{run_id}/agreement")["points"]
-
-    # ---- run health ---------------------------------------------------------
-
-    def run_health(self, run_id: str, window_s: float | None = None) -> HealthReport:
-        """The health verdict on a whole run, or on its requests written in the last `window_s` seconds.
-
-        Run scope never judges OPEN (requests still being written are normal in a live run) nor MISSING.
-        """
-        params = None if window_s is None else {"window_s": float(window_s)}
-        return HealthReport.from_json(self._json("GET", f"/v1/runs/{run_id}/health", params=params))
-
-    def batch_health(self, run_id: str, request_ids: Sequence[Any],
-                     weight_version: str | None = None) -> HealthReport:
-        """The health verdict on the requests of one training batch (at most the service's
-        REPLAY_MAX_BATCH_REQUESTS, 4096 by default).
-
-        `request_ids`: ids, or the sequences given to `megatron_batch` / `verl_batch` ((run, request) pairs or
-        dicts). `weight_version`: the trainer's current weight version, against which rows of other versions count
-        as stale (STALENESS, `r3/version_stale_frac`); without it the service takes the run's newest.
-        """
-        doc: dict[str, Any] = {"requests": batch_request_ids(run_id, request_ids)}
-        if weight_version is not None:
-            doc["weight_version"] = weight_version
-        return HealthReport.from_json(self._json("POST", f"/v1/runs/{run_id}/health", json=doc))
-
-    def check_batch(self, run_id: str, request_ids: Sequence[Any], weight_version: str | None = None,
-                    fail_on: str = "fail") -> dict[str, float]:
-        """The training-loop gate: call it after the rollout batch is assembled, before its routes are fetched and
-        replayed (docs/health.md shows where in each trainer).
-
-        Raises `RoutingUnhealthy` (carrying the `HealthReport`; its message names each failed check, its count,
-        value and limit, and the first requests with their first positions) when the batch's verdict is
-        `fail_on` ("fail", the default, or "warn") or worse. Otherwise returns the report's flat metrics
-        (`r3/verdict`, `r3/fallback_frac`, `r3/router_mismatch`, ...: stable names, floats, absent figures left
-        out) to log as they are: `wandb.log(metrics, step=step)`, `mlflow.log_metrics(metrics, step=step)`, or
-        TensorBoard's `writer.add_scalar(name, value, step)` per item.
-        """
-        level = gate_level(fail_on)
-        report = self.batch_health(run_id, request_ids, weight_version)
-        if report.verdict.at_least(level):
-            raise RoutingUnhealthy(report, level)
-        return dict(report.metrics)
-
-    def health_thresholds(self, run_id: str) -> dict:
-        """The limits a run's checks are judged against: `{"run_id", "thresholds": {CHECK: {"warn", "fail"}},
-        "overridden": [CHECK, ...]}` (a limit of None: never reached; 0: any count reaches it)."""
-        return self._json("GET", f"/v1/runs/{run_id}/health/thresholds")
-
-    def set_health_thresholds(self, run_id: str, thresholds: dict[str, dict[str, float | None]]) -> dict:
-        """Override some of a run's limits, merged over the defaults: `{"ZERO": {"warn": 0, "fail": 0.01}}`
-        (ReplayError 422 naming an unknown check). Answers as `health_thresholds`."""
-        return self._json("PUT", f"/v1/runs/{run_id}/health/thresholds", json=thresholds)
-
-    def reset_health_thresholds(self, run_id: str) -> dict:
-        """Drop a run's overrides: every check back to the default limits. Answers as `health_thresholds`."""
-        return self._json("DELETE", f"/v1/runs/{run_id}/health/thresholds")
+    ingest = synchronous(calls.ingest)
+    finish = synchronous(calls.finish)
+    upload_route = synchronous(calls.upload_route)
+    upload_vllm_output = upload_route
+    upload_sglang_output = synchronous(calls.upload_sglang_output)
+    upload_sglang_response = synchronous(calls.upload_sglang_response)
+    upload_vllm_response = synchronous(calls.upload_vllm_response)
+    runs = synchronous(calls.runs)
+    run = synchronous(calls.run)
+    request = synchronous(calls.request)
+    requests_page = synchronous(calls.requests_page)
+    expert_load = synchronous(calls.expert_load)
+    get_route = synchronous(calls.get_route)
+    get_routes = synchronous(calls.get_routes)
+    get_trajectory = synchronous(calls.get_trajectory)
+    get_route_npy = synchronous(calls.get_route_npy)
+    get_openai_route = synchronous(calls.get_openai_route)
+    get_openai_routes = synchronous(calls.get_openai_routes)
+    megatron_batch = synchronous(calls.megatron_batch)
+    verl_batch = synchronous(calls.verl_batch)
+    compare = synchronous(calls.compare)
+    compares = synchronous(calls.compares)
+    compare_result = synchronous(calls.compare_result)
+    compare_request = synchronous(calls.compare_request)
+    agreement_series = synchronous(calls.agreement_series)
+    run_health = synchronous(calls.run_health)
+    batch_health = synchronous(calls.batch_health)
+    check_batch = synchronous(calls.check_batch)
+    health_thresholds = synchronous(calls.health_thresholds)
+    set_health_thresholds = synchronous(calls.set_health_thresholds)
+    reset_health_thresholds = synchronous(calls.reset_health_thresholds)

@@ -19,7 +19,7 @@ from replay_service.api.models import AUTH
 from replay_service.buffers import BufferPool
 from replay_service.health.exporter import RunHealthCollector
 from replay_service.ingest.pipeline import IngestPipeline
-from replay_service.metrics import ServiceMetrics
+from replay_service.metrics import ServiceMetrics, StoreCollector
 from replay_service.settings import ServiceSettings
 from replay_service.store import Processes, RouteStore
 
@@ -69,6 +69,18 @@ class LatencyMiddleware:
             self.metrics.latency.labels(getattr(route, "path", "unmatched"), scope["method"], str(status)).observe(
                 time.perf_counter() - started
             )
+
+
+def stored_bytes(app: FastAPI) -> int | None:
+    """The bytes of the segments the open store's index holds (None before the store is open)."""
+    store = getattr(app.state, "store", None)
+    return None if store is None else sum(int(run["bytes"]) for run in store.index.runs())
+
+
+def feed_round_at(app: FastAPI) -> float | None:
+    """When this process's STALE feed last finished a round (None without a feed, or before its first round)."""
+    feed = getattr(getattr(app.state, "ingest", None), "feed", None)
+    return None if feed is None else feed.round_at
 
 
 def open_store(settings: ServiceSettings, processes: Processes = Processes.ONE) -> RouteStore:
@@ -125,6 +137,8 @@ def create_app(settings: ServiceSettings | None = None, store: RouteStore | None
     app.state.metrics = ServiceMetrics()
     # per-run health, read from the index at scrape time: every replica answers for the whole service
     app.state.metrics.add_scraped(RunHealthCollector(lambda: app.state.store, settings))
+    app.state.metrics.add_scraped(StoreCollector(settings.data_dir, lambda: stored_bytes(app),
+                                                 lambda: feed_round_at(app)))
     install_error_handlers(app)
     app.state.tokens = tokens if tokens is not None else Tokens.load(settings.tokens_file)
     # Starlette tries routes in the order they were added (~2-4 us each): the hot reads (one route, a training step's

@@ -10,9 +10,14 @@ collectors read at scrape time (run health, from the shared index) once.
 from __future__ import annotations
 
 import os
+import shutil
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
@@ -76,3 +81,51 @@ class ServiceMetrics:
         for collector in self.scraped:
             everyone.register(collector)
         return generate_latest(everyone)
+
+
+class StoreCollector:
+    """Read at every scrape: the disk of the data directory (`replay_data_disk_bytes{kind="used"|"free"}`), the bytes
+    of the segments the index holds (`replay_stored_bytes`), and the seconds since the answering process's STALE feed
+    last finished a round (`replay_stale_feed_lag_seconds`; only with a feed: replicas on a PostgreSQL index).
+
+    `stored()` and `feed_round_at()` answer at scrape time (None: not known yet, the family left out)."""
+
+    def __init__(self, data_dir: Path, stored: Callable[[], int | None], feed_round_at: Callable[[], float | None],
+                 clock: Callable[[], float] = time.time) -> None:
+        self._data_dir = Path(data_dir)
+        self._stored = stored
+        self._feed_round_at = feed_round_at
+        self._clock = clock
+
+    def describe(self) -> Iterable[Metric]:
+        """The families' names, without reading anything."""
+        return self._families()[:2]
+
+    def collect(self) -> Iterable[Metric]:
+        """Every family, read now."""
+        disk, stored, lag = self._families()
+        try:
+            usage = shutil.disk_usage(self._data_dir)
+            disk.add_metric(["used"], usage.used)
+            disk.add_metric(["free"], usage.free)
+        except OSError:
+            pass  # not made yet: the family without samples
+        out = [disk]
+        total = self._stored()
+        if total is not None:
+            stored.add_metric([], total)
+            out.append(stored)
+        at = self._feed_round_at()
+        if at is not None:
+            lag.add_metric([], max(0.0, self._clock() - at))
+            out.append(lag)
+        return out
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+        return (GaugeMetricFamily("replay_data_disk_bytes", "Bytes used and free on the data directory's disk",
+                                  labels=["kind"]),
+                GaugeMetricFamily("replay_stored_bytes", "Bytes of the segment files the index holds"),
+                GaugeMetricFamily("replay_stale_feed_lag_seconds",
+                                  "Seconds since this process's STALE feed last finished a round (publish and learn)"))
+

@@ -74,6 +74,7 @@ class StaleFeed:
         self._pruned_at = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stale-feed", daemon=True)
+        self.round_at: float | None = None  # when the last round finished (the feed's lag is the time since)
 
     def start(self) -> StaleFeed:
         """Start the thread that publishes and learns every `interval_s`."""
@@ -113,6 +114,7 @@ class StaleFeed:
         if now - self._pruned_at > 60:  # every process prunes about once a minute (a delete of nothing is cheap)
             self.index.prune_published(now - self.window_s)
             self._pruned_at = now
+        self.round_at = time.time()
 
     def _learn(self, now: float) -> None:
         """Add the other hosts' entries not read yet: their numbers first (a few bytes each, the lookback included),
