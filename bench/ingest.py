@@ -19,9 +19,10 @@ many workers, running a bare app that receives each body through ASGI and drops 
 stack costs before the service does anything.
 
 Where the CPU went, in the service's rounds: CPU per batch of the service's processes (from /proc) and of the
-writers (this process), and the bound they set on this machine: were every core busy all the round, a batch
-could take no less than (service + writers) / cores, which caps the ratio to raw at raw's time per batch over
-that (the "CPU bound" column); "cores busy" is how much of that the round used.
+writers (this process), the service's CPU-seconds per GB stored beside the raw write's (`bench/service_cpu.py`:
+the figure that carries to a many-core host), and the bound they set on this machine: were every core busy all the
+round, a batch could take no less than (service + writers) / cores, which caps the ratio to raw at raw's time per
+batch over that (the "CPU bound" column); "cores busy" is how much of that the round used.
 
 Request bodies are encoded BEFORE the timed region: a sender encodes on its own machine, and here the client
 shares the service's cores, so only sending, the service's work and receiving the answer are timed.
@@ -48,7 +49,6 @@ import argparse
 import base64
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -66,6 +66,7 @@ import numpy as np
 import pyarrow as pa
 
 from bench.http_floor import BytesServer, uvicorn_floor
+from bench.service_cpu import own_cpu_s, per_gb, process_cpu_s, service_pids
 from bench.stopping import exit_on_sigterm
 from replay_format import ARROW_STREAM_MEDIA_TYPE, RunShape
 from replay_format.rows import RowsMeta, build_rows, encode_stream
@@ -124,24 +125,6 @@ def post_parts(urls: list[str], parts: list[list[tuple[str, bytes, dict]]]) -> f
     return elapsed
 
 
-def process_cpu_s(pids: list[int]) -> float:
-    """User + system CPU seconds of the live processes `pids` so far (/proc/PID/stat)."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:  # ended meanwhile
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime (stat fields 14 and 15)
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_s() -> float:
-    """User + system CPU seconds of this process (every thread: the writers, while they send)."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 @dataclass
 class CpuPerBatch:
     """Where one round's CPU went, per batch: the service's processes and the writers (this process)."""
@@ -158,6 +141,10 @@ class CpuPerBatch:
         """The share of the cores' time the round used."""
         return (self.service_s + self.writers_s) / (cores * self.wall_s)
 
+    def service_per_gb(self, batch_bytes: int) -> float:
+        """The service's CPU seconds per GB stored (`batch_bytes`: the ids of one batch)."""
+        return per_gb(self.service_s, batch_bytes)
+
 
 def measured_post(url: str, jobs: list[tuple[str, bytes, dict]], writers: int, pids: list[int]) -> tuple[float,
                                                                                                        CpuPerBatch]:
@@ -168,10 +155,11 @@ def measured_post(url: str, jobs: list[tuple[str, bytes, dict]], writers: int, p
     return elapsed, CpuPerBatch((process_cpu_s(pids) - service) / n, (own_cpu_s() - own) / n, elapsed / n)
 
 
-def raw_write(folder: Path, batches: list[pa.RecordBatch]) -> float:
-    """Write each batch as an Arrow IPC file, fsync it and its folder (one process); seconds elapsed."""
+def raw_write(folder: Path, batches: list[pa.RecordBatch], cpu: list[float] | None = None) -> float:
+    """Write each batch as an Arrow IPC file, fsync it and its folder (one process); seconds elapsed (and the CPU
+    seconds it used appended to `cpu`)."""
     folder.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
+    started, used = time.perf_counter(), own_cpu_s()
     for i, batch in enumerate(batches):
         path = folder / f"{i}.arrow"
         with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, batch.schema) as writer:
@@ -187,6 +175,8 @@ def raw_write(folder: Path, batches: list[pa.RecordBatch]) -> float:
         finally:
             os.close(dir_fd)
     elapsed = time.perf_counter() - started
+    if cpu is not None:
+        cpu.append(own_cpu_s() - used)
     for path in folder.iterdir():
         path.unlink()
     return elapsed
@@ -258,13 +248,14 @@ def main() -> None:
             post_all(url, warmup, config.writers)
             post_all(uvicorn_url, warmup, config.writers)
             post_all(per_worker.url, warmup, config.writers)
-            ours, raw, floor, bare, cpu, bounds, own_tables = [], [], [], [], [], [], []
-            pids = [proc.proc.pid, *proc.children()]
+            ours, raw, floor, bare, cpu, bounds, own_tables, raw_cpu = [], [], [], [], [], [], [], []
+            batch_bytes = config.batch_rows * SHAPE.row_width
+            pids = service_pids(proc)
             for r in range(args.rounds):
                 jobs = arrow_jobs(batches, f"bench-{config.batch_rows}-{config.writers}-{r}", config.writers)
                 elapsed, used = measured_post(url, jobs, config.writers, pids)
                 ours.append(config.tokens / elapsed)
-                raw_s = raw_write(raw_dir, record_batches)
+                raw_s = raw_write(raw_dir, record_batches, raw_cpu)
                 raw.append(config.tokens / raw_s)
                 cpu.append(used)
                 bounds.append(used.bound_ratio(raw_s / len(jobs), cores))
@@ -272,6 +263,8 @@ def main() -> None:
                 bare.append(config.tokens / post_all(uvicorn_url, jobs, config.writers))
                 own_tables.append(config.tokens / post_all(per_worker.url, jobs, config.writers))
             results[config.name] = {"ours": ours, "raw": raw, "floor": floor, "uvicorn": bare, "cpu": cpu,
+                                    "cpu_per_gb": [c.service_per_gb(batch_bytes) for c in cpu],
+                                    "raw_cpu_per_gb": [per_gb(c, config.tokens * SHAPE.row_width) for c in raw_cpu],
                                     "bounds": bounds, "per_worker": own_tables,
                                     "table_ratios": [o / p for o, p in zip(ours, own_tables)],
                                     "ratios": [o / w for o, w in zip(ours, raw)],
@@ -319,8 +312,11 @@ def main() -> None:
         writers_ms = statistics.median(c.writers_s for c in res["cpu"]) * 1e3
         bound_med, bound_lo, bound_hi = summary(res["bounds"])
         busy = statistics.median(c.busy(cores) for c in res["cpu"])
+        per, per_lo, per_hi = summary(res["cpu_per_gb"])
+        raw_per = statistics.median(res["raw_cpu_per_gb"])
         print(f"  {config.name:<30} service {service:5.1f} ms, writers {writers_ms:5.1f} ms; CPU bound "
-              f"{bound_med:.2f} of raw ({bound_lo:.2f}-{bound_hi:.2f}); cores busy {busy:.0%}")
+              f"{bound_med:.2f} of raw ({bound_lo:.2f}-{bound_hi:.2f}); cores busy {busy:.0%}; service CPU-s per GB "
+              f"stored {per:.2f} ({per_lo:.2f}-{per_hi:.2f}), raw write's {raw_per:.2f}")
     print("  the STALE table shared by the host's workers (ours) beside a table per worker, same batches, same rounds")
     for config in configs:
         res = results[config.name]
@@ -339,6 +335,8 @@ def main() -> None:
                       "service_cpu_ms_per_batch": round(statistics.median(c.service_s for c in r["cpu"]) * 1e3, 2),
                       "writers_cpu_ms_per_batch": round(statistics.median(c.writers_s for c in r["cpu"]) * 1e3, 2),
                       "cpu_bound_ratio": round(statistics.median(r["bounds"]), 2),
+                      "service_cpu_s_per_gb": round(statistics.median(r["cpu_per_gb"]), 2),
+                      "raw_cpu_s_per_gb": round(statistics.median(r["raw_cpu_per_gb"]), 2),
                       "per_worker_table_tokens_per_s": round(statistics.median(r["per_worker"])),
                       "shared_vs_per_worker_table": round(statistics.median(r["table_ratios"]), 2)}
                for name, r in results.items()}

@@ -55,8 +55,9 @@ if ROOT not in sys.path:  # `python bench/scaling.py` from anywhere: tests.suppo
 import httpx
 import numpy as np
 
-from bench.ingest import SHAPE, CpuPerBatch, arrow_jobs, make_batches, post_all, process_cpu_s
+from bench.ingest import SHAPE, CpuPerBatch, arrow_jobs, make_batches, post_all
 from bench.segment_files import PREVIOUS, RUN
+from bench.service_cpu import per_gb, process_cpu_s, service_pids
 from bench.step_fetch import all_at_once, loaded
 from bench.stopping import exit_on_sigterm
 from replay_service.ops.demo import bulk_routes
@@ -68,7 +69,8 @@ STEP_WRITERS = 4  # the sink shape's writers (DP ranks of the rollout), as bench
 
 @dataclass
 class Scaled:
-    """One worker count's figures: ingest tokens/s and CPU per batch per round; the step's rows/s."""
+    """One worker count's figures: ingest tokens/s and CPU per batch per round; the step's rows/s; the service's
+    CPU-seconds per GB stored and delivered."""
 
     workers: int
     writers: int
@@ -78,6 +80,9 @@ class Scaled:
     warm: list[float]
     split: list[int]
     seconds: tuple[float, float]  # the ingest part's and the step part's, services' starts included
+    ingest_cpu_per_gb: list[float]  # per round
+    first_cpu_per_gb: float
+    warm_cpu_per_gb: list[float]  # per round
 
     def figures(self) -> dict:
         """The medians, for the JSON line."""
@@ -87,7 +92,10 @@ class Scaled:
                 "writers_cpu_ms_per_batch": round(statistics.median(c.writers_s for c in self.cpu) * 1e3, 2),
                 "step_first_rows_per_s": round(self.first),
                 "step_warm_rows_per_s": round(statistics.median(self.warm)),
-                "connections_per_worker": self.split, "seconds": [round(t, 1) for t in self.seconds]}
+                "connections_per_worker": self.split, "seconds": [round(t, 1) for t in self.seconds],
+                "ingest_cpu_s_per_gb": round(statistics.median(self.ingest_cpu_per_gb), 2),
+                "first_cpu_s_per_gb": round(self.first_cpu_per_gb, 2),
+                "warm_cpu_s_per_gb": round(statistics.median(self.warm_cpu_per_gb), 2)}
 
 
 def _writer(url: str, jobs: list, go, spans: list, errors: list) -> None:
@@ -146,7 +154,7 @@ def ingest_rounds(data: Path, workers: int, writers: int, ids: np.ndarray,
     processes = writer_processes(writers, args.writers_per_process)
     rates, cpu = [], []
     with ServiceProcess(data, workers=workers) as service:
-        pids = [service.proc.pid, *service.children()] if service.proc else []
+        pids = service_pids(service)
         post_all(service.url, arrow_jobs(batches[: max(8, 2 * writers)], "warmup", writers), writers)
         for r in range(args.rounds):
             jobs = arrow_jobs(batches, f"scaling-{r}", writers)  # encoded before timing
@@ -162,15 +170,16 @@ def writer_processes(writers: int, most: int) -> int:
 
 
 def step_rounds(data: Path, workers: int, requests: list[str], rows: int,
-                args: argparse.Namespace) -> tuple[float, list[float], list[int]]:
+                args: argparse.Namespace) -> tuple[dict, list[dict], list[int]]:
     """The previous step and the step stored sink-shaped in a service of `workers`; the ranks' first fetch of the
-    step (after their fetch of the previous one) and warm rounds, rows/s; how many ranks' connections each worker
-    held."""
+    step (after their fetch of the previous one) and warm rounds (`all_at_once`'s rounds); how many ranks'
+    connections each worker held."""
     sequences, previous = [(RUN, r) for r in requests], [(PREVIOUS, r) for r in requests]
     with loaded("sink", data, workers, requests, rows, STEP_WRITERS) as service:
-        (first,), split = all_at_once(service.url, args.ranks, sequences, None, 1, first=previous)
-        warm, _ = all_at_once(service.url, args.ranks, sequences, None, args.rounds, first=sequences)
-    return first["rows"] / first["wall"], [w["rows"] / w["wall"] for w in warm], split
+        pids = service_pids(service)
+        (first,), split = all_at_once(service.url, args.ranks, sequences, None, 1, first=previous, pids=pids)
+        warm, _ = all_at_once(service.url, args.ranks, sequences, None, args.rounds, first=sequences, pids=pids)
+    return first, warm, split
 
 
 def scaled(workers: int, tmp: Path, ids: np.ndarray, requests: list[str], args: argparse.Namespace) -> Scaled:
@@ -184,7 +193,11 @@ def scaled(workers: int, tmp: Path, ids: np.ndarray, requests: list[str], args: 
     finally:
         for name in (f"ingest-{workers}", f"step-{workers}"):
             shutil.rmtree(tmp / name, ignore_errors=True)
-    return Scaled(workers, writers, rates, cpu, first, warm, split, (middle - started, time.monotonic() - middle))
+    batch_bytes = len(ids) * SHAPE.row_width / -(-len(ids) // BATCH_ROWS)  # the mean batch's
+    return Scaled(workers, writers, rates, cpu, first["rows"] / first["wall"], [w["rows"] / w["wall"] for w in warm],
+                  split, (middle - started, time.monotonic() - middle),
+                  [c.service_per_gb(int(batch_bytes)) for c in cpu], per_gb(first["service_cpu_s"], first["bytes"]),
+                  [per_gb(w["service_cpu_s"], w["bytes"]) for w in warm])
 
 
 def machine() -> dict:
@@ -206,7 +219,7 @@ def print_header(base: Scaled) -> None:
     x = f"x of {base.workers}"
     print(f"  {'workers':>7} {'writers':>7} | {'ingest M tok/s':<18} {'service CPU ms/batch':>20} "
           f"{'writers CPU ms/batch':>20} {x:>7} | {'first M rows/s':>14} {x:>7} {'warm M rows/s':<18} {x:>7} | "
-          f"{'s':>4} | connections per worker")
+          f"{'service CPU-s/GB: ingest':>24} {'first':>6} {'warm':>6} | {'s':>4} | connections per worker")
 
 
 def print_row(row: Scaled, base: Scaled) -> None:
@@ -216,7 +229,9 @@ def print_row(row: Scaled, base: Scaled) -> None:
     ingest, warm = statistics.median(row.ingest), statistics.median(row.warm)
     print(f"  {row.workers:>7} {row.writers:>7} | {spread(row.ingest):<18} {service:>20.1f} {writers:>20.1f} "
           f"{ingest / statistics.median(base.ingest):>7.2f} | {row.first / 1e6:>14.2f} {row.first / base.first:>7.2f} "
-          f"{spread(row.warm):<18} {warm / statistics.median(base.warm):>7.2f} | {sum(row.seconds):>4.0f} | "
+          f"{spread(row.warm):<18} {warm / statistics.median(base.warm):>7.2f} | "
+          f"{statistics.median(row.ingest_cpu_per_gb):>24.2f} {row.first_cpu_per_gb:>6.2f} "
+          f"{statistics.median(row.warm_cpu_per_gb):>6.2f} | {sum(row.seconds):>4.0f} | "
           f"{':'.join(map(str, row.split))}", flush=True)
 
 

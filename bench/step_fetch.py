@@ -8,7 +8,9 @@ batches), and `kind`, 8 whole requests per batch. Per shape and rank count, in o
 right after the requests finish (cold: their clients fetched the previous step, as a training run's ranks have;
 and from fresh rank processes, a run's first step) and warm rounds; the same slices one client after another, cold
 on a copy of its own (so neither warms the other) and warm; the share of one process reading the rows from the
-page-cached segment files; and vLLM's in-band path (base64 `.npy` answers decoded by one process). Ray's object store is
+page-cached segment files; and vLLM's in-band path (base64 `.npy` answers decoded by one process). Beside the rows/s,
+the service's CPU-seconds per GB delivered (parent + workers, /proc; `bench/service_cpu.py`) of each round, and the
+one process's copying the rows out of the files: the figures that carry to a many-core host. Ray's object store is
 `bench/ray_step.py`. Asserts no time.
 
     python bench/step_fetch.py [--ranks 16 64] [--shapes sink kind] [--rounds 3] [--convention slime]
@@ -37,6 +39,7 @@ if ROOT not in sys.path:  # `python bench/step_fetch.py` from anywhere: tests.su
 import numpy as np
 
 from bench.segment_files import PREVIOUS, RUN, SHAPE, load_store, load_store_as_sink, segment_rows
+from bench.service_cpu import own_cpu_s, per_gb, process_cpu_s, service_pids
 from bench.stopping import exit_on_sigterm
 from replay_client import ReplayClient
 from replay_format.vllm_response import encode_routed_experts, read_npy
@@ -81,13 +84,13 @@ def _rank(url: str, rank: int, ranks: int, sequences: list, convention: str | No
 
 
 def all_at_once(url: str, ranks: int, sequences: list, convention: str | None, rounds: int,
-                first: list | None = None) -> tuple[list[dict], list[int]]:
+                first: list | None = None, pids: list[int] | None = None) -> tuple[list[dict], list[int]]:
     """Each round: every rank's fetch, all released by one barrier, after one unmeasured fetch each of its slice of
     `first` when given (`sequences` itself: warm; the previous step's: the ranks of a training run, whose clients
-    fetched a step before). Per round: wall, per-rank times, rows, bytes; how many ranks' connections each worker
-    holds."""
+    fetched a step before). Per round: wall, per-rank times, rows, bytes, and the CPU seconds the service's processes
+    `pids` used from the barrier to the last answer; how many ranks' connections each worker holds."""
     ctx = mp.get_context("fork")
-    barrier = ctx.Barrier(ranks)
+    barrier = ctx.Barrier(ranks + 1)  # the ranks and this process, which reads the service's CPU around each round
     results = ctx.Queue()
     workers = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(url, r, ranks, sequences, convention, rounds, barrier, results, workers,
@@ -95,17 +98,19 @@ def all_at_once(url: str, ranks: int, sequences: list, convention: str | None, r
              for r in range(ranks)]
     for p in procs:
         p.start()
-    pids = [workers.get(timeout=600) for _ in range(ranks)]
-    split = sorted((pids.count(pid) for pid in set(pids)), reverse=True)
-    got = [results.get(timeout=600) for _ in range(ranks * rounds)]
-    for p in procs:
-        p.join()
+    serving = [workers.get(timeout=600) for _ in range(ranks)]
+    split = sorted((serving.count(pid) for pid in set(serving)), reverse=True)
     out = []
-    for round_ in range(rounds):
-        mine = [g for g in got if g[0] == round_]
+    for _ in range(rounds):
+        barrier.wait(timeout=600)
+        cpu = process_cpu_s(pids or [])
+        mine = [results.get(timeout=600) for _ in range(ranks)]  # a round's answers all come before the next's
         out.append({"wall": max(g[3] for g in mine) - min(g[2] for g in mine),
                     "each": sorted(g[3] - g[2] for g in mine),
-                    "rows": sum(g[4] for g in mine), "bytes": sum(g[5] for g in mine)})
+                    "rows": sum(g[4] for g in mine), "bytes": sum(g[5] for g in mine),
+                    "service_cpu_s": process_cpu_s(pids or []) - cpu})
+    for p in procs:
+        p.join()
     return out, split
 
 
@@ -196,21 +201,28 @@ def measure(shape: str, ranks: int, tmp: Path, args: argparse.Namespace, request
     with loaded(shape, b_dir, args.workers, requests, rows, args.writers) as b:
         cold_turn_s, turn_rows = one_client_in_turn(b.url, ranks, sequences, args.convention, previous)
     with loaded(shape, c_dir, args.workers, requests, rows, args.writers) as c:
-        (fresh,), _ = all_at_once(c.url, ranks, sequences, args.convention, 1)
+        (fresh,), _ = all_at_once(c.url, ranks, sequences, args.convention, 1, pids=service_pids(c))
     with loaded(shape, a_dir, args.workers, requests, rows, args.writers) as a:
-        (cold,), split = all_at_once(a.url, ranks, sequences, args.convention, 1, first=previous)
-        warm, _ = all_at_once(a.url, ranks, sequences, args.convention, args.rounds, first=sequences)
+        (cold,), split = all_at_once(a.url, ranks, sequences, args.convention, 1, first=previous,
+                                     pids=service_pids(a))
+        warm, _ = all_at_once(a.url, ranks, sequences, args.convention, args.rounds, first=sequences,
+                              pids=service_pids(a))
         warm_turn_s = statistics.median(one_client_in_turn(a.url, ranks, sequences, args.convention)[0]
                                         for _ in range(args.rounds))
         peak = peak_memory(a)
-    files_s = min(_timed(segment_rows, a_dir, requests) for _ in range(args.rounds))
+    files = [_timed(segment_rows, a_dir, requests) for _ in range(args.rounds)]
+    files_s = min(seconds for seconds, _ in files)
     total = cold["rows"]
     warm_s = statistics.median(r["wall"] for r in warm)
     out = {"cold_rows_per_s": total / cold["wall"], "warm_rows_per_s": total / warm_s,
            "fresh_rows_per_s": total / fresh["wall"],
            "cold_turn_rows_per_s": turn_rows / cold_turn_s, "warm_turn_rows_per_s": turn_rows / warm_turn_s,
            "files_rows_per_s": len(requests) * rows / files_s, "split": split, "service_peak_mb": peak / 1e6,
-           "segments": len(list((a_dir / "runs" / RUN).glob("*.arrow")))}
+           "segments": len(list((a_dir / "runs" / RUN).glob("*.arrow"))),
+           "cold_cpu_s_per_gb": per_gb(cold["service_cpu_s"], cold["bytes"]),
+           "warm_cpu_s_per_gb": statistics.median(per_gb(r["service_cpu_s"], r["bytes"]) for r in warm),
+           "fresh_cpu_s_per_gb": per_gb(fresh["service_cpu_s"], fresh["bytes"]),
+           "files_cpu_s_per_gb": min(per_gb(cpu, len(requests) * rows * SHAPE.row_width) for _, cpu in files)}
     out["cold_over_warm"] = out["cold_rows_per_s"] / out["warm_rows_per_s"]
     out["fresh_over_warm"] = out["fresh_rows_per_s"] / out["warm_rows_per_s"]
     out["cold_vs_turn"] = out["cold_rows_per_s"] / out["cold_turn_rows_per_s"]
@@ -259,13 +271,17 @@ def main() -> None:
                       f"first {r['cold_vs_files']:.3f}, warm {r['warm_vs_files']:.3f}; connections per worker "
                       f"{':'.join(map(str, r['split']))}; of in-band: first {r['cold_rows_per_s'] / band:.2f}, "
                       f"warm {r['warm_rows_per_s'] / band:.2f}")
+                print(f"       service CPU-s per GB delivered: first {r['cold_cpu_s_per_gb']:.2f}, warm "
+                      f"{r['warm_cpu_s_per_gb']:.2f}, fresh rank processes {r['fresh_cpu_s_per_gb']:.2f}; one process "
+                      f"copying the rows out of the mapped segment files {r['files_cpu_s_per_gb']:.2f}")
     print(json.dumps(report))
 
 
-def _timed(fn, *args) -> float:
-    started = time.monotonic()
+def _timed(fn, *args) -> tuple[float, float]:
+    """Seconds and CPU seconds of `fn(*args)` in this process."""
+    started, cpu = time.monotonic(), own_cpu_s()
     fn(*args)
-    return time.monotonic() - started
+    return time.monotonic() - started, own_cpu_s() - cpu
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "benchmarks.md"
 BENCH = ROOT / "bench"
-HELPERS = {"segment_files", "http_floor", "stopping"}  # modules the benches share: nothing to run
+HELPERS = {"segment_files", "http_floor", "stopping", "service_cpu"}  # modules the benches share: nothing to run
 NO_JSON = {"capture", "prefix_cache"}  # benches that print tables only, no JSON line to keep
 
 Table = tuple[list[str], list[list[str]]]  # header, rows
@@ -169,6 +169,13 @@ def of(numerator: float | None, denominator: float | None) -> float | None:
     return None if not numerator or not denominator else numerator / denominator
 
 
+def per_gb(value: float | None, beside: float | None = None) -> str:
+    """CPU-seconds per GB (bench/service_cpu.py), `beside` in brackets; "-" where a run made before them has none."""
+    if value is None:
+        return "-"
+    return f"{value:.2f}" if beside is None else f"{value:.2f} ({beside:.2f})"
+
+
 def cell(value: Any) -> str:
     if isinstance(value, bool) or value is None:
         return json.dumps(value)
@@ -205,10 +212,12 @@ def ingest(result: dict[str, Any], _: dict[str, dict[str, Any]]) -> Iterator[str
                      f"{millions(f['floor_tokens_per_s'])} ({f['floor_ratio']:.2f})",
                      f"{millions(f['uvicorn_tokens_per_s'])} ({f['uvicorn_ratio']:.2f})",
                      f"{f['service_cpu_ms_per_batch']:.1f} / {f['writers_cpu_ms_per_batch']:.1f}",
-                     f"{f['cpu_bound_ratio']:.2f}", f"{f['shared_vs_per_worker_table']:.2f}"])
+                     f"{f['cpu_bound_ratio']:.2f}", f"{f['shared_vs_per_worker_table']:.2f}",
+                     per_gb(f.get("service_cpu_s_per_gb"), f.get("raw_cpu_s_per_gb"))])
     yield markdown((["batches, writers", "ours", "raw", "ours / raw", "HTTP floor (/ raw)",
                      "uvicorn floor (/ raw)", "CPU ms per batch: service / writers",
-                     "the ratio that CPU allows", "shared STALE table / per worker"], rows))
+                     "the ratio that CPU allows", "shared STALE table / per worker",
+                     "service CPU-s per GB stored (raw write's)"], rows))
     if "json_tokens_per_s" in out:
         yield (f"The same store fed int32 base64 in JSON per 1k-token request: {millions(out['json_tokens_per_s'])} "
                f"M tokens/s; Arrow (32768-row batches) / JSON: **{out['arrow_vs_json']:.1f}x**.")
@@ -241,11 +250,15 @@ def step_fetch(result: dict[str, Any], everything: dict[str, dict[str, Any]]) ->
                          f"{millions(f['files_rows_per_s'])}", f"{f['cold_vs_files']:.2f} / {f['warm_vs_files']:.2f}",
                          f"{millions(band)}", f"{f['cold_rows_per_s'] / band:.1f}",
                          "" if theirs is None else ratio(of(f["cold_rows_per_s"], theirs["first_rows_per_s"])),
-                         ":".join(map(str, f["split"]))])
+                         ":".join(map(str, f["split"])),
+                         " / ".join(per_gb(f.get(k)) for k in ("cold_cpu_s_per_gb", "warm_cpu_s_per_gb",
+                                                             "fresh_cpu_s_per_gb"))
+                         + f" ({per_gb(f.get('files_cpu_s_per_gb'))})"])
     yield markdown((["THD rule", "shape (segments)", "ranks", "first", "warm", "fresh", "first / warm",
                      "one client in turn: first / warm", "at once / in turn: first / warm", "memory read",
                      "of the memory read: first / warm", "in-band", "first / in-band",
-                     "first / Ray's first (ray_step)", "connections per worker"], rows))
+                     "first / Ray's first (ray_step)", "connections per worker",
+                     "service CPU-s per GB delivered: first / warm / fresh (memory read's)"], rows))
 
 
 def ray_step(result: dict[str, Any], everything: dict[str, dict[str, Any]]) -> Iterator[str]:
@@ -376,10 +389,13 @@ def scaling(result: dict[str, Any], _: dict[str, dict[str, Any]]) -> Iterator[st
              f"{r['service_cpu_ms_per_batch']:.1f} / {r['writers_cpu_ms_per_batch']:.1f}",
              millions(r["step_first_rows_per_s"]), ratio(of(r["step_first_rows_per_s"], base["step_first_rows_per_s"])),
              millions(r["step_warm_rows_per_s"]), ratio(of(r["step_warm_rows_per_s"], base["step_warm_rows_per_s"])),
-             ":".join(map(str, r["connections_per_worker"]))] for r in rows_in]
+             ":".join(map(str, r["connections_per_worker"])),
+             " / ".join(per_gb(r.get(k)) for k in ("ingest_cpu_s_per_gb", "first_cpu_s_per_gb", "warm_cpu_s_per_gb"))]
+            for r in rows_in]
     yield markdown((["workers", "writers", "ingest M tokens/s", f"x of {base['workers']}",
                      "CPU ms per batch: service / writers", "step first M rows/s", f"x of {base['workers']}",
-                     "step warm M rows/s", f"x of {base['workers']}", "connections per worker"], rows))
+                     "step warm M rows/s", f"x of {base['workers']}", "connections per worker",
+                     "service CPU-s per GB: ingest / first / warm"], rows))
 
 
 def flat(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:

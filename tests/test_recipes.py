@@ -105,7 +105,7 @@ def test_verls_agent_loop_records_every_answer_while_others_generate(shared_serv
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap
     from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
-    from tests.support.moe_families import save_tokenizer
+    from tests.support.vllm_model import save_tokenizer
 
     recipe = _load("verl_agent_loop")
     timeline = Timeline()

@@ -13,6 +13,7 @@ stands above the store and stores batches through it. Design: docs/architecture.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,7 @@ from replay_service.store.lifecycle.journal import open_journal
 from replay_service.store.lifecycle.retention import Removed, collect_orphans, due, empty_trash, removed, to_trash
 from replay_service.store.requests.ends import upload_end
 from replay_service.store.requests.references import Resolution, Resolver
-from replay_service.store.requests.rows import RouteRows, RowReader
+from replay_service.store.requests.rows import KnownSpans, Located, RouteRows, RowReader
 from replay_service.store.requests.summaries import RequestPage, RequestRecord, RunRecord
 from replay_service.store.runs import RunRegistry, RunState
 from replay_service.store.segments.cache import QUARANTINE_DIR, SegmentCache, Sweep, require_index, sweep_unindexed
@@ -44,6 +45,10 @@ __all__ = ["Processes", "RequestStatus", "RouteRows", "RouteStore", "index_targe
 def index_target(settings: ServiceSettings) -> str | Path:
     """The index settings name: REPLAY_INDEX_URL (PostgreSQL), or `<data_dir>/index.sqlite` when unset."""
     return settings.index_url or Path(settings.data_dir) / "index.sqlite"
+
+
+def _no_request(run_id: str, request_id: str) -> NotFound:
+    return NotFound(f"request {request_id!r} not found in run {run_id!r}")
 
 
 class RouteStore:
@@ -269,7 +274,7 @@ class RouteStore:
     def _request_row(self, run_id: str, request_id: str) -> Row:
         row = self.index.request(run_id, request_id)
         if row is None:
-            raise NotFound(f"request {request_id!r} not found in run {run_id!r}")
+            raise _no_request(run_id, request_id)
         return row
 
     def request_summary(self, run_id: str, request_id: str) -> RequestRecord:
@@ -293,6 +298,20 @@ class RouteStore:
             if run.deleted:
                 raise RunDeleted.during_read(run.run_id) from None
             raise
+
+    def requests_to_read(self, run: RunState, request_ids: Sequence[str]) -> list[RequestRecord]:
+        """`request_to_read` of each of `request_ids`, in order, in one index query (a trainer slice's sequences);
+        NotFound naming the first the run does not have."""
+        rows = self.index.requests_of(run.run_id, request_ids)
+        records = []
+        for request_id in request_ids:
+            row = rows.get(request_id)
+            if row is None:
+                if run.deleted:
+                    raise RunDeleted.during_read(run.run_id)
+                raise _no_request(run.run_id, request_id)
+            records.append(RequestRecord.of(row))
+        return records
 
     def list_requests(self, run_id: str, flag: Flag | None, cursor: str | None, limit: int) -> RequestPage:
         """A page of request summaries after `cursor` by id (those with `flag` only), and the next cursor."""
@@ -319,6 +338,10 @@ class RouteStore:
         run = self.run_to_read(run_id)
         return self.read_rows(run, self.request_to_read(run, request_id), start, end, rule, weight_version)
 
+    def spans_of_requests(self, run: RunState, request_ids: list[str]) -> KnownSpans:
+        """Every span of these requests of `run`, in one index read, for their `locate_rows(known_spans=...)`."""
+        return KnownSpans(self.index.spans_of_requests(run.run_id, request_ids))
+
     def read_rows(self, run: RunState, request: RequestRecord, start: int = 0, end: int | None = None,
                   rule: RecomputeRule = RecomputeRule.FIRST, weight_version: str | None = None) -> RouteRows:
         """`read_route` of a request whose record the caller holds (`request_to_read`), of the run it took before
@@ -327,6 +350,14 @@ class RouteStore:
 
         The late CONFLICT flags are looked up when `request` counted some.
         """
+        return self.locate_rows(run, request, start, end, rule, weight_version).rows()
+
+    def locate_rows(self, run: RunState, request: RequestRecord, start: int = 0, end: int | None = None,
+                    rule: RecomputeRule = RecomputeRule.FIRST, weight_version: str | None = None,
+                    known_spans: KnownSpans | None = None) -> Located:
+        """`read_rows`' rows located, their ids not yet copied (`requests.rows.Located`: a trainer slice copies only
+        the rows of its rank, straight from the segments); `known_spans`: the request's spans, read for many
+        requests at once (`spans_of_requests`, taken after `request`)."""
         if weight_version is not None:
             try:
                 check_label(weight_version, "weight_version")
@@ -344,8 +375,8 @@ class RouteStore:
         if end - start > on_loop.MAX_ROWS:
             on_loop.refuse(f"{end - start} rows is more than a read on the event loop serves")
         late = self.index.late_flags(run_id, request.request_id, start, end) if request.flagged[Flag.CONFLICT] else {}
-        route = self.reader.route(run_id, request.request_id, run.shape, start, end, late, RecomputeRule(rule),
-                                  weight_version)
+        route = self.reader.locate(run_id, request.request_id, run.shape, start, end, late, RecomputeRule(rule),
+                                   weight_version, known_spans)
         if run.deleted:
             raise RunDeleted.during_read(run_id)
         return route

@@ -1,6 +1,7 @@
 """Fill a token plan with ids: the recorded rows, filler, and the missing-row policy (pure numpy).
 
-`gather_rows(plan, specs, read_rows, held, ...)` reads the plan's tokens' rows through a callback (never the store),
+`gather_rows(plan, specs, read_rows, held, ...)` reads the plan's tokens' rows through a callback (never the store)
+and copies each token's ids once, from where the callback says they are (`IdRows`: a segment's mapping),
 keeps the layers the slice holds (`held_layers`: the MoE axis, or the model-layer axis with dense layers zero), and
 gives padding and the last token of each sequence filler ids with `valid == 0`. A real token whose row is flagged or
 missing follows `MissingPolicy`: `strict` refuses the slice, `router` marks it `fallback == 1` (the trainer's router
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -25,11 +27,39 @@ from replay_service.errors import InvalidInput
 from replay_service.trainer.layouts import SequenceSpec, TokenPlan, filler_rows
 
 
+class IdRows(Protocol):
+    """Where a sequence's recorded ids are: `copy_ids(out, dst, offsets, ordinals)` sets `out[dst[j]]` to the ids of
+    row `offsets[j]` (of the MoE layers `ordinals`; None: all of them, `out` then `(m, L*K)`)."""
+
+    def copy_ids(self, out: np.ndarray, dst: np.ndarray, offsets: np.ndarray,
+                 ordinals: np.ndarray | None = None) -> None: ...
+
+
+@dataclass(frozen=True)
+class DenseIds:
+    """`IdRows` over ids already in one array `(n, L*K)`."""
+
+    experts: np.ndarray
+    shape: RunShape
+
+    def copy_ids(self, out: np.ndarray, dst: np.ndarray, offsets: np.ndarray,
+                 ordinals: np.ndarray | None = None) -> None:
+        """As `IdRows.copy_ids`: runs that step by one on both sides go as plain copies."""
+        experts = self.experts if ordinals is None else self.experts.reshape(
+            len(self.experts), self.shape.num_moe_layers, self.shape.top_k)[:, ordinals]
+        runs = _contiguous_runs(dst, offsets)
+        if runs is None:
+            out[dst] = experts[offsets]
+            return
+        for a, b in runs:  # THD: one run per sequence (two under zigzag CP)
+            out[dst[a] : dst[a] + b - a] = experts[offsets[a] : offsets[a] + b - a]
+
+
 @dataclass(frozen=True)
 class RowsRead:
-    """Recorded rows of one sequence's offsets `[lo, hi)`: ids, which are clean, and each row's version."""
+    """Recorded rows of one sequence's offsets `[lo, hi)`: where their ids are, which are clean, each row's version."""
 
-    experts: np.ndarray  # (hi-lo, L*K): every MoE layer of the run
+    ids: IdRows  # offsets 0 .. hi-lo-1; every MoE layer of the run
     ok: np.ndarray  # (hi-lo,) bool: a clean recorded row
     version: np.ndarray  # (hi-lo,) int16: index into the slice's version labels, UNKNOWN where none is known
 
@@ -122,6 +152,8 @@ def gather_rows(plan: TokenPlan, specs: list[SequenceSpec], read_rows: ReadRows,
     ordinals = held.moe_ordinals
     m = plan.num_tokens
     out = np.empty((m, len(ordinals), top_k), shape.dtype)
+    every_layer = len(ordinals) == num_moe_layers
+    target, subset = (out.reshape(m, -1), None) if every_layer else (out, ordinals)
     valid = np.zeros(m, np.uint8)
     version = np.full(m, UNKNOWN, VERSION_TYPE)
     needs_row = np.zeros(m, bool)
@@ -140,17 +172,9 @@ def gather_rows(plan: TokenPlan, specs: list[SequenceSpec], read_rows: ReadRows,
         needs_row[idx_rows] = True
         lo, hi = int(offs_rows.min()), int(offs_rows.max()) + 1
         read = read_rows(i, lo, hi)
-        experts = read.experts.reshape(hi - lo, num_moe_layers, top_k)
         local = offs_rows - lo
         good = read.ok[local]
-        if len(ordinals) != num_moe_layers:
-            experts = experts[:, ordinals]
-        runs = _contiguous_runs(idx_rows, local) if good.all() else None
-        if runs is not None:  # THD: one run per sequence (two under zigzag CP): plain memcpy
-            for a, b in runs:
-                out[idx_rows[a] : idx_rows[a] + b - a] = experts[local[a] : local[a] + b - a]
-        else:
-            out[idx_rows[good]] = experts[local[good]]
+        read.ids.copy_ids(target, idx_rows[good], local[good], subset)  # straight from where they are: one copy
         valid[idx_rows[good]] = 1
         version[idx_rows[good]] = read.version[local[good]]
     without = np.flatnonzero(valid == 0)

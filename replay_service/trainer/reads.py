@@ -17,13 +17,22 @@ import numpy as np
 from replay_format import ID_RULE, flag_names, valid_id
 from replay_format.trainer_query import SequenceRef, TrainerQuery, VersionPolicy, strict_alias
 from replay_format.trainer_slice import MissingPolicy, SliceMeta, build_slice
+from replay_format.weight_versions import WeightVersions
 from replay_service.errors import Conflict, InvalidInput, StrictRefusal
 from replay_service.store import RouteStore
 from replay_service.store.requests.rows import RouteRows
 from replay_service.store.requests.summaries import RequestRecord
 from replay_service.store.runs import RunState
 from replay_service.trainer import layouts
-from replay_service.trainer.gather import Gathered, HeldLayers, RowsRead, gather_rows, held_layers
+from replay_service.trainer.gather import (
+    DenseIds,
+    Gathered,
+    HeldLayers,
+    IdRows,
+    RowsRead,
+    gather_rows,
+    held_layers,
+)
 from replay_service.trainer.plans import SliceLimits, planner
 from replay_service.trainer.versions import VersionLabels, mixed_versions, refuse_mixed
 
@@ -127,10 +136,14 @@ def micro_batch_runs(store: RouteStore, refs: tuple[SequenceRef, ...]) -> dict[s
 def stored_sequences(store: RouteStore, refs: tuple[SequenceRef, ...],
                      runs: dict[str, RunState]) -> list[StoredSequence]:
     """Each sequence's request and rows, checked against the length rule (`layouts.sequence_spec`); `runs` are
-    the micro-batch's (`micro_batch_runs`), taken before these requests."""
+    the micro-batch's (`micro_batch_runs`), taken before these requests (one index query per run)."""
+    records: dict[tuple[str, str], RequestRecord] = {}
+    for run_id, run in runs.items():
+        names = [ref.request for ref in refs if ref.run == run_id]
+        records.update(((run_id, r.request_id), r) for r in store.requests_to_read(run, names))
     seqs = []
     for i, ref in enumerate(refs):
-        request = store.request_to_read(runs[ref.run], ref.request)
+        request = records[(ref.run, ref.request)]
         spec = layouts.sequence_spec(request.expected_rows, ref.start, ref.num_tokens,
                                      f"sequence {i} ({ref.run}/{ref.request})")
         seqs.append(StoredSequence(ref, runs[ref.run], request, spec))
@@ -155,21 +168,29 @@ def gather(store: RouteStore, seqs: list[StoredSequence], plan: layouts.TokenPla
     strict = missing is MissingPolicy.STRICT
     specs = [s.spec for s in seqs]
     held_rows = whole or {}
+    known = {}  # every sequence's spans, one index read per run (taken after the requests)
+    for run_id in dict.fromkeys(s.run.run_id for s in seqs):
+        of_run = [s for s in seqs if s.run.run_id == run_id]
+        known[run_id] = store.spans_of_requests(of_run[0].run, [s.request.request_id for s in of_run])
 
     def read_rows(i: int, lo: int, hi: int) -> RowsRead:
         seq = seqs[i]
         ref, spec = seq.ref, seq.spec
         if i in held_rows:
             route, cut = held_rows[i], slice(lo, hi)
-        else:
-            route, cut = store.read_rows(seq.run, seq.request, spec.start + lo, spec.start + hi), slice(None)
-        flags, positions = route.flags[cut], route.positions[cut]
+            ids: IdRows = DenseIds(route.experts[cut], route.shape)
+            flags, positions, versions = route.flags[cut], route.positions[cut], route.versions().take(cut)
+        else:  # located only: the rank's rows are copied from their segments once, by gather_rows
+            found = store.locate_rows(seq.run, seq.request, spec.start + lo, spec.start + hi,
+                                      known_spans=known[seq.run.run_id])
+            ids, flags, positions = found, found.flags, found.positions
+            versions = WeightVersions.unknown(len(positions)) if found.versions is None else found.versions
         ok = flags == 0
         if strict and not ok.all() and len(flagged) < report_rows:
             for j in np.flatnonzero(~ok)[: report_rows - len(flagged)]:
                 flagged.append({"run_id": ref.run, "request_id": ref.request, "position": int(positions[j]),
                                 "flags": flag_names(int(flags[j]))})
-        return RowsRead(route.experts[cut], ok, labels.codes(route.versions().take(cut)))
+        return RowsRead(ids, ok, labels.codes(versions))
 
     got = gather_rows(plan, specs, read_rows, held, missing)
     if strict and got.broken.size:

@@ -17,7 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-VOCAB, HIDDEN = 512, 128
+from tests.support.vllm_model import VOCAB, save_tokenizer
+
+HIDDEN = 128
 COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, max_position_embeddings=256, tie_word_embeddings=False,
               bos_token_id=1, eos_token_id=2, pad_token_id=0, rms_norm_eps=1e-6)
 
@@ -105,19 +107,6 @@ def add_mtp_heads(path: str, first: int, count: int) -> None:
         weights[f"{at}.shared_head.head.weight"] = weights["lm_head.weight"].clone()
         weights[f"{at}.embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
     save_file(weights, file, metadata={"format": "pt"})
-
-
-def save_tokenizer(path: str) -> None:
-    """The tests' WordLevel tokenizer (`t<id>` words) beside a checkpoint."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    vocab["<unk>"] = 3
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="t1", eos_token="t2",
-                            pad_token="t0").save_pretrained(path)
 
 
 ROUTER_CLASS_SUFFIXES = ("TopKRouter", "TopkRouter", "Router")

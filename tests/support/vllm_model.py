@@ -32,8 +32,7 @@ def build_model(path: str, gate_scale: float = 10.0, num_layers: int = NUM_LAYER
                 num_experts: int = NUM_EXPERTS, top_k: int = TOP_K, moe_intermediate: int = 64) -> str:
     """Write the checkpoint (the defaults are the tests' model; bench/vllm_overhead.py also builds a larger one)."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     if os.path.exists(os.path.join(path, "config.json")):
         return path
@@ -50,13 +49,21 @@ def build_model(path: str, gate_scale: float = 10.0, num_layers: int = NUM_LAYER
         for layer in model.model.layers:
             layer.mlp.gate.weight.mul_(gate_scale)
     model.save_pretrained(path, safe_serialization=True)
+    save_tokenizer(path)
+    return path
+
+
+def save_tokenizer(path: str) -> None:
+    """The tests' WordLevel tokenizer (`t<id>` words, ids below VOCAB) beside a checkpoint."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {f"t{i}": i for i in range(VOCAB)}
     vocab["<unk>"] = 3
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="t1", eos_token="t2",
                             pad_token="t0").save_pretrained(path)
-    return path
 
 
 class _RouterTaps:

@@ -3,7 +3,8 @@
     index.py       `Index` (reads) and `IndexTransaction` (writes): the typed API; callers never see SQL
     statements.py  the statements those methods run on the core tables, one group per table
     schema.py      the core tables (DDL per dialect), SCHEMA_VERSION and the migrations of older indexes
-    records.py     value types and counter-column names (RequestStatus, HeldRows, RequestCounts, FeedEntry)
+    records.py     value types and counter-column names (RequestStatus, HeldRows, RequestSpans,
+                   RequestCounts, FeedEntry)
     backends/      where the rows live: a SQLite file (default) or a PostgreSQL database (REPLAY_INDEX_URL)
 
 Import the public names from this package. The run-health and comparison tables, and their statements, are
@@ -18,6 +19,7 @@ from replay_service.store.index.records import (
     FeedEntry,
     HeldRows,
     RequestCounts,
+    RequestSpans,
     RequestStatus,
     count_column,
     load_of,
@@ -25,4 +27,4 @@ from replay_service.store.index.records import (
 from replay_service.store.index.schema import SCHEMA_VERSION
 
 __all__ = ["COUNTED_FLAGS", "EXPECTED_ROWS", "SCHEMA_VERSION", "FeedEntry", "HeldRows", "Index", "IndexTransaction",
-           "RequestCounts", "RequestStatus", "Row", "count_column", "load_of"]
+           "RequestCounts", "RequestSpans", "RequestStatus", "Row", "count_column", "load_of"]

@@ -16,6 +16,7 @@ import json
 import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from operator import itemgetter
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,7 @@ from replay_service.store.index.records import (
     FeedEntry,
     HeldRows,
     RequestCounts,
+    RequestSpans,
     RequestStatus,
     load_of,
 )
@@ -135,6 +137,22 @@ class Index:
         """
         return self.query(self.sql.spans.spans_overlapping, (run_id, request_id, pos_lo, pos_hi))
 
+    def spans_of_requests(self, run_id: str, request_ids: Sequence[str]) -> dict[str, RequestSpans]:
+        """Every span of each of `request_ids` (as `spans` holds them, in span order), in one query: a trainer
+        slice's sequences. A request without spans is absent."""
+        rows = self.query(self.sql.spans.spans_of_requests, (run_id, json.dumps(list(dict.fromkeys(request_ids)))))
+        if not rows:
+            return {}
+        requests, paths, starts, counts, lows, highs = (list(map(itemgetter(name), rows)) for name in (
+            "request_id", "path", "row_start", "row_count", "pos_min", "pos_max"))
+        out = {}
+        a = 0
+        for b in range(1, len(rows) + 1):  # rows come grouped by request
+            if b == len(rows) or requests[b] != requests[a]:
+                out[requests[a]] = RequestSpans(paths[a:b], starts[a:b], counts[a:b], lows[a:b], highs[a:b])
+                a = b
+        return out
+
     def pieces_held(self, run_id: str, pieces: Sequence[tuple[str, int, int]]) -> set[int]:
         """Which of `pieces` (`(request_id, pos_lo, pos_hi)` each) name a request holding rows in a span touching
         positions `[pos_lo, pos_hi]`: their indexes, in one query. Sees the thread's own transaction as `spans`."""
@@ -150,6 +168,11 @@ class Index:
     def request(self, run_id: str, request_id: str) -> Row | None:
         """The `requests` row of a request."""
         return self.one(self.sql.requests.select_request, (run_id, request_id))
+
+    def requests_of(self, run_id: str, request_ids: Sequence[str]) -> dict[str, Row]:
+        """The `requests` rows of these requests, by id, in one query (a request without a row is absent)."""
+        rows = self.query(self.sql.requests.select_requests, (run_id, json.dumps(list(dict.fromkeys(request_ids)))))
+        return {r["request_id"]: r for r in rows}
 
     def requests_page(self, run_id: str, flag: Flag | None, cursor: str | None, limit: int) -> list[Row]:
         """Up to `limit` requests after `cursor` by id, those with `flag` only when given."""

@@ -1,9 +1,10 @@
 """The index's value types: what its typed methods take and answer, and the names of its counter columns.
 
 No SQL runs here. `RequestStatus` is a request's state; `HeldRows` a `spans` row with its segment's path;
-`RequestCounts` what one batch adds to a request's counters; `FeedEntry` one entry of the STALE table's feed;
-`load_of` a `runs.load` value as an array. `count_column` / `COUNT_COLUMNS` name the `requests` column counting
-each flag of `COUNTED_FLAGS`, and `EXPECTED_ROWS` is the SQL expression of the rows a request should have.
+`RequestSpans` every span of one request as columns; `RequestCounts` what one batch adds to a request's counters;
+`FeedEntry` one entry of the STALE table's feed; `load_of` a `runs.load` value as an array. `count_column` /
+`COUNT_COLUMNS` name the `requests` column counting each flag of `COUNTED_FLAGS`, and `EXPECTED_ROWS` is the SQL
+expression of the rows a request should have.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 from replay_format import Flag, RunShape
 
 __all__ = ["COUNTED_FLAGS", "COUNT_COLUMNS", "EXPECTED_ROWS", "FeedEntry", "HeldRows", "RequestCounts",
-           "RequestStatus", "count_column", "load_of"]
+           "RequestSpans", "RequestStatus", "count_column", "load_of"]
 
 
 class RequestStatus(enum.StrEnum):
@@ -54,6 +55,23 @@ class HeldRows:
     row_count: int
     pos_min: int
     pos_max: int
+
+
+@dataclass(frozen=True)
+class RequestSpans:
+    """Every span of one request, in the order it came to hold them (span i: rows `[row_start[i], row_start[i] +
+    row_count[i])` of segment `path[i]`, at positions `pos_min[i]..pos_max[i]`): `HeldRows` as columns, plain lists
+    (a read walks them span by span)."""
+
+    path: list[str]
+    row_start: list[int]
+    row_count: list[int]
+    pos_min: list[int]
+    pos_max: list[int]
+
+    def touching(self, lo: int, hi: int) -> list[int]:
+        """The spans touching positions `[lo, hi]`, in order."""
+        return [i for i, (a, b) in enumerate(zip(self.pos_min, self.pos_max)) if b >= lo and a <= hi]
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,12 @@ class SpanSql:
             " JOIN segments g USING (segment_id)"
             " WHERE s.run_id = ? AND s.request_id = ? AND s.pos_max >= ? AND s.pos_min <= ? ORDER BY s.span_id"
         )
+        # Every span of many requests (a trainer slice's), each request's in the order it came to hold them.
+        self.spans_of_requests = (
+            "SELECT s.request_id, g.path, s.row_start, s.row_count, s.pos_min, s.pos_max FROM spans s"
+            f" JOIN segments g USING (segment_id) WHERE s.run_id = ? AND s.request_id IN ({d.json_texts})"
+            " ORDER BY s.request_id, s.span_id"
+        )
         # Which pieces [request, lo, hi] name a request holding a span touching lo..hi (most of a fresh batch's none).
         self.pieces_held = (
             f"SELECT j.piece FROM {d.json_pieces} AS j WHERE EXISTS (SELECT 1 FROM spans s WHERE s.run_id = ?"
@@ -130,6 +136,7 @@ class RequestSql:
 
     def __init__(self, d: Dialect) -> None:
         self.select_request = "SELECT * FROM requests WHERE run_id = ? AND request_id = ?"
+        self.select_requests = f"SELECT * FROM requests WHERE run_id = ? AND request_id IN ({d.json_texts})"
         self.ensure_request = "INSERT INTO requests (run_id, request_id) VALUES (?, ?) ON CONFLICT DO NOTHING"
         self.add_to_request = (
             "UPDATE requests SET rows = rows + :rows, referenced_rows = referenced_rows + :referenced,"

@@ -11,7 +11,7 @@ Design: docs/design/store.md ("Which row a read serves").
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -19,8 +19,8 @@ import pyarrow as pa
 from replay_format import NO_TOKEN, Flag, LayerAxis, RunShape
 from replay_format.core import token_ids
 from replay_format.segment import segment_versions
-from replay_format.weight_versions import RecomputeRule, WeightVersions
-from replay_service.store.index import Index
+from replay_format.weight_versions import UNKNOWN, RecomputeRule, WeightVersions
+from replay_service.store.index import Index, RequestSpans
 from replay_service.store.segments.cache import SegmentCache
 
 
@@ -69,6 +69,24 @@ class Pieces:
     experts: np.ndarray
     flags: np.ndarray
     versions: WeightVersions
+    _steps: np.ndarray | None = field(default=None, repr=False, compare=False)  # `dense`'s count, made on first use
+    _versions_known: bool | None = field(default=None, repr=False, compare=False)
+
+    def dense(self, start: int, count: int) -> bool:
+        """Whether rows `[start, start + count)` hold consecutive positions, one row each (O(1): a running count of
+        the rows whose position is not one past the row before's, made once)."""
+        if self._steps is None:
+            steps = np.zeros(len(self.positions), np.int64)
+            np.cumsum(np.diff(self.positions) != 1, out=steps[1:])
+            self._steps = steps
+        return bool(self._steps[start + count - 1] == self._steps[start])
+
+    @property
+    def versions_known(self) -> bool:
+        """Whether some row's weight version is known (`WeightVersions.all_unknown`, decided once)."""
+        if self._versions_known is None:
+            self._versions_known = not self.versions.all_unknown
+        return self._versions_known
 
     def take(self, index: np.ndarray | slice) -> Pieces:
         """These rows at `index` (a mask, row numbers or a slice: a slice keeps views)."""
@@ -111,6 +129,30 @@ class StoredRows:
     versions: WeightVersions  # each row's weight version
 
 
+@dataclass(slots=True)
+class Span:
+    """A span of a request: rows `[start, start + count)` of the columns holding them (a whole local segment's, or
+    the rows fetched from a bucket)."""
+
+    source: Pieces
+    start: int
+    count: int
+
+    def rows(self) -> Pieces:
+        """The span's rows as their own columns (views)."""
+        return self.source.take(slice(self.start, self.start + self.count))
+
+
+@dataclass
+class KnownSpans:
+    """Every span of some requests of one run, read from the index at once (`RouteStore.spans_of_requests`: a
+    trainer slice's sequences), and the local segments their reads opened: each decoded once per slice, not per
+    span."""
+
+    by_request: dict[str, RequestSpans]
+    opened: dict[str, Pieces] = field(default_factory=dict)
+
+
 def _piece(batch: pa.RecordBatch, width: int, versions: WeightVersions | None = None) -> Pieces:
     positions = batch.column("position").to_numpy()
     experts = batch.column("experts").flatten().to_numpy(zero_copy_only=True).reshape(len(positions), width)
@@ -148,23 +190,43 @@ class RowReader:
         self._columns: dict[str, tuple[pa.RecordBatch, Pieces]] = {}
         self._columns_lock = threading.Lock()  # reads run in many threads
 
-    def _spans(self, run_id: str, request_id: str, lo: int, hi: int, width: int) -> list[Pieces]:
-        """The request's stored rows in spans touching positions `[lo, hi]`, in the order it came to hold them."""
-        return [self.rows_of(s["path"], s["row_start"], s["row_count"], width)
-                for s in self.index.spans(run_id, request_id, lo, hi)]
+    def _spans(self, run_id: str, request_id: str, lo: int, hi: int, width: int,
+               known: KnownSpans | None = None) -> list[Span]:
+        """The request's stored rows in spans touching positions `[lo, hi]`, in the order it came to hold them
+        (`known`: the spans of it and others, read from the index already)."""
+        if known is None:
+            return [self.span_of(s["path"], s["row_start"], s["row_count"], width)
+                    for s in self.index.spans(run_id, request_id, lo, hi)]
+        spans = known.by_request.get(request_id)
+        if spans is None:
+            return []
+        return [self.span_of(spans.path[i], spans.row_start[i], spans.row_count[i], width, known.opened)
+                for i in spans.touching(lo, hi)]
 
-    def rows_of(self, path: str, start: int, count: int, width: int) -> Pieces:
+    def span_of(self, path: str, start: int, count: int, width: int,
+                opened: dict[str, Pieces] | None = None) -> Span:
         """Rows `[start, start + count)` of a segment with their weight versions (`width`: ids per row): fetched
         and checked by themselves where the store reads ranges (an object store: only their blocks travel), else
-        a slice of the whole segment, opened and checked once, its columns decoded once."""
-        try:
-            rows = self.cache.store.read_rows(path, start, start + count)
-        except FileNotFoundError:
-            rows = None  # the segment cache says what a missing segment means (its run deleted, or damage)
-        if rows is not None:  # the blocks read carry the segment's versions, over the segment's rows
-            versions = segment_versions(rows.schema.metadata, None)
-            return _piece(rows, width, None if versions is None else versions.take(slice(start, start + count)))
-        return self._whole(path, width).take(slice(start, start + count))
+        in the whole segment, opened and checked once, its columns decoded once (`opened`: the whole segments a
+        read took already, by path; one it takes now is added)."""
+        whole = None if opened is None else opened.get(path)
+        if whole is None:
+            try:
+                rows = self.cache.store.read_rows(path, start, start + count)
+            except FileNotFoundError:
+                rows = None  # the segment cache says what a missing segment means (its run deleted, or damage)
+            if rows is not None:  # the blocks read carry the segment's versions, over the segment's rows
+                versions = segment_versions(rows.schema.metadata, None)
+                return Span(_piece(rows, width, None if versions is None else
+                                   versions.take(slice(start, start + count))), 0, count)
+            whole = self._whole(path, width)
+            if opened is not None:
+                opened[path] = whole
+        return Span(whole, start, count)
+
+    def rows_of(self, path: str, start: int, count: int, width: int) -> Pieces:
+        """`span_of`'s rows as their own columns."""
+        return self.span_of(path, start, count, width).rows()
 
     def _whole(self, path: str, width: int) -> Pieces:
         """A local segment's columns, from the cache's opened batch (decoded once per opened batch)."""
@@ -183,7 +245,8 @@ class RowReader:
     def stored_rows(self, run_id: str, request_id: str, shape: RunShape, positions: np.ndarray) -> StoredRows:
         """Every row the request holds at any of sorted `positions`, in the order it came to hold them."""
         found = []
-        for piece in self._spans(run_id, request_id, int(positions[0]), int(positions[-1]), shape.row_width):
+        for span in self._spans(run_id, request_id, int(positions[0]), int(positions[-1]), shape.row_width):
+            piece = span.rows()
             hit = np.isin(piece.positions, positions)
             if hit.any():
                 found.append(piece.take(hit))
@@ -204,8 +267,15 @@ class RowReader:
               weight_version: str | None = None) -> RouteRows:
         """Rows `[start, end)` of a request: the row `rule` serves per position (of `weight_version` only, when
         given), GAP rows where none is stored."""
-        spans = self._spans(run_id, request_id, start, end - 1, shape.row_width) if end > start else []
-        return _assemble(request_id, shape, spans, start, end, late_flags, rule, weight_version)
+        return self.locate(run_id, request_id, shape, start, end, late_flags, rule, weight_version).rows()
+
+    def locate(self, run_id: str, request_id: str, shape: RunShape, start: int, end: int,
+               late_flags: dict[int, int], rule: RecomputeRule = RecomputeRule.FIRST,
+               weight_version: str | None = None, known_spans: KnownSpans | None = None) -> Located:
+        """`route`'s rows located, their ids not yet copied (`Located`); `known_spans`: the request's spans read
+        already, with others (`Index.spans_of_requests`)."""
+        spans = self._spans(run_id, request_id, start, end - 1, shape.row_width, known_spans) if end > start else []
+        return _locate(request_id, shape, spans, start, end, late_flags, rule, weight_version)
 
 
 def assemble_route(request_id: str, shape: RunShape, spans: list[pa.RecordBatch], start: int, end: int,
@@ -215,12 +285,173 @@ def assemble_route(request_id: str, shape: RunShape, spans: list[pa.RecordBatch]
     not given) as a dense route over `[start, end)` with `late_flags`: per position the row `rule` serves, of
     `weight_version` only when one is named (positions without a row of it read as GAP)."""
     pieces = [_piece(span, shape.row_width, None if versions is None else versions[i]) for i, span in enumerate(spans)]
-    return _assemble(request_id, shape, pieces, start, end, late_flags, rule, weight_version)
+    return _assemble(request_id, shape, [Span(p, 0, len(p.positions)) for p in pieces], start, end, late_flags, rule,
+                     weight_version)
 
 
-def _assemble(request_id: str, shape: RunShape, spans: list[Pieces], start: int, end: int,
+def _assemble(request_id: str, shape: RunShape, spans: list[Span], start: int, end: int,
               late_flags: dict[int, int], rule: RecomputeRule, weight_version: str | None) -> RouteRows:
-    rows = _concat(spans, shape)
+    return _locate(request_id, shape, spans, start, end, late_flags, rule, weight_version).rows()
+
+
+@dataclass
+class Located:
+    """Rows `[start, end)` of one request, dense by position, with the ids not yet copied: per position the span
+    serving it (`span`, an index into `sources`; -1 for a GAP row) and its row there; the small columns dense already.
+
+    `rows()` materialises the `RouteRows` (a view of the one span where one serves the range in order);
+    `copy_ids` copies the ids of some positions only, straight from their spans (a trainer slice's rows)."""
+
+    request_id: str
+    shape: RunShape
+    positions: np.ndarray  # int32 (n,)
+    token_ids: np.ndarray  # int32 (n,)
+    flags: np.ndarray  # uint16 (n,)
+    versions: WeightVersions | None  # None: none known
+    sources: list[np.ndarray]  # each span's ids (rows, L*K): views of the mapped segments
+    span: np.ndarray  # int64 (n,)
+    row: np.ndarray  # int64 (n,)
+
+    def rows(self) -> RouteRows:
+        """The located rows as a `RouteRows`."""
+        return RouteRows(self.request_id, self.shape, self.positions, self.token_ids, self.ids(), self.flags,
+                         self.versions)
+
+    def ids(self) -> np.ndarray:
+        """Every position's ids `(n, L*K)`: a view when one span serves them all in order, else a copy (GAP rows
+        zero)."""
+        n = len(self.positions)
+        if n and self.span[0] >= 0 and (self.span == self.span[0]).all() and \
+                self.row[-1] - self.row[0] == n - 1 and (n < 3 or (np.diff(self.row) == 1).all()):
+            return self.sources[int(self.span[0])][self.row[0]: self.row[0] + n]
+        out = np.zeros((n, self.shape.row_width), self.shape.dtype)
+        self.copy_ids(out, np.arange(n), np.arange(n))
+        return out
+
+    def copy_ids(self, out: np.ndarray, dst: np.ndarray, offsets: np.ndarray,
+                 ordinals: np.ndarray | None = None) -> None:
+        """`out[dst[j]] = ` the ids at position `start + offsets[j]`, of the MoE layers `ordinals` (None: all;
+        `out` is then `(m, L*K)`, else `(m, len(ordinals), K)`); a GAP row's slot is left as it is. Rows that follow
+        each other in one span and in `out` go in one copy (a request's rows come in a few runs per span)."""
+        if not len(offsets):
+            return
+        spans, rows = self.span[offsets], self.row[offsets]
+        breaks = np.flatnonzero((np.diff(spans) != 0) | (np.diff(rows) != 1) | (np.diff(dst) != 1)) + 1
+        edges = [0, *breaks.tolist(), len(offsets)]
+        if len(edges) > max(64, len(offsets) // 4):  # scattered rows: one gather per span instead
+            for s in np.unique(spans[spans >= 0]).tolist():
+                mine = np.flatnonzero(spans == s)
+                self._put(out, dst[mine], self.sources[s][rows[mine]], ordinals)
+            return
+        for a, b in zip(edges[:-1], edges[1:]):
+            s = int(spans[a])
+            if s >= 0:  # (a GAP run is left as it is)
+                r = int(rows[a])
+                self._put(out, slice(int(dst[a]), int(dst[a]) + b - a), self.sources[s][r: r + b - a], ordinals)
+
+    def _put(self, out: np.ndarray, where: slice | np.ndarray, block: np.ndarray, ordinals: np.ndarray | None) -> None:
+        if ordinals is None:
+            out[where] = block
+        else:
+            out[where] = block.reshape(len(block), self.shape.num_moe_layers, self.shape.top_k)[:, ordinals]
+
+
+def _span_rows(spans: list[Span], source_index: list[int]) -> Pieces:
+    """Every span's small columns, one after another, each row's ids standing in as `(source, row)` (a `(m, 2)`
+    array in the `experts` slot): built with one copy per column, not per span."""
+    counts = np.array([span.count for span in spans], np.int64)
+    m = int(counts.sum())
+    firsts = np.array([span.start for span in spans], np.int64)
+    where = np.empty((m, 2), np.int64)
+    where[:, 0] = np.repeat(np.asarray(source_index, np.int64), counts)
+    where[:, 1] = np.arange(m, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts - firsts, counts)
+
+    def column(name: str, dtype) -> np.ndarray:
+        return np.concatenate([getattr(span.source, name)[span.start: span.start + span.count] for span in spans]) \
+            if spans else np.zeros(0, dtype)
+
+    versions = [span.source.versions for span in spans]
+    if all(v.all_unknown for v in versions):
+        joined = WeightVersions.unknown(m)
+    else:
+        joined = WeightVersions.concat(v.take(slice(span.start, span.start + span.count))
+                                       for v, span in zip(versions, spans))
+    return Pieces(column("positions", np.int32), column("token_ids", np.int32), where, column("flags", np.uint16),
+                  joined)
+
+
+def _painted(request_id: str, shape: RunShape, spans: list[Span], sources: list[np.ndarray], source_index: list[int],
+             start: int, end: int, late_flags: dict[int, int]) -> Located | None:
+    """`_locate` of a plain read (FIRST, no version named) whose spans each hold consecutive positions, one row each
+    (a stored request's common case): each span's rows found by arithmetic and its small columns copied as slices,
+    the spans laid last to first so that a position's first span wins. None when a span is not so (`_locate` then
+    decides on the rows)."""
+    n = end - start
+    span_at = np.full(n, -1, np.int64)
+    base = np.zeros(n, np.int64)  # row = base + slot
+    flags = np.full(n, int(Flag.GAP), np.uint16)
+    tokens = np.full(n, NO_TOKEN, np.int32)
+    labels: dict[str, int] = {}  # every span's segment's labels, in span order (as `_span_rows` merges them)
+    remaps: list[np.ndarray | None] = [None] * len(spans)
+    if any(span.source.versions_known for span in spans):
+        remaps = [np.array([labels.setdefault(label, len(labels)) for label in span.source.versions.labels]
+                           + [UNKNOWN], np.int16) for span in spans]
+    version = np.full(n, UNKNOWN, np.int16) if labels else None
+    for k in range(len(spans) - 1, -1, -1):
+        span = spans[k]
+        source, first, count = span.source, span.start, span.count
+        if not source.dense(first, count):
+            return None
+        at = int(source.positions[first])
+        lo, hi = max(at, start) - start, min(at + count, end) - start
+        if lo >= hi:
+            continue
+        row = first + lo + start - at
+        span_at[lo:hi] = source_index[k]
+        base[lo:hi] = row - lo
+        flags[lo:hi] = source.flags[row: row + hi - lo]
+        tokens[lo:hi] = source.token_ids[row: row + hi - lo]
+        remap = remaps[k]
+        if version is not None and remap is not None:
+            version[lo:hi] = remap[source.versions.index[row: row + hi - lo]]
+    for position, bits in late_flags.items():
+        if start <= position < end:
+            flags[position - start] |= bits
+    versions = None if version is None or bool(np.all(version == UNKNOWN)) else WeightVersions(tuple(labels), version)
+    return Located(request_id, shape, np.arange(start, end, dtype=np.int32), tokens, flags, versions, sources,
+                   span_at, base + np.arange(n))
+
+
+def _sources(spans: list[Span]) -> tuple[list[np.ndarray], list[int]]:
+    """The ids arrays the spans read (spans of one segment share its ids), and each span's index into them."""
+    sources: list[np.ndarray] = []
+    source_of: dict[int, int] = {}  # id(columns) -> index into sources
+    for span in spans:
+        source_of.setdefault(id(span.source), len(sources))
+        if len(sources) < len(source_of):
+            sources.append(span.source.experts)
+    return sources, [source_of[id(span.source)] for span in spans]
+
+
+def _locate(request_id: str, shape: RunShape, spans: list[Span], start: int, end: int,
+            late_flags: dict[int, int], rule: RecomputeRule, weight_version: str | None) -> Located:
+    """Which span and row serves each position of `[start, end)` (module docstring), decided on the small columns
+    alone: each span's ids stay where they are. A plain read of spans that each hold consecutive positions is laid
+    out span by span (`_painted`), any other decided row by row (`_located_by_rows`)."""
+    sources, source_index = _sources(spans)
+    if rule == RecomputeRule.FIRST and weight_version is None:
+        painted = _painted(request_id, shape, spans, sources, source_index, start, end, late_flags)
+        if painted is not None:
+            return painted
+    return _located_by_rows(request_id, shape, spans, sources, source_index, start, end, late_flags, rule,
+                            weight_version)
+
+
+def _located_by_rows(request_id: str, shape: RunShape, spans: list[Span], sources: list[np.ndarray],
+                     source_index: list[int], start: int, end: int, late_flags: dict[int, int], rule: RecomputeRule,
+                     weight_version: str | None) -> Located:
+    """`_locate` on every span's rows one after another: sorted by position, the row `rule` serves of each kept."""
+    rows = _span_rows(spans, source_index)
     if len(spans) == 1:
         lo, hi = np.searchsorted(rows.positions, [start, end])  # a span's rows are sorted by position
         rows = rows.take(slice(lo, hi))
@@ -235,16 +466,18 @@ def _assemble(request_id: str, shape: RunShape, spans: list[Pieces], start: int,
         rows.flags = np.where(np.isin(rows.positions, conflicted), rows.flags | np.uint16(Flag.CONFLICT), rows.flags)
     served_versions = None if rows.versions.all_unknown else rows.versions
     n = end - start
-    dense = len(rows.positions) == n
-    if dense and not late_flags:
-        return RouteRows(request_id, shape, rows.positions, rows.token_ids, rows.experts, rows.flags, served_versions)
+    if len(rows.positions) == n and not late_flags:
+        return Located(request_id, shape, rows.positions, rows.token_ids, rows.flags, served_versions, sources,
+                       rows.experts[:, 0], rows.experts[:, 1])
 
     out_positions = np.arange(start, end, dtype=np.int32)
-    out_experts = np.zeros((n, shape.row_width), shape.dtype)
+    out_span = np.full(n, -1, np.int64)
+    out_row = np.zeros(n, np.int64)
     out_flags = np.full(n, int(Flag.GAP), np.uint16)
     out_tokens = np.full(n, NO_TOKEN, np.int32)
     slots = rows.positions - start
-    out_experts[slots] = rows.experts
+    out_span[slots] = rows.experts[:, 0]
+    out_row[slots] = rows.experts[:, 1]
     out_flags[slots] = rows.flags
     out_tokens[slots] = rows.token_ids
     held = np.zeros(n, np.bool_)
@@ -257,4 +490,4 @@ def _assemble(request_id: str, shape: RunShape, spans: list[Pieces], start: int,
         index = np.full(n, -1, np.int16)
         index[slots] = served_versions.index
         out_versions = WeightVersions(served_versions.labels, index)
-    return RouteRows(request_id, shape, out_positions, out_tokens, out_experts, out_flags, out_versions)
+    return Located(request_id, shape, out_positions, out_tokens, out_flags, out_versions, sources, out_span, out_row)
