@@ -11,9 +11,15 @@ export REPLAY_REQUIRE_ALL=1  # a test that would skip for a missing package or b
 # and engine processes, and each would compile the project again; the fast loop also keeps pytest's rewritten
 # test modules (54 s -> 45 s here).
 unset PYTHONDONTWRITEBYTECODE
+# Both run two test files at a time (pytest-xdist; a file's tests in one worker, so a module's engines and services
+# start once): a one-at-a-time run waits ~45% of its time on processes starting, stopping and answering (2026-12-06,
+# 2 cores: the whole suite 26:00 one at a time, 19:30 two at a time; the fast loop 67 s, 47 s). REPLAY_TEST_WORKERS=0:
+# one at a time, in this process.
 if [ "${1:-}" = "--fast" ]; then
   shift
   # schemathesis' and hypothesis' pytest plugins cost ~2 s of imports; only the (slow) API fuzz test uses them
-  exec python -m pytest -q -p no:cacheprovider -p no:schemathesis -p no:hypothesispytest -m "not slow" "$@"
+  exec python -m pytest -q -p no:cacheprovider -p no:schemathesis -p no:hypothesispytest -m "not slow" \
+    -n "${REPLAY_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
 fi
-exec python -m pytest -q -p no:cacheprovider --durations=25 "$@"
+exec python -m pytest -q -p no:cacheprovider -n "${REPLAY_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
+  --durations=25 "$@"

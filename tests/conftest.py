@@ -129,12 +129,17 @@ def pytest_ignore_collect(collection_path, config):
 
 
 def pytest_collection_modifyitems(items):
+    """Marks the SLOW tests `slow`; then puts the files that are slow as a whole first, each file's tests in their
+    order: the suite runs two files at a time (scripts/test.sh: pytest-xdist `--dist loadfile --no-loadscope-reorder`
+    hands them out in this order as workers free up), and the long files handed out first leave the short ones to
+    even out the two workers' ends."""
     for item in items:
         # `file::test[params]`: the file's own name, then the rest whole (a parameter may hold a "/")
         path, sep, rest = item.nodeid.partition("::")
         name = path.split("/")[-1] + sep + rest
         if any(name == key or name.startswith(key + ("" if "::" in key else "::")) for key in SLOW):
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: item.nodeid.partition("::")[0].split("/")[-1] not in SLOW)  # stable: False first
 
 
 def pytest_collectreport(report):

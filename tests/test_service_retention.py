@@ -237,7 +237,8 @@ def test_a_read_whose_run_was_deleted_and_created_again_under_it_is_a_404_not_ga
         store.finish("again", "r", 5, "finished")
         assert store.read_route("again", "r").num_rows == 4
         read(store)  # reads on the run as it is
-        table, method = (store.health, "kind_requests") if read is _health else (store, "request_to_read")
+        table, method = {_health: (store.health, "kind_requests"),  # the records each read takes in one query
+                         _trainer_slice: (store, "requests_to_read")}.get(read, (store, "request_to_read"))
         took_row = getattr(table, method)
 
         def row_then_deleted_and_created_again(*args, **kwargs):

@@ -110,3 +110,14 @@ def test_the_installed_wheel_serves_the_web_view(installed, tmp_path):
         assert script.content == (WEB / scripts[0]).read_bytes()
         health = calls.get(f"{service.url}/healthz", timeout=10).json()
         assert health["status"] == "ok" and health["version"] == version("routing-replay"), health
+
+
+def test_a_checkout_run_without_installing_says_its_version_is_unknown(tmp_path):
+    """The lent device machine runs a copy of the checkout from PYTHONPATH, with no distribution installed and no
+    egg-info (2026-12-06: the import raised PackageNotFoundError there and its bench could not start). `-S` hides
+    this venv's install; the package is copied without the checkout's egg-info."""
+    shutil.copytree(ROOT / "replay_service", tmp_path / "replay_service", ignore=shutil.ignore_patterns("__pycache__"))
+    said = subprocess.run([sys.executable, "-S", "-c", "import replay_service; print(replay_service.__version__)"],
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True,
+                          text=True, timeout=60)
+    assert said.returncode == 0 and said.stdout.strip() == "0+unknown", said.stderr
