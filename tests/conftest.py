@@ -161,6 +161,19 @@ def pytest_runtest_makereport(item, call):
 INDEX_BACKEND = os.environ.get("REPLAY_TEST_INDEX", "sqlite")
 
 
+@pytest.fixture(autouse=True)
+def _root_log_level_kept():
+    """The root logger's level as it was before each test, after it: something an in-process vLLM engine runs leaves
+    it at ERROR (tests/test_vllm_weight_versions.py), and a later test in the same process, wherever pytest-xdist
+    puts it, then saw no warnings (a strict docs build that counted none, 2026-12-06)."""
+    import logging
+
+    root = logging.getLogger()
+    level = root.level
+    yield
+    root.setLevel(level)
+
+
 @pytest.fixture(scope="session")
 def postgres():
     """A throwaway PostgreSQL cluster for the session (started on first use, removed at the end)."""
