@@ -14,7 +14,7 @@ its path as code.
 
 from __future__ import annotations
 
-import logging
+import json
 import os
 import re
 import subprocess
@@ -319,52 +319,67 @@ def test_a_copied_file_links_from_its_own_folder():
 # A planted broken link fails the strict build
 
 
-def test_a_broken_link_fails_the_strict_build(tmp_path):
-    from mkdocs.commands.build import build
-    from mkdocs.config import load_config
-    from mkdocs.exceptions import Abort
-    from mkdocs.plugins import BasePlugin
-    from mkdocs.structure.files import File
+# The strict build with a planted page, in a process of its own (as `site` runs mkdocs' command line): in a test
+# worker's process it met what earlier files left there (2026-12-06, pytest-xdist: the root logger at ERROR after an
+# in-process vLLM engine, so no warning was counted; once a build that ran out the 300 s timeout).
+PLANTED_BUILD = """
+import json, logging, sys
+from mkdocs.commands.build import build
+from mkdocs.config import load_config
+from mkdocs.exceptions import Abort
+from mkdocs.plugins import BasePlugin
+from mkdocs.structure.files import File
 
+site_dir, planted, kept = sys.argv[1], sys.argv[2], set(json.loads(sys.argv[3]))
+
+
+class Plant(BasePlugin):
+    def on_files(self, files, config):  # after the hook's: only the planted page and the kept generated pages
+        for f in [f for f in files.documentation_pages() if f.src_uri not in kept]:
+            files.remove(f)
+        files.append(File.generated(config, "planted.md", content=planted))
+        return files
+
+
+warnings = []
+
+
+class Collect(logging.Handler):
+    def emit(self, record):
+        if record.levelno >= logging.WARNING:
+            warnings.append(record.getMessage())
+
+
+config = load_config("mkdocs.yml", site_dir=site_dir, strict=True)
+config["nav"] = sorted(kept)
+plant = Plant()
+plant.load_config({})
+config.plugins["plant"] = plant
+logger = logging.getLogger("mkdocs")
+logger.setLevel(logging.INFO)  # as mkdocs' command line sets it
+logger.addHandler(Collect())
+try:
+    build(config)
+    aborted = False
+except Abort:
+    aborted = True
+print(json.dumps({"aborted": aborted, "warnings": warnings}))
+"""
+
+
+def test_a_broken_link_fails_the_strict_build(tmp_path):
     planted = ("# Planted\n\n[a page that is not there](no-such-page.md)\n\n"
                "[a setting that is not there](reference/settings.md#replay_no_such_setting)\n\n"
                "[a setting that is](reference/settings.md#replay_data_dir)\n\n"
                "[the app factory](../replay_service/app.py)\n")
-    kept = {"planted.md", "reference/settings.md", "reference/cli.md"}  # the two generated pages link each other
-
-    class Plant(BasePlugin):
-        def on_files(self, files, config):  # after the hook's: only the planted page and one generated page
-            for f in [f for f in files.documentation_pages() if f.src_uri not in kept]:
-                files.remove(f)
-            files.append(File.generated(config, "planted.md", content=planted))
-            return files
-
-    config = load_config(str(ROOT / "mkdocs.yml"), site_dir=str(tmp_path / "site"), strict=True)
-    config["nav"] = sorted(kept)
-    plant = Plant()
-    plant.load_config({})
-    config.plugins["plant"] = plant
-    warnings: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record):
-            if record.levelno >= logging.WARNING:
-                warnings.append(record.getMessage())
-
-    handler = Collect()
-    logger = logging.getLogger("mkdocs")
-    level = logger.level
-    logger.addHandler(handler)
-    # as mkdocs' command line sets it: else the level is the root's, which an earlier test in this process may have
-    # raised (after tests/test_vllm_weight_versions.py's in-process engine the root is at ERROR, and no warning was
-    # counted: a pytest-xdist worker ran the two in that order, 2026-12-06)
-    logger.setLevel(logging.INFO)
-    try:
-        with pytest.raises(Abort):
-            build(config)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+    kept = ["planted.md", "reference/settings.md", "reference/cli.md"]  # the two generated pages link each other
+    done = subprocess.run([sys.executable, "-c", PLANTED_BUILD, str(tmp_path / "site"), planted, json.dumps(kept)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    assert said["aborted"], said
+    warnings = said["warnings"]
     assert len(warnings) == 2, warnings
     assert any("no-such-page.md" in w for w in warnings), warnings
     assert any("replay_no_such_setting" in w for w in warnings), warnings
