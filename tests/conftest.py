@@ -129,17 +129,17 @@ def pytest_ignore_collect(collection_path, config):
 
 
 def pytest_collection_modifyitems(items):
-    """Marks the SLOW tests `slow`; then puts the files that are slow as a whole first, each file's tests in their
-    order: the suite runs two files at a time (scripts/test.sh: pytest-xdist `--dist loadfile --no-loadscope-reorder`
-    hands them out in this order as workers free up), and the long files handed out first leave the short ones to
-    even out the two workers' ends."""
+    """Marks the SLOW tests `slow`. The order stays pytest's (files by name): the suite runs two files at a time
+    (scripts/test.sh: pytest-xdist `--dist loadfile --no-loadscope-reorder` hands them out in this order), so each
+    worker runs a subsequence of the one-at-a-time order, and a file never runs after one it never ran after before.
+    Handing out the slow files first (2026-12-06) put in-process vLLM engines before pure-Python files in the same
+    worker, and two of those then ran out their 300 s timeout (an AST parse, a docs build)."""
     for item in items:
         # `file::test[params]`: the file's own name, then the rest whole (a parameter may hold a "/")
         path, sep, rest = item.nodeid.partition("::")
         name = path.split("/")[-1] + sep + rest
         if any(name == key or name.startswith(key + ("" if "::" in key else "::")) for key in SLOW):
             item.add_marker(pytest.mark.slow)
-    items.sort(key=lambda item: item.nodeid.partition("::")[0].split("/")[-1] not in SLOW)  # stable: False first
 
 
 def pytest_collectreport(report):
