@@ -13,7 +13,7 @@ export REPLAY_REQUIRE_ALL=1  # a test that would skip for a missing package or b
 unset PYTHONDONTWRITEBYTECODE
 # Both run two test files at a time (pytest-xdist; a file's tests in one worker, so a module's engines and services
 # start once): a one-at-a-time run waits ~45% of its time on processes starting, stopping and answering (2026-12-06,
-# 2 cores: the whole suite 26:00 one at a time, 19:30 two at a time; the fast loop 67 s, 47 s). REPLAY_TEST_WORKERS=0:
+# 2 cores: the whole suite 26:00 one at a time, 14:34 two at a time; the fast loop 67 s, 40 s). REPLAY_TEST_WORKERS=0:
 # one at a time, in this process.
 if [ "${1:-}" = "--fast" ]; then
   shift
