@@ -180,9 +180,14 @@ def load_settings(options: dict[str, str] | None = None, **given: Any) -> Servic
         raise BadSetting("; ".join(_bad(error, given, options or {}) for error in exc.errors())) from None
 
 
+SHOWN_CHARS = 200  # of a refused value in its one line (a path of a few folders is whole; a pasted blob is not)
+
+
 def _bad(error: Any, given: dict[str, Any], options: dict[str, str]) -> str:
     field = str(error["loc"][0]) if error.get("loc") else "?"
     name = options.get(field, field) if field in given else ENV_PREFIX + field.upper()
     what = str(error.get("msg", "invalid")).removeprefix("Value error, ")
-    return f"{name}={str(error.get('input'))!r:.80}: {what}"
+    value = str(error.get("input"))
+    shown = value if len(value) <= SHOWN_CHARS else value[:SHOWN_CHARS] + "..."  # cut inside the quotes
+    return f"{name}={shown!r}: {what}"
 
