@@ -9,8 +9,9 @@ right after the requests finish (cold: their clients fetched the previous step, 
 and from fresh rank processes, a run's first step) and warm rounds; the same slices one client after another, cold
 on a copy of its own (so neither warms the other) and warm; the share of one process reading the rows from the
 page-cached segment files; and vLLM's in-band path (base64 `.npy` answers decoded by one process). Beside the rows/s,
-the service's CPU-seconds per GB delivered (parent + workers, /proc; `bench/service_cpu.py`) of each round, and the
-one process's copying the rows out of the files: the figures that carry to a many-core host. Ray's object store is
+the service's CPU-seconds per GB delivered (parent + workers, /proc; `bench/service_cpu.py`) of each round, the
+one process's copying the rows out of the files, and the service's read path alone (`read_slice` over the same data,
+in this process, one slice at a time, first and warm): the figures that carry to a many-core host. Ray's object store is
 `bench/ray_step.py`. Asserts no time.
 
     python bench/step_fetch.py [--ranks 16 64] [--shapes sink kind] [--rounds 3] [--convention slime]
@@ -42,9 +43,15 @@ from bench.segment_files import PREVIOUS, RUN, SHAPE, load_store, load_store_as_
 from bench.service_cpu import own_cpu_s, per_gb, process_cpu_s, service_pids
 from bench.stopping import exit_on_sigterm
 from replay_client import ReplayClient
+from replay_client.trainer import megatron_query
 from replay_format.vllm_response import encode_routed_experts, read_npy
+from replay_service.api.trainer import MegatronQueryBody
 from replay_service.ops.demo import bulk_routes
 from replay_service.ops.workers import worker_count
+from replay_service.settings import ServiceSettings
+from replay_service.store import RouteStore
+from replay_service.trainer.plans import SliceLimits
+from replay_service.trainer.reads import read_slice
 from tests.support.service import ServiceProcess
 
 TP, CP = 2, 2
@@ -130,6 +137,28 @@ def one_client_in_turn(url: str, ranks: int, sequences: list, convention: str | 
         return time.monotonic() - started, rows
 
 
+def read_path(data: Path, ranks: int, sequences: list, convention: str | None) -> tuple[float, float]:
+    """The service's read path alone: every rank's slice built in this process, one after another, over `data` (its
+    service stopped; no HTTP, nothing else on the cores), on a store opened fresh (first) and then again (warm), with
+    the service's own settings and parsing. CPU-seconds per GB of ids built, first and warm: what the service's
+    CPU per GB sits on, without the noise of many processes sharing the cores."""
+    settings = ServiceSettings(data_dir=data, fsync=False)
+    limits = SliceLimits.of(settings)
+    queries = [MegatronQueryBody.model_validate(megatron_query(seqs, "thd", **options).to_json()).query()
+               for seqs, options in (rank_query(rank, ranks, sequences, convention) for rank in range(ranks))]
+    store = RouteStore(settings)
+    try:
+        figures = []
+        for _ in ("first", "warm"):
+            cpu, built = own_cpu_s(), 0
+            for query in queries:
+                built += read_slice(store, query, limits).tokens * SHAPE.row_width * np.dtype(SHAPE.dtype).itemsize
+            figures.append(per_gb(own_cpu_s() - cpu, built))
+    finally:
+        store.close()
+    return figures[0], figures[1]
+
+
 def peak_memory(service: ServiceProcess) -> int:
     """VmHWM of the service's process and its children, bytes."""
     total = 0
@@ -210,6 +239,7 @@ def measure(shape: str, ranks: int, tmp: Path, args: argparse.Namespace, request
         warm_turn_s = statistics.median(one_client_in_turn(a.url, ranks, sequences, args.convention)[0]
                                         for _ in range(args.rounds))
         peak = peak_memory(a)
+    read_first, read_warm = read_path(a_dir, ranks, sequences, args.convention)
     files = [_timed(segment_rows, a_dir, requests) for _ in range(args.rounds)]
     files_s = min(seconds for seconds, _ in files)
     total = cold["rows"]
@@ -222,7 +252,8 @@ def measure(shape: str, ranks: int, tmp: Path, args: argparse.Namespace, request
            "cold_cpu_s_per_gb": per_gb(cold["service_cpu_s"], cold["bytes"]),
            "warm_cpu_s_per_gb": statistics.median(per_gb(r["service_cpu_s"], r["bytes"]) for r in warm),
            "fresh_cpu_s_per_gb": per_gb(fresh["service_cpu_s"], fresh["bytes"]),
-           "files_cpu_s_per_gb": min(per_gb(cpu, len(requests) * rows * SHAPE.row_width) for _, cpu in files)}
+           "files_cpu_s_per_gb": min(per_gb(cpu, len(requests) * rows * SHAPE.row_width) for _, cpu in files),
+           "read_path_first_cpu_s_per_gb": read_first, "read_path_warm_cpu_s_per_gb": read_warm}
     out["cold_over_warm"] = out["cold_rows_per_s"] / out["warm_rows_per_s"]
     out["fresh_over_warm"] = out["fresh_rows_per_s"] / out["warm_rows_per_s"]
     out["cold_vs_turn"] = out["cold_rows_per_s"] / out["cold_turn_rows_per_s"]
@@ -273,7 +304,9 @@ def main() -> None:
                       f"warm {r['warm_rows_per_s'] / band:.2f}")
                 print(f"       service CPU-s per GB delivered: first {r['cold_cpu_s_per_gb']:.2f}, warm "
                       f"{r['warm_cpu_s_per_gb']:.2f}, fresh rank processes {r['fresh_cpu_s_per_gb']:.2f}; one process "
-                      f"copying the rows out of the mapped segment files {r['files_cpu_s_per_gb']:.2f}")
+                      f"copying the rows out of the mapped segment files {r['files_cpu_s_per_gb']:.2f}; the read "
+                      f"path alone in one process (no HTTP, one slice at a time): first "
+                      f"{r['read_path_first_cpu_s_per_gb']:.2f}, warm {r['read_path_warm_cpu_s_per_gb']:.2f}")
     print(json.dumps(report))
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -125,9 +125,10 @@ class SliceLayout:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of the `layout` metadata key: the common fields and those of its kind."""
-        doc = asdict(self)
         drop = _VERL_FIELDS if self.kind is LayoutKind.MEGATRON else _MEGATRON_FIELDS | _MEGATRON_OPTIONAL
-        return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in doc.items() if k not in drop}
+        doc = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in drop}  # flat: no deep copy
+        return {k: (v.value if isinstance(v, enum.Enum) else list(v) if isinstance(v, list) else v)
+                for k, v in doc.items()}
 
     @classmethod
     def from_dict(cls, doc: Any) -> SliceLayout:

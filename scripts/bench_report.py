@@ -232,7 +232,9 @@ def step_fetch(result: dict[str, Any], everything: dict[str, dict[str, Any]]) ->
            "rounds after, fresh = rank processes that fetch nothing before. Baselines of the same run: one client "
            "fetching the same slices in turn, one process reading the rows from the page-cached segment files, "
            "vLLM's in-band answers decoded by one process. `sink`: rows as the plugin's sink ships them "
-           "(4 writers); `kind`: 8 whole requests per batch. M rows/s.")
+           "(4 writers); `kind`: 8 whole requests per batch. M rows/s. The read path alone: the service's "
+           "`read_slice` over the same data in the bench's own process, one slice after another, no HTTP (a store "
+           "opened fresh, then again): its CPU per GB without the noise of 16 ranks and 2 workers sharing 2 cores.")
     ray = {(r["ranks"], r["sequences"], r["tokens"]): r for r in runs(everything.get("ray_step", {"output": []}))}
     rows = []
     for out in outs:
@@ -253,12 +255,15 @@ def step_fetch(result: dict[str, Any], everything: dict[str, dict[str, Any]]) ->
                          ":".join(map(str, f["split"])),
                          " / ".join(per_gb(f.get(k)) for k in ("cold_cpu_s_per_gb", "warm_cpu_s_per_gb",
                                                              "fresh_cpu_s_per_gb"))
-                         + f" ({per_gb(f.get('files_cpu_s_per_gb'))})"])
+                         + f" ({per_gb(f.get('files_cpu_s_per_gb'))})",
+                         " / ".join(per_gb(f.get(k)) for k in ("read_path_first_cpu_s_per_gb",
+                                                             "read_path_warm_cpu_s_per_gb"))])
     yield markdown((["THD rule", "shape (segments)", "ranks", "first", "warm", "fresh", "first / warm",
                      "one client in turn: first / warm", "at once / in turn: first / warm", "memory read",
                      "of the memory read: first / warm", "in-band", "first / in-band",
                      "first / Ray's first (ray_step)", "connections per worker",
-                     "service CPU-s per GB delivered: first / warm / fresh (memory read's)"], rows))
+                     "service CPU-s per GB delivered: first / warm / fresh (memory read's)",
+                     "the read path alone, one process: first / warm"], rows))
 
 
 def ray_step(result: dict[str, Any], everything: dict[str, dict[str, Any]]) -> Iterator[str]:

@@ -30,6 +30,7 @@ from replay_service.store.index import Index, RequestStatus, Row, load_of
 from replay_service.store.lifecycle.journal import open_journal
 from replay_service.store.lifecycle.retention import Removed, collect_orphans, due, empty_trash, removed, to_trash
 from replay_service.store.requests.ends import upload_end
+from replay_service.store.requests.kept import Keep
 from replay_service.store.requests.references import Resolution, Resolver
 from replay_service.store.requests.rows import KnownSpans, Located, RouteRows, RowReader
 from replay_service.store.requests.summaries import RequestPage, RequestRecord, RunRecord
@@ -45,6 +46,11 @@ __all__ = ["Processes", "RequestStatus", "RouteRows", "RouteStore", "index_targe
 def index_target(settings: ServiceSettings) -> str | Path:
     """The index settings name: REPLAY_INDEX_URL (PostgreSQL), or `<data_dir>/index.sqlite` when unset."""
     return settings.index_url or Path(settings.data_dir) / "index.sqlite"
+
+
+def _keep(run: RunState, request: RequestRecord) -> Keep:
+    """What a read keeping its request's location is taken under (`requests/kept.py`)."""
+    return Keep(run.created_at, request, request.expected_rows)
 
 
 def _no_request(run_id: str, request_id: str) -> NotFound:
@@ -79,7 +85,7 @@ class RouteStore:
         self.cache = SegmentCache(self.segments, settings.open_segment_cache, settings.open_segment_cache_bytes,
                                   indexed=self.index.names_segment,
                                   pool=pool_id(processes))
-        self.reader = RowReader(self.index, self.cache)
+        self.reader = RowReader(self.index, self.cache, settings.kept_locations_bytes)
         self.registry = RunRegistry(self.index)
         self.compares = CompareStore(self.root / "compares", self.index, fsync=settings.fsync,
                                      bucket=self.segments if isinstance(self.segments, S3Segments) else None)
@@ -338,9 +344,12 @@ class RouteStore:
         run = self.run_to_read(run_id)
         return self.read_rows(run, self.request_to_read(run, request_id), start, end, rule, weight_version)
 
-    def spans_of_requests(self, run: RunState, request_ids: list[str]) -> KnownSpans:
-        """Every span of these requests of `run`, in one index read, for their `locate_rows(known_spans=...)`."""
-        return KnownSpans(self.index.spans_of_requests(run.run_id, request_ids))
+    def spans_of_requests(self, run: RunState, requests: list[RequestRecord]) -> KnownSpans:
+        """Every span of these requests of `run` (records as `requests_to_read` took them), in one index read, for
+        their `locate_rows(known_spans=..., keep=True)`; not those whose location is kept for such a read."""
+        kept = frozenset(r.request_id for r in requests if self.reader.keeps(run.run_id, r.request_id, _keep(run, r)))
+        return KnownSpans(self.index.spans_of_requests(run.run_id, [r.request_id for r in requests
+                                                                    if r.request_id not in kept]), not_read=kept)
 
     def read_rows(self, run: RunState, request: RequestRecord, start: int = 0, end: int | None = None,
                   rule: RecomputeRule = RecomputeRule.FIRST, weight_version: str | None = None) -> RouteRows:
@@ -354,10 +363,12 @@ class RouteStore:
 
     def locate_rows(self, run: RunState, request: RequestRecord, start: int = 0, end: int | None = None,
                     rule: RecomputeRule = RecomputeRule.FIRST, weight_version: str | None = None,
-                    known_spans: KnownSpans | None = None) -> Located:
+                    known_spans: KnownSpans | None = None, keep: bool = False) -> Located:
         """`read_rows`' rows located, their ids not yet copied (`requests.rows.Located`: a trainer slice copies only
         the rows of its rank, straight from the segments); `known_spans`: the request's spans, read for many
-        requests at once (`spans_of_requests`, taken after `request`)."""
+        requests at once (`spans_of_requests`, taken after `request`); `keep`: the request's whole location kept for
+        the plain reads of it that follow, in this worker, and reused while its record and segments are unchanged
+        (`requests/kept.py`)."""
         if weight_version is not None:
             try:
                 check_label(weight_version, "weight_version")
@@ -376,7 +387,7 @@ class RouteStore:
             on_loop.refuse(f"{end - start} rows is more than a read on the event loop serves")
         late = self.index.late_flags(run_id, request.request_id, start, end) if request.flagged[Flag.CONFLICT] else {}
         route = self.reader.locate(run_id, request.request_id, run.shape, start, end, late, RecomputeRule(rule),
-                                   weight_version, known_spans)
+                                   weight_version, known_spans, _keep(run, request) if keep else None)
         if run.deleted:
             raise RunDeleted.during_read(run_id)
         return route

@@ -24,6 +24,7 @@ from replay_format.trainer_query import StageLayers
 from replay_format.trainer_slice import VERSION_TYPE, MissingPolicy
 from replay_format.weight_versions import UNKNOWN
 from replay_service.errors import InvalidInput
+from replay_service.store.requests.rows import contiguous_runs
 from replay_service.trainer.layouts import SequenceSpec, TokenPlan, filler_rows
 
 
@@ -47,7 +48,7 @@ class DenseIds:
         """As `IdRows.copy_ids`: runs that step by one on both sides go as plain copies."""
         experts = self.experts if ordinals is None else self.experts.reshape(
             len(self.experts), self.shape.num_moe_layers, self.shape.top_k)[:, ordinals]
-        runs = _contiguous_runs(dst, offsets)
+        runs = contiguous_runs(dst, offsets)
         if runs is None:
             out[dst] = experts[offsets]
             return
@@ -127,15 +128,6 @@ class Gathered:
     fallback: np.ndarray  # (m,) uint8: the router must choose (missing=router)
     broken: np.ndarray  # int64: plan indices of real tokens whose recorded row is flagged or missing
     version: np.ndarray  # (m,) int16: the replayed row's version (index into the slice's labels), UNKNOWN for filler
-
-
-def _contiguous_runs(dst: np.ndarray, src: np.ndarray, max_runs: int = 64) -> list[tuple[int, int]] | None:
-    """[a, b) ranges where both dst and src step by one; None when there are too many to pay off."""
-    breaks = np.flatnonzero((np.diff(dst) != 1) | (np.diff(src) != 1)) + 1
-    if len(breaks) >= max_runs:
-        return None
-    edges = [0, *breaks.tolist(), len(dst)]
-    return list(zip(edges[:-1], edges[1:]))
 
 
 def gather_rows(plan: TokenPlan, specs: list[SequenceSpec], read_rows: ReadRows, held: HeldLayers,

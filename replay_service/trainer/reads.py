@@ -171,7 +171,7 @@ def gather(store: RouteStore, seqs: list[StoredSequence], plan: layouts.TokenPla
     known = {}  # every sequence's spans, one index read per run (taken after the requests)
     for run_id in dict.fromkeys(s.run.run_id for s in seqs):
         of_run = [s for s in seqs if s.run.run_id == run_id]
-        known[run_id] = store.spans_of_requests(of_run[0].run, [s.request.request_id for s in of_run])
+        known[run_id] = store.spans_of_requests(of_run[0].run, [s.request for s in of_run])
 
     def read_rows(i: int, lo: int, hi: int) -> RowsRead:
         seq = seqs[i]
@@ -182,7 +182,7 @@ def gather(store: RouteStore, seqs: list[StoredSequence], plan: layouts.TokenPla
             flags, positions, versions = route.flags[cut], route.positions[cut], route.versions().take(cut)
         else:  # located only: the rank's rows are copied from their segments once, by gather_rows
             found = store.locate_rows(seq.run, seq.request, spec.start + lo, spec.start + hi,
-                                      known_spans=known[seq.run.run_id])
+                                      known_spans=known[seq.run.run_id], keep=True)
             ids, flags, positions = found, found.flags, found.positions
             versions = WeightVersions.unknown(len(positions)) if found.versions is None else found.versions
         ok = flags == 0

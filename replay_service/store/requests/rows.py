@@ -11,6 +11,7 @@ Design: docs/design/store.md ("Which row a read serves").
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,6 +22,7 @@ from replay_format.core import token_ids
 from replay_format.segment import segment_versions
 from replay_format.weight_versions import UNKNOWN, RecomputeRule, WeightVersions
 from replay_service.store.index import Index, RequestSpans
+from replay_service.store.requests.kept import Keep, Kept, KeptLocations
 from replay_service.store.segments.cache import SegmentCache
 
 
@@ -132,11 +134,12 @@ class StoredRows:
 @dataclass(slots=True)
 class Span:
     """A span of a request: rows `[start, start + count)` of the columns holding them (a whole local segment's, or
-    the rows fetched from a bucket)."""
+    the rows fetched from a bucket); `segment`: the local segment's path, "" for rows fetched by themselves."""
 
     source: Pieces
     start: int
     count: int
+    segment: str = ""
 
     def rows(self) -> Pieces:
         """The span's rows as their own columns (views)."""
@@ -151,6 +154,13 @@ class KnownSpans:
 
     by_request: dict[str, RequestSpans]
     opened: dict[str, Pieces] = field(default_factory=dict)
+    not_read: frozenset[str] = frozenset()  # requests whose kept location was to serve: their spans not read
+
+    def spans_of(self, request_id: str) -> RequestSpans | None:
+        """The request's spans (None: it has none); KeyError when they were not read (`not_read`)."""
+        if request_id in self.not_read:
+            raise KeyError(request_id)
+        return self.by_request.get(request_id)
 
 
 def _piece(batch: pa.RecordBatch, width: int, versions: WeightVersions | None = None) -> Pieces:
@@ -181,9 +191,11 @@ def _concat(pieces: list[Pieces], shape: RunShape) -> Pieces:
 class RowReader:
     """Stored rows by (run, request, positions), through the index's spans and the segment cache."""
 
-    def __init__(self, index: Index, cache: SegmentCache) -> None:
+    def __init__(self, index: Index, cache: SegmentCache, kept_bytes: int = 0) -> None:
+        """`kept_bytes`: the locations of whole requests kept for the trainer reads that follow (`kept.py`)."""
         self.index = index
         self.cache = cache
+        self.kept: KeptLocations[Located] = KeptLocations(kept_bytes)
         # An opened segment's columns as arrays (views of the mapping; token ids and versions decoded once), by
         # path, with the batch they came from: a read asks the cache for the batch first (its checks, a deleted
         # run's refusal) and uses these only while the cache still hands out that same batch.
@@ -194,10 +206,13 @@ class RowReader:
                known: KnownSpans | None = None) -> list[Span]:
         """The request's stored rows in spans touching positions `[lo, hi]`, in the order it came to hold them
         (`known`: the spans of it and others, read from the index already)."""
+        try:
+            spans = None if known is None else known.spans_of(request_id)
+        except KeyError:  # its kept location did not serve after all
+            known = None
         if known is None:
             return [self.span_of(s["path"], s["row_start"], s["row_count"], width)
                     for s in self.index.spans(run_id, request_id, lo, hi)]
-        spans = known.by_request.get(request_id)
         if spans is None:
             return []
         return [self.span_of(spans.path[i], spans.row_start[i], spans.row_count[i], width, known.opened)
@@ -222,7 +237,7 @@ class RowReader:
             whole = self._whole(path, width)
             if opened is not None:
                 opened[path] = whole
-        return Span(whole, start, count)
+        return Span(whole, start, count, path)
 
     def rows_of(self, path: str, start: int, count: int, width: int) -> Pieces:
         """`span_of`'s rows as their own columns."""
@@ -271,11 +286,76 @@ class RowReader:
 
     def locate(self, run_id: str, request_id: str, shape: RunShape, start: int, end: int,
                late_flags: dict[int, int], rule: RecomputeRule = RecomputeRule.FIRST,
-               weight_version: str | None = None, known_spans: KnownSpans | None = None) -> Located:
+               weight_version: str | None = None, known_spans: KnownSpans | None = None,
+               keep: Keep | None = None) -> Located:
         """`route`'s rows located, their ids not yet copied (`Located`); `known_spans`: the request's spans read
-        already, with others (`Index.spans_of_requests`)."""
+        already, with others (`Index.spans_of_requests`); `keep`: a plain read's request as the read took it, its
+        whole location then kept for the reads that follow and reused while it holds (`kept.py`)."""
+        if keep is not None and not late_flags and rule == RecomputeRule.FIRST and weight_version is None \
+                and 0 <= start < end <= keep.rows:
+            whole = self._whole_request(run_id, request_id, shape, keep, known_spans)
+            if whole is not None:
+                return whole.cut(start, end)
         spans = self._spans(run_id, request_id, start, end - 1, shape.row_width, known_spans) if end > start else []
         return _locate(request_id, shape, spans, start, end, late_flags, rule, weight_version)
+
+    def keeps(self, run_id: str, request_id: str, keep: Keep) -> bool:
+        """Whether a location of the request is kept under `keep` (its segments not checked yet: `locate` does)."""
+        return self.kept.get(run_id, request_id, keep) is not None
+
+    def _whole_request(self, run_id: str, request_id: str, shape: RunShape, keep: Keep,
+                       known: KnownSpans | None) -> Located | None:
+        """The plain location of the request's rows `[0, keep.rows)`: the kept one while it holds (`kept.py`), else
+        made and kept (once, while other reads of it wait); None when some of its rows were fetched by themselves (a
+        bucket's ranges: nothing to keep)."""
+        opened = {} if known is None else known.opened
+        kept = self._kept(run_id, request_id, shape, keep, opened)
+        if kept is not None:
+            return kept
+        other = self.kept.making(run_id, request_id)
+        if other is not None:  # another read makes it: take it when made, or make it after all
+            other.wait()
+            return self._kept(run_id, request_id, shape, keep, opened) or \
+                self._make_kept(run_id, request_id, shape, keep, known)
+        try:  # (kept meanwhile by a read that was done before this one asked)
+            return self._kept(run_id, request_id, shape, keep, opened) or \
+                self._make_kept(run_id, request_id, shape, keep, known)
+        finally:
+            self.kept.made(run_id, request_id)
+
+    def _kept(self, run_id: str, request_id: str, shape: RunShape, keep: Keep,
+              opened: dict[str, Pieces]) -> Located | None:
+        """The request's kept location over its segments as opened now, while it holds."""
+        kept = self.kept.get(run_id, request_id, keep)
+        if kept is None:
+            return None
+        columns = [self._opened(path, shape.row_width, opened) for path in kept.paths]
+        return kept.located.with_sources([c.experts for c in columns]) if kept.holds(columns) else None
+
+    def _make_kept(self, run_id: str, request_id: str, shape: RunShape, keep: Keep,
+                   known: KnownSpans | None) -> Located | None:
+        """Locate the whole request and keep it (`_whole_request`)."""
+        spans = self._spans(run_id, request_id, 0, keep.rows - 1, shape.row_width, known)
+        if any(not span.segment for span in spans):
+            return None
+        located = _locate(request_id, shape, spans, 0, keep.rows, {}, RecomputeRule.FIRST, None)
+        for array in (located.positions, located.token_ids, located.flags, located.span, located.row,
+                      located.steps()):
+            array.flags.writeable = False  # shared by the reads that follow
+        segments: dict[int, Span] = {}  # each source's first span, in source order (`_sources`)
+        for span in spans:
+            segments.setdefault(id(span.source), span)
+        self.kept.put(run_id, request_id, Kept(keep, tuple(s.segment for s in segments.values()),
+                                               tuple(weakref.ref(s.source) for s in segments.values()),
+                                               located.with_sources([]), located.nbytes))
+        return located
+
+    def _opened(self, path: str, width: int, opened: dict[str, Pieces]) -> Pieces:
+        """A local segment's columns, once per read (`opened`)."""
+        whole = opened.get(path)
+        if whole is None:
+            whole = opened[path] = self._whole(path, width)
+        return whole
 
 
 def assemble_route(request_id: str, shape: RunShape, spans: list[pa.RecordBatch], start: int, end: int,
@@ -311,11 +391,34 @@ class Located:
     sources: list[np.ndarray]  # each span's ids (rows, L*K): views of the mapped segments
     span: np.ndarray  # int64 (n,)
     row: np.ndarray  # int64 (n,)
+    _steps: np.ndarray | None = field(default=None, repr=False, compare=False)  # `steps()`, made on first use
 
     def rows(self) -> RouteRows:
         """The located rows as a `RouteRows`."""
         return RouteRows(self.request_id, self.shape, self.positions, self.token_ids, self.ids(), self.flags,
                          self.versions)
+
+    def cut(self, start: int, end: int) -> Located:
+        """Positions `[start, end)` of a location made from position 0 (views)."""
+        part = slice(start, end)
+        versions = None if self.versions is None else self.versions.take(part)
+        steps = self.steps()
+        steps = steps[np.searchsorted(steps, start, "right"): np.searchsorted(steps, end - 1, "right")] - start
+        return Located(self.request_id, self.shape, self.positions[part], self.token_ids[part], self.flags[part],
+                       versions, self.sources, self.span[part], self.row[part], steps)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the location's own arrays (not of the ids it points at)."""
+        arrays = [self.positions, self.token_ids, self.flags, self.span, self.row, self.steps()]
+        if self.versions is not None:
+            arrays.append(self.versions.index)
+        return sum(a.nbytes for a in arrays)
+
+    def with_sources(self, sources: list[np.ndarray]) -> Located:
+        """This location over other ids arrays (the same segments' columns, as opened now)."""
+        return Located(self.request_id, self.shape, self.positions, self.token_ids, self.flags, self.versions,
+                       sources, self.span, self.row, self._steps)
 
     def ids(self) -> np.ndarray:
         """Every position's ids `(n, L*K)`: a view when one span serves them all in order, else a copy (GAP rows
@@ -335,25 +438,44 @@ class Located:
         each other in one span and in `out` go in one copy (a request's rows come in a few runs per span)."""
         if not len(offsets):
             return
-        spans, rows = self.span[offsets], self.row[offsets]
-        breaks = np.flatnonzero((np.diff(spans) != 0) | (np.diff(rows) != 1) | (np.diff(dst) != 1)) + 1
-        edges = [0, *breaks.tolist(), len(offsets)]
-        if len(edges) > max(64, len(offsets) // 4):  # scattered rows: one gather per span instead
+        runs = contiguous_runs(dst, offsets)
+        steps = self.steps()
+        if runs is None or len(steps) > max(64, len(offsets) // 4):  # scattered rows: one gather per span
+            spans, rows = self.span[offsets], self.row[offsets]
             for s in np.unique(spans[spans >= 0]).tolist():
                 mine = np.flatnonzero(spans == s)
                 self._put(out, dst[mine], self.sources[s][rows[mine]], ordinals)
             return
-        for a, b in zip(edges[:-1], edges[1:]):
-            s = int(spans[a])
-            if s >= 0:  # (a GAP run is left as it is)
-                r = int(rows[a])
-                self._put(out, slice(int(dst[a]), int(dst[a]) + b - a), self.sources[s][r: r + b - a], ordinals)
+        for a, b in runs:  # offsets [o, o + b - a) to out[d:]: cut where the location's own runs end
+            o, d = int(offsets[a]), int(dst[a])
+            cuts = steps[np.searchsorted(steps, o, "right"): np.searchsorted(steps, o + b - a - 1, "right")].tolist()
+            for lo, hi in zip([o, *cuts], [*cuts, o + b - a]):
+                s = int(self.span[lo])
+                if s >= 0:  # (a GAP run is left as it is)
+                    r = int(self.row[lo])
+                    self._put(out, slice(d + lo - o, d + hi - o), self.sources[s][r: r + hi - lo], ordinals)
+
+    def steps(self) -> np.ndarray:
+        """Offsets where the span or the row does not follow on from the offset before (made once)."""
+        if self._steps is None:
+            self._steps = np.flatnonzero((np.diff(self.span) != 0) | (np.diff(self.row) != 1)) + 1
+        return self._steps
 
     def _put(self, out: np.ndarray, where: slice | np.ndarray, block: np.ndarray, ordinals: np.ndarray | None) -> None:
         if ordinals is None:
             out[where] = block
         else:
             out[where] = block.reshape(len(block), self.shape.num_moe_layers, self.shape.top_k)[:, ordinals]
+
+
+def contiguous_runs(dst: np.ndarray, src: np.ndarray, max_runs: int = 64) -> list[tuple[int, int]] | None:
+    """[a, b) ranges where both `dst` and `src` step by one; None when there are more than `max_runs` (scattered
+    rows: a gather pays off then)."""
+    breaks = np.flatnonzero((np.diff(dst) != 1) | (np.diff(src) != 1)) + 1
+    if len(breaks) >= max_runs:
+        return None
+    edges = [0, *breaks.tolist(), len(dst)]
+    return list(zip(edges[:-1], edges[1:]))
 
 
 def _span_rows(spans: list[Span], source_index: list[int]) -> Pieces:

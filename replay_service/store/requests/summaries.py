@@ -17,6 +17,8 @@ from replay_service.store.index import COUNTED_FLAGS, RequestStatus, Row, count_
 from replay_service.store.lifecycle.retention import last_write
 from replay_service.store.runs import shape_of
 
+_COUNTED = tuple((f, count_column(f)) for f in COUNTED_FLAGS)  # each counted flag and its column
+
 
 def expected_rows(request: Row) -> int:
     """A finished request of T tokens has T-1 rows; an open one, up to the last position seen."""
@@ -48,7 +50,7 @@ class RequestRecord:
         """The record of one `requests` row and its `Index.version_spans` (adjacent ones of one version merged; None:
         not looked up)."""
         expected = expected_rows(request)
-        flagged = {f: request[count_column(f)] for f in COUNTED_FLAGS}
+        flagged = {f: request[column] for f, column in _COUNTED}
         flagged[Flag.GAP] = max(expected - request["rows"], 0)
         return cls(request["request_id"], RequestStatus(request["status"]), request["final_tokens"], request["rows"],
                    request["referenced_rows"], expected, request["first_flagged"], flagged,
