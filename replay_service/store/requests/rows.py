@@ -192,10 +192,11 @@ class RowReader:
     """Stored rows by (run, request, positions), through the index's spans and the segment cache."""
 
     def __init__(self, index: Index, cache: SegmentCache, kept_bytes: int = 0) -> None:
-        """`kept_bytes`: the locations of whole requests kept for the trainer reads that follow (`kept.py`)."""
+        """`kept_bytes`: the locations of whole requests kept for the trainer reads that follow (`kept.py`; local
+        segments only: a bucket's are read by the blocks a read needs)."""
         self.index = index
         self.cache = cache
-        self.kept: KeptLocations[Located] = KeptLocations(kept_bytes)
+        self.kept: KeptLocations[Located] = KeptLocations(0 if cache.store.remote else kept_bytes)
         # An opened segment's columns as arrays (views of the mapping; token ids and versions decoded once), by
         # path, with the batch they came from: a read asks the cache for the batch first (its checks, a deleted
         # run's refusal) and uses these only while the cache still hands out that same batch.
@@ -291,8 +292,8 @@ class RowReader:
         """`route`'s rows located, their ids not yet copied (`Located`); `known_spans`: the request's spans read
         already, with others (`Index.spans_of_requests`); `keep`: a plain read's request as the read took it, its
         whole location then kept for the reads that follow and reused while it holds (`kept.py`)."""
-        if keep is not None and not late_flags and rule == RecomputeRule.FIRST and weight_version is None \
-                and 0 <= start < end <= keep.rows:
+        if keep is not None and self.kept.max_bytes and not late_flags and rule == RecomputeRule.FIRST \
+                and weight_version is None and 0 <= start < end <= keep.rows:
             whole = self._whole_request(run_id, request_id, shape, keep, known_spans)
             if whole is not None:
                 return whole.cut(start, end)
@@ -306,8 +307,8 @@ class RowReader:
     def _whole_request(self, run_id: str, request_id: str, shape: RunShape, keep: Keep,
                        known: KnownSpans | None) -> Located | None:
         """The plain location of the request's rows `[0, keep.rows)`: the kept one while it holds (`kept.py`), else
-        made and kept (once, while other reads of it wait); None when some of its rows were fetched by themselves (a
-        bucket's ranges: nothing to keep)."""
+        made and kept (once, while other reads of it wait); None when some of its rows were fetched by themselves
+        (nothing to keep)."""
         opened = {} if known is None else known.opened
         kept = self._kept(run_id, request_id, shape, keep, opened)
         if kept is not None:
