@@ -66,12 +66,12 @@ class ServiceSettings(BaseSettings):
         default=1 << 23, description="largest trainer layout planned (every rank of a micro-batch, padding "
         "included); larger answers 413 before anything is allocated")
     open_segment_cache: int = Field(default=256, description="segment files kept memory-mapped for reads")
-    kept_locations_bytes: int = Field(
-        default=64 * 2**20, ge=0, description="per worker: where whole requests' rows lie, kept for the trainer "
-        "reads that follow (reused while a request and its segments are unchanged; 0: none kept)")
     open_segment_cache_bytes: int = Field(
         default=1 << 30, ge=0, description="of those, bytes held decompressed in memory at most (compressed segments, "
         "REPLAY_SEGMENT_COMPRESSION; an uncompressed one is a map of the page cache and counts nothing)")
+    kept_locations_bytes: int = Field(
+        default=64 * 2**20, ge=0, description="per worker: where whole requests' rows lie, kept for the trainer "
+        "reads that follow (reused while a request and its segments are unchanged; 0: none kept)")
     stale_table_rows: int = Field(
         default=1 << 21, ge=1, description="rows the STALE content check remembers, one table per host shared by every "
         "worker (32 B a row, rounded up to a power of two: 64 MiB by default)")

@@ -294,9 +294,7 @@ class RowReader:
         whole location then kept for the reads that follow and reused while it holds (`kept.py`)."""
         if keep is not None and self.kept.max_bytes and not late_flags and rule == RecomputeRule.FIRST \
                 and weight_version is None and 0 <= start < end <= keep.rows:
-            whole = self._whole_request(run_id, request_id, shape, keep, known_spans)
-            if whole is not None:
-                return whole.cut(start, end)
+            return self._whole_request(run_id, request_id, shape, keep, known_spans).cut(start, end)
         spans = self._spans(run_id, request_id, start, end - 1, shape.row_width, known_spans) if end > start else []
         return _locate(request_id, shape, spans, start, end, late_flags, rule, weight_version)
 
@@ -305,10 +303,9 @@ class RowReader:
         return self.kept.get(run_id, request_id, keep) is not None
 
     def _whole_request(self, run_id: str, request_id: str, shape: RunShape, keep: Keep,
-                       known: KnownSpans | None) -> Located | None:
+                       known: KnownSpans | None) -> Located:
         """The plain location of the request's rows `[0, keep.rows)`: the kept one while it holds (`kept.py`), else
-        made and kept (once, while other reads of it wait); None when some of its rows were fetched by themselves
-        (nothing to keep)."""
+        made and kept (once, while other reads of it wait)."""
         opened = {} if known is None else known.opened
         kept = self._kept(run_id, request_id, shape, keep, opened)
         if kept is not None:
@@ -334,11 +331,10 @@ class RowReader:
         return kept.located.with_sources([c.experts for c in columns]) if kept.holds(columns) else None
 
     def _make_kept(self, run_id: str, request_id: str, shape: RunShape, keep: Keep,
-                   known: KnownSpans | None) -> Located | None:
-        """Locate the whole request and keep it (`_whole_request`)."""
+                   known: KnownSpans | None) -> Located:
+        """Locate the whole request and keep it (`_whole_request`; local segments only: every span names its
+        segment)."""
         spans = self._spans(run_id, request_id, 0, keep.rows - 1, shape.row_width, known)
-        if any(not span.segment for span in spans):
-            return None
         located = _locate(request_id, shape, spans, 0, keep.rows, {}, RecomputeRule.FIRST, None)
         for array in (located.positions, located.token_ids, located.flags, located.span, located.row,
                       located.steps()):
