@@ -17,6 +17,7 @@ REQUIRE_ALL = os.environ.get("REPLAY_REQUIRE_ALL") == "1"
 # one-off HTTP calls shared one client (README, Tests).
 SLOW = {
     "test_cold_step_fetch.py": "services of two workers over a sink-shaped step, restarted",
+    "test_service_process.py": "the tests' harness starting services on a taken port",
     "test_trainer_read_paths.py": "two workers over a sink-shaped step; two replicas on PostgreSQL and S3",
     "test_docs_examples.py::test_every_example": "every page's examples against a service with the demo run",
     "test_docs_browser.py": "the docs site built and opened in headless Chromium",

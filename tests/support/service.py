@@ -66,6 +66,13 @@ def read_answers(sock: socket.socket, count: int) -> list[tuple[bytes, bytes]]:
     return answers
 
 
+PORT_TRIES = 3  # starts on another chosen port when the one chosen was taken before the service bound it
+
+
+class PortTaken(RuntimeError):
+    """The service could not bind the port chosen for it (`ServiceProcess.start` tries another)."""
+
+
 class ServiceProcess:
     def __init__(self, data_dir: Path, port: int | None = None, env: dict[str, str] | None = None,
                  log_path: Path | None = None, demo: bool = False, cpus: set[int] | None = None, nice: int = 0,
@@ -73,6 +80,9 @@ class ServiceProcess:
                  program: list[str] | None = None, cwd: Path | None = None, workers: int = 1) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
+        # a port `free_port` chose may be taken before the service binds it (another process's listener, or the
+        # ephemeral source port of any connection on the machine): the first start then moves to another one
+        self._may_move = port is None
         self.env = {**os.environ, **(env or {})}
         self.log_path = log_path or self.data_dir.parent / f"service-{self.port}.log"
         self.demo = demo
@@ -93,6 +103,16 @@ class ServiceProcess:
         return f"http://{self.host}:{self.port}"
 
     def start(self, timeout: float = 60.0) -> ServiceProcess:
+        """Start the service and wait until every worker answers (RuntimeError naming the log's end otherwise). A
+        first start whose chosen port was taken meanwhile tries again on another; a restart keeps its address."""
+        for _ in range(PORT_TRIES - 1):
+            try:
+                return self._start(timeout)
+            except PortTaken:
+                self.port = free_port()
+        return self._start(timeout)
+
+    def _start(self, timeout: float) -> ServiceProcess:
         cmd = [*self.program, "serve", "--data", str(self.data_dir),
                "--host", self.host, "--port", str(self.port), "--log-level", "warning",
                "--workers", str(self.workers)]
@@ -102,19 +122,24 @@ class ServiceProcess:
         if self.netns:
             cmd = ["ip", "netns", "exec", self.netns, *cmd]
         self._log = open(self.log_path, "ab")
+        logged = self._log.tell()
         self.proc = subprocess.Popen(cmd, env=self.env, cwd=self.cwd, stdout=self._log, stderr=subprocess.STDOUT,
                                      preexec_fn=self._place if self.cpus or self.nice else None)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                log = self.log_path.read_text()[-3000:]
-                raise RuntimeError(f"service exited with {self.proc.returncode}; log: {log}")
+                self._log.close()
+                log = self.log_path.read_bytes()[logged:].decode(errors="replace")
+                if self._may_move and "[Errno 98]" in log:  # EADDRINUSE, as uvicorn words it either way
+                    raise PortTaken(self.port)
+                raise RuntimeError(f"service exited with {self.proc.returncode}; log: {log[-3000:]}")
             try:
                 answer = calls.get(f"{self.url}/healthz", timeout=1.0)
             except httpx.HTTPError:
                 time.sleep(0.05)
                 continue
             if answer.status_code == 200 and self._every_worker_serves(answer.json()["pid"], deadline):
+                self._may_move = False  # a restart (a test's kill and start again) keeps the address it had
                 return self
         self.stop()
         raise RuntimeError(f"service did not come up in {timeout}s; log: {self.log_path.read_text()[-3000:]}")
