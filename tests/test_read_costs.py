@@ -6,6 +6,8 @@
 - `.npy` headers are numpy's own, kept per (dtype, shape); the body is always C order, and the header says so.
 - A `weight_version` column with no known version (every Arrow answer and batch of a writer that sends none) is
   read as unknown rows without folding its dictionary.
+- A slice's rows are copied a run at a time (THD: one run per sequence, two under zigzag CP), BSHD's scattered
+  tokens a sequence at a time, with the same answer as copying each token by itself.
 """
 
 from __future__ import annotations
@@ -18,12 +20,16 @@ import pytest
 
 from replay_format import FormatError, RunShape
 from replay_format.rows import Rows, RowsMeta
-from replay_format.trainer_query import SequenceRef
+from replay_format.trainer_query import CpSplit, MegatronQuery, Packing, SequenceRef, StageLayers
+from replay_format.trainer_slice import MissingPolicy
 from replay_format.weight_versions import INDEX_TYPE, MAX_LABELS, UNKNOWN, RecomputeRule, WeightVersions
 from replay_service.api.encode import npy_header, npy_parts
 from replay_service.app import open_store
 from replay_service.ingest.pipeline import IngestPipeline
 from replay_service.settings import ServiceSettings
+from replay_service.trainer.gather import DenseIds, RowsRead, gather_rows, held_layers, row_runs
+from replay_service.trainer.layouts import SequenceSpec
+from replay_service.trainer.plans import SliceLimits, planner
 from replay_service.trainer.reads import micro_batch_runs, stored_sequences
 from replay_service.trajectory import read_trajectory
 from tests.support.data import many_routes
@@ -142,3 +148,59 @@ def test_each_read_takes_its_run_once(tmp_path, monkeypatch):
         assert run_health(store, "costs").run_id == "costs" and looked_up == ["costs"]
     finally:
         store.close()
+
+
+_LAYOUTS = {
+    "thd zigzag cp2 sp2": MegatronQuery(sequences=(), cp_size=2, cp_rank=1, tp_size=2, tp_rank=1),
+    "thd contiguous cp2": MegatronQuery(sequences=(), cp_size=2, cp_rank=0, cp_split=CpSplit.CONTIGUOUS),
+    "thd, two of three MoE layers": MegatronQuery(sequences=(), layers=StageLayers(moe_ordinals=(0, 2))),
+    "bshd cp2 sp2": MegatronQuery(sequences=(), packing=Packing.BSHD, cp_size=2, cp_rank=0, tp_size=2, tp_rank=1),
+}
+
+
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+def test_a_slice_copied_run_by_run_is_each_token_copied_by_itself(layout):
+    """`gather_rows` copies a run of tokens (plan index and offset both stepping by one) in one go, a flagged row
+    cutting its run, and a sequence scattered over more runs than that pays (BSHD) token by token: the ids, masks
+    and versions are those of copying each token on its own."""
+    rng = np.random.default_rng(7)
+    lengths = [37, 260, 5, 128, 300]
+    specs = [SequenceSpec(0, n, n - 1) for n in lengths]  # the last token of each has no row
+    experts = [many_routes(rng, n - 1, SHAPE).reshape(n - 1, -1) for n in lengths]
+    clean = [rng.random(n - 1) > 0.05 for n in lengths]
+    query = _LAYOUTS[layout]
+    plan = planner(query, SliceLimits.of(ServiceSettings()))(specs)
+    held = held_layers(SHAPE, query.layers)
+
+    def read_rows(i: int, lo: int, hi: int) -> RowsRead:
+        return RowsRead(DenseIds(experts[i][lo:hi], SHAPE), clean[i][lo:hi], np.full(hi - lo, i, np.int16))
+
+    got = gather_rows(plan, specs, read_rows, held, MissingPolicy.ROUTER)
+    needs_row, runs = row_runs(plan, specs)
+    tokens = [(t, int(s), int(o)) for t, (s, o) in enumerate(zip(plan.sequence, plan.offset)) if s >= 0]
+    assert needs_row.tolist() == [s >= 0 and o < specs[s].rows for s, o in zip(plan.sequence, plan.offset)]
+    assert sorted(d + j for d, n in zip(runs.dst.tolist(), runs.count.tolist()) for j in range(n)) == \
+        np.flatnonzero(needs_row).tolist()
+    expect_valid = np.zeros(plan.num_tokens, np.uint8)
+    ids = got.experts.reshape(plan.num_tokens, len(held.moe_ordinals), SHAPE.top_k)
+    for t, s, o in tokens:
+        if o < specs[s].rows and clean[s][o]:
+            expect_valid[t] = 1
+            row = experts[s][o].reshape(SHAPE.num_moe_layers, SHAPE.top_k)[held.moe_ordinals]
+            assert np.array_equal(ids[t], row) and got.version[t] == s, (t, s, o)
+    assert np.array_equal(got.valid, expect_valid)
+    assert got.broken.tolist() == [t for t, s, o in tokens if o < specs[s].rows and not clean[s][o]]
+    assert np.array_equal(got.fallback[got.broken], np.ones(len(got.broken), np.uint8))
+    assert len(runs.dst) < needs_row.sum() / 8 if query.packing is Packing.THD else len(runs.dst) > 64
+
+
+def test_a_slice_of_one_token_sequences_reads_no_rows():
+    """A one-token sequence has no row (its last token's has none): the plan has no run and nothing is read."""
+    specs = [SequenceSpec(0, 1, 0), SequenceSpec(0, 1, 0)]
+    plan = planner(_LAYOUTS["thd zigzag cp2 sp2"], SliceLimits.of(ServiceSettings()))(specs)
+
+    def read_rows(i: int, lo: int, hi: int) -> RowsRead:
+        raise AssertionError(f"sequence {i} was read")
+
+    got = gather_rows(plan, specs, read_rows, held_layers(SHAPE, StageLayers()), MissingPolicy.STRICT)
+    assert not got.valid.any() and not got.broken.size

@@ -170,3 +170,15 @@ def test_a_flagged_row_replays_no_version_whatever_the_policy(stored):
     assert client.request(RUN, request).flagged[Flag.ZERO.name] == 1
     # single looks at the rows replayed: one version, served
     assert client.megatron_batch([(RUN, request)], missing="filler", versions="single").staleness().rows == {"3": 6}
+
+
+
+def test_single_answers_a_sequence_whose_rows_are_all_flagged(stored):
+    """versions=single reads each sequence's rows whole; a sequence whose every row is flagged gets filler (or the
+    router), as under any policy. It failed with a 500: copying no rows at all raised."""
+    client, _ = stored
+    ingest(client, 100, "w-zeros", np.zeros((3, SHAPE.row_width), SHAPE.dtype), ["3"] * 3)  # ZERO rows only
+    for missing in ("filler", "router"):
+        answer = client.megatron_batch([(RUN, "w-zeros")], missing=missing, versions="single")
+        assert answer.valid.tolist() == [0] * 4 and answer.versions() == [None] * 4
+        assert answer.fallback.tolist() == ([1, 1, 1, 0] if missing == "router" else [0] * 4)

@@ -30,9 +30,13 @@ from replay_service.trainer.layouts import SequenceSpec, TokenPlan, filler_rows
 
 class IdRows(Protocol):
     """Where a sequence's recorded ids are: `copy_ids(out, dst, offsets, ordinals)` sets `out[dst[j]]` to the ids of
-    row `offsets[j]` (of the MoE layers `ordinals`; None: all of them, `out` then `(m, L*K)`)."""
+    row `offsets[j]` (of the MoE layers `ordinals`; None: all of them, `out` then `(m, L*K)`); `copy_run(out, dst,
+    offset, count, ordinals)` sets `out[dst:dst + count]` to rows `[offset, offset + count)`."""
 
     def copy_ids(self, out: np.ndarray, dst: np.ndarray, offsets: np.ndarray,
+                 ordinals: np.ndarray | None = None) -> None: ...
+
+    def copy_run(self, out: np.ndarray, dst: int, offset: int, count: int,
                  ordinals: np.ndarray | None = None) -> None: ...
 
 
@@ -46,14 +50,22 @@ class DenseIds:
     def copy_ids(self, out: np.ndarray, dst: np.ndarray, offsets: np.ndarray,
                  ordinals: np.ndarray | None = None) -> None:
         """As `IdRows.copy_ids`: runs that step by one on both sides go as plain copies."""
-        experts = self.experts if ordinals is None else self.experts.reshape(
-            len(self.experts), self.shape.num_moe_layers, self.shape.top_k)[:, ordinals]
         runs = contiguous_runs(dst, offsets)
         if runs is None:
-            out[dst] = experts[offsets]
+            out[dst] = self._rows(offsets, ordinals)
             return
         for a, b in runs:  # THD: one run per sequence (two under zigzag CP)
-            out[dst[a] : dst[a] + b - a] = experts[offsets[a] : offsets[a] + b - a]
+            self.copy_run(out, int(dst[a]), int(offsets[a]), b - a, ordinals)
+
+    def copy_run(self, out: np.ndarray, dst: int, offset: int, count: int,
+                 ordinals: np.ndarray | None = None) -> None:
+        """As `IdRows.copy_run`: one copy."""
+        out[dst : dst + count] = self._rows(slice(offset, offset + count), ordinals)
+
+    def _rows(self, which: np.ndarray | slice, ordinals: np.ndarray | None) -> np.ndarray:
+        rows = self.experts[which]
+        return rows if ordinals is None else rows.reshape(len(rows), self.shape.num_moe_layers,
+                                                          self.shape.top_k)[:, ordinals]
 
 
 @dataclass(frozen=True)
@@ -130,6 +142,69 @@ class Gathered:
     version: np.ndarray  # (m,) int16: the replayed row's version (index into the slice's labels), UNKNOWN for filler
 
 
+_MAX_RUNS = 64  # a sequence in more runs than this is gathered token by token
+
+
+@dataclass(frozen=True)
+class RowRuns:
+    """The plan's tokens that have a recorded row, as runs along which the plan index and the offset both step by
+    one, by sequence (`row_runs`); THD gives one run per sequence, two under zigzag CP."""
+
+    sequence: np.ndarray  # int64 (r,), ascending
+    dst: np.ndarray  # int64 (r,): the run's first plan index
+    offset: np.ndarray  # int64 (r,): its first token's offset in the sequence
+    count: np.ndarray  # int64 (r,): its tokens
+
+
+def row_runs(plan: TokenPlan, specs: list[SequenceSpec]) -> tuple[np.ndarray, RowRuns]:
+    """Which plan tokens have a recorded row (not padding, not past their sequence's rows: its last token), and
+    those tokens as runs (in plan order within a sequence)."""
+    rows = np.array([spec.rows for spec in specs], np.int64)
+    sequence = plan.sequence.astype(np.int64)
+    needs_row = (sequence >= 0) & (plan.offset < rows[np.maximum(sequence, 0)])
+    at = np.flatnonzero(needs_row)
+    seq, off = sequence[at], plan.offset[at].astype(np.int64)
+    steps = (np.diff(at) != 1) | (np.diff(off) != 1) | (np.diff(seq) != 0)
+    firsts = np.flatnonzero(np.concatenate([[len(at) > 0], steps]))
+    count = np.diff(np.append(firsts, len(at)))
+    by_sequence = np.argsort(seq[firsts], kind="stable")
+    firsts, count = firsts[by_sequence], count[by_sequence]
+    return needs_row, RowRuns(seq[firsts], at[firsts], off[firsts], count)
+
+
+def _expand(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Every index of the runs `[starts[j], starts[j] + counts[j])`, in order."""
+    return np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+
+
+@dataclass(frozen=True)
+class _Copied:
+    """One sequence's rows read, copied into the slice's arrays: ids, `valid`, version."""
+
+    read: RowsRead
+    target: np.ndarray
+    subset: np.ndarray | None
+    valid: np.ndarray
+    version: np.ndarray
+
+    def run(self, dst: int, offset: int, count: int) -> None:
+        """Plan tokens `[dst, dst + count)` from the read's offsets `[offset, offset + count)`, the clean ones."""
+        if not self.read.ok[offset : offset + count].all():
+            self.tokens(np.arange(dst, dst + count), np.arange(offset, offset + count))
+            return
+        self.read.ids.copy_run(self.target, dst, offset, count, self.subset)
+        self.valid[dst : dst + count] = 1
+        self.version[dst : dst + count] = self.read.version[offset : offset + count]
+
+    def tokens(self, dst: np.ndarray, offsets: np.ndarray) -> None:
+        """Plan tokens `dst` from the read's `offsets`, the clean ones."""
+        good = self.read.ok[offsets]
+        dst, offsets = dst[good], offsets[good]
+        self.read.ids.copy_ids(self.target, dst, offsets, self.subset)
+        self.valid[dst] = 1
+        self.version[dst] = self.read.version[offsets]
+
+
 def gather_rows(plan: TokenPlan, specs: list[SequenceSpec], read_rows: ReadRows, held: HeldLayers,
                 missing: MissingPolicy) -> Gathered:
     """Ids of every token of `plan` for the `held` layers, and who gets filler or the router's own choice.
@@ -148,27 +223,21 @@ def gather_rows(plan: TokenPlan, specs: list[SequenceSpec], read_rows: ReadRows,
     target, subset = (out.reshape(m, -1), None) if every_layer else (out, ordinals)
     valid = np.zeros(m, np.uint8)
     version = np.full(m, UNKNOWN, VERSION_TYPE)
-    needs_row = np.zeros(m, bool)
-    order = np.argsort(plan.sequence, kind="stable")
-    seq_sorted = plan.sequence[order]
-    bounds = np.searchsorted(seq_sorted, np.arange(-1, len(specs) + 1))
-    for i, spec in enumerate(specs):
-        idx = order[bounds[i + 1] : bounds[i + 2]]
-        if not idx.size:
+    needs_row, runs = row_runs(plan, specs)
+    bounds = np.searchsorted(runs.sequence, np.arange(len(specs) + 1)).tolist()
+    for i in range(len(specs)):
+        a, b = bounds[i], bounds[i + 1]
+        if a == b:
             continue
-        offs = plan.offset[idx]
-        has_row = offs < spec.rows
-        idx_rows, offs_rows = idx[has_row], offs[has_row]
-        if not idx_rows.size:
+        dst, offset, count = runs.dst[a:b], runs.offset[a:b], runs.count[a:b]
+        lo = int(offset.min())
+        read = read_rows(i, lo, int((offset + count).max()))
+        copied = _Copied(read, target, subset, valid, version)
+        if b - a > _MAX_RUNS:  # scattered tokens (BSHD: one per row of the batch): one gather
+            copied.tokens(_expand(dst, count), _expand(offset - lo, count))
             continue
-        needs_row[idx_rows] = True
-        lo, hi = int(offs_rows.min()), int(offs_rows.max()) + 1
-        read = read_rows(i, lo, hi)
-        local = offs_rows - lo
-        good = read.ok[local]
-        read.ids.copy_ids(target, idx_rows[good], local[good], subset)  # straight from where they are: one copy
-        valid[idx_rows[good]] = 1
-        version[idx_rows[good]] = read.version[local[good]]
+        for d, o, n in zip(dst.tolist(), (offset - lo).tolist(), count.tolist()):
+            copied.run(d, o, n)  # straight from where they are: one copy
     without = np.flatnonzero(valid == 0)
     if without.size:
         fill = filler_rows(plan.global_index[without], num_moe_layers, top_k, shape.num_experts)[:, ordinals]

@@ -437,26 +437,40 @@ class Located:
             return
         runs = contiguous_runs(dst, offsets)
         steps = self.steps()
-        if runs is None or len(steps) > max(64, len(offsets) // 4):  # scattered rows: one gather per span
-            spans, rows = self.span[offsets], self.row[offsets]
-            for s in np.unique(spans[spans >= 0]).tolist():
-                mine = np.flatnonzero(spans == s)
-                self._put(out, dst[mine], self.sources[s][rows[mine]], ordinals)
+        if runs is None or len(steps) > max(64, len(offsets) // 4):
+            self._gather(out, dst, offsets, ordinals)
             return
-        for a, b in runs:  # offsets [o, o + b - a) to out[d:]: cut where the location's own runs end
-            o, d = int(offsets[a]), int(dst[a])
-            cuts = steps[np.searchsorted(steps, o, "right"): np.searchsorted(steps, o + b - a - 1, "right")].tolist()
-            for lo, hi in zip([o, *cuts], [*cuts, o + b - a]):
-                s = int(self.span[lo])
-                if s >= 0:  # (a GAP run is left as it is)
-                    r = int(self.row[lo])
-                    self._put(out, slice(d + lo - o, d + hi - o), self.sources[s][r: r + hi - lo], ordinals)
+        for a, b in runs:
+            self.copy_run(out, int(dst[a]), int(offsets[a]), b - a, ordinals)
+
+    def copy_run(self, out: np.ndarray, dst: int, offset: int, count: int,
+                 ordinals: np.ndarray | None = None) -> None:
+        """`copy_ids` of offsets `[offset, offset + count)` to `out[dst:dst + count]`: cut where the location's own
+        runs end (`steps`), one copy per piece."""
+        steps = self.steps()
+        end = offset + count
+        cuts = steps[np.searchsorted(steps, offset, "right"): np.searchsorted(steps, end - 1, "right")].tolist()
+        if len(cuts) > max(64, count // 4):
+            self._gather(out, np.arange(dst, dst + count), np.arange(offset, end), ordinals)
+            return
+        for lo, hi in zip([offset, *cuts], [*cuts, end]):
+            s = int(self.span[lo])
+            if s >= 0:  # (a GAP run is left as it is)
+                r = int(self.row[lo])
+                self._put(out, slice(dst + lo - offset, dst + hi - offset), self.sources[s][r: r + hi - lo], ordinals)
 
     def steps(self) -> np.ndarray:
         """Offsets where the span or the row does not follow on from the offset before (made once)."""
         if self._steps is None:
             self._steps = np.flatnonzero((np.diff(self.span) != 0) | (np.diff(self.row) != 1)) + 1
         return self._steps
+
+    def _gather(self, out: np.ndarray, dst: np.ndarray, offsets: np.ndarray, ordinals: np.ndarray | None) -> None:
+        """Scattered rows: one gather per span."""
+        spans, rows = self.span[offsets], self.row[offsets]
+        for s in np.unique(spans[spans >= 0]).tolist():
+            mine = np.flatnonzero(spans == s)
+            self._put(out, dst[mine], self.sources[s][rows[mine]], ordinals)
 
     def _put(self, out: np.ndarray, where: slice | np.ndarray, block: np.ndarray, ordinals: np.ndarray | None) -> None:
         if ordinals is None:
@@ -467,7 +481,9 @@ class Located:
 
 def contiguous_runs(dst: np.ndarray, src: np.ndarray, max_runs: int = 64) -> list[tuple[int, int]] | None:
     """[a, b) ranges where both `dst` and `src` step by one; None when there are more than `max_runs` (scattered
-    rows: a gather pays off then)."""
+    rows: a gather pays off then); none for no rows."""
+    if not len(dst):
+        return []
     breaks = np.flatnonzero((np.diff(dst) != 1) | (np.diff(src) != 1)) + 1
     if len(breaks) >= max_runs:
         return None
