@@ -25,7 +25,7 @@ packages=(
   typing-extensions typing-inspection
   uvicorn httptools uvloop h11 click anyio idna
   httpx httpcore certifi
-  prometheus-client google-crc32c
+  prometheus-client crc32c
   typer shellingham
 )
 on_device=(numpy pyarrow numba llvmlite)  # there already (numba's llvmlite with it); never carried

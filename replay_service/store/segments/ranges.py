@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import google_crc32c
+import crc32c
 import numpy as np
 import pyarrow as pa
 
@@ -42,7 +42,7 @@ ReadAt = Callable[[int, int], pa.Buffer]  # (offset, length) -> the object's byt
 
 
 def _part(values: np.ndarray, dtype: str) -> pa.Buffer:
-    """Little-endian bytes of `values` (a read-only buffer: google-crc32c takes no memoryview)."""
+    """Little-endian bytes of `values`, contiguous."""
     return pa.py_buffer(np.ascontiguousarray(values, np.dtype(dtype) if dtype else values.dtype.newbyteorder("<")))
 
 
@@ -63,9 +63,9 @@ def block_crcs(batch: pa.RecordBatch, versions: WeightVersions | None = None) ->
         crc = 0
         for part in (_part(positions[a:b], "<i4"), _part(tokens[a:b], "<i4"), _part(experts[a * width:b * width], ""),
                      _part(flags[a:b], "<u2")):
-            crc = google_crc32c.extend(crc, part)
+            crc = crc32c.crc32c(part, crc)
         if versions is not None and labels is not None:
-            crc = google_crc32c.extend(google_crc32c.extend(crc, _part(versions.index[a:b], "<i2")), labels)
+            crc = crc32c.crc32c(labels, crc32c.crc32c(_part(versions.index[a:b], "<i2"), crc))
         out.append(crc)
     return out
 
