@@ -118,6 +118,7 @@ def create_app(settings: ServiceSettings | None = None, store: RouteStore | None
         app.state.ingest = IngestPipeline.over(app.state.store, feed_counter=app.state.metrics.stale_feed_rows)
         app.state.ingest_slots = asyncio.Semaphore(settings.max_concurrent_ingests)
         app.state.body_buffers = BufferPool(keep=settings.max_concurrent_ingests)
+        app.state.slice_builds = asyncio.Semaphore(settings.slice_builds())
         retention = asyncio.create_task(retention_loop(app.state.store, settings))
         try:
             yield

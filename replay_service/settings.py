@@ -69,6 +69,10 @@ class ServiceSettings(BaseSettings):
     open_segment_cache_bytes: int = Field(
         default=1 << 30, ge=0, description="of those, bytes held decompressed in memory at most (compressed segments, "
         "REPLAY_SEGMENT_COMPRESSION; an uncompressed one is a map of the page cache and counts nothing)")
+    slice_builds_per_worker: int | None = Field(
+        default=None, ge=1, description="trainer slices a worker builds at once, the others waiting their turn; "
+        "unset: 1 over local segments (a build holds the GIL most of the time: builds side by side in threads cost "
+        "more CPU than they overlap), 8 over a bucket (builds wait on its ranged reads)")
     kept_locations_bytes: int = Field(
         default=64 * 2**20, ge=0, description="per worker: where whole requests' rows lie, kept for the trainer "
         "reads that follow (reused while a request and its segments are unchanged; 0: none kept)")
@@ -151,6 +155,12 @@ class ServiceSettings(BaseSettings):
         default=60.0, gt=0, description="seconds between two retention passes (when a limit is set)")
     fsync: bool = Field(
         default=True, description="fsync data and index before acknowledging (turn off only for throwaway data)")
+
+    def slice_builds(self) -> int:
+        """Trainer slices a worker builds at once: `slice_builds_per_worker`, or its default for the segment store."""
+        if self.slice_builds_per_worker is not None:
+            return self.slice_builds_per_worker
+        return 1 if self.segments_url is None else 8
 
     @field_validator("index_url")
     @classmethod

@@ -44,6 +44,11 @@ async def get_metrics(request: Request) -> ServiceMetrics:
     return request.app.state.metrics
 
 
+async def get_slice_builds(request: Request) -> asyncio.Semaphore:
+    """The worker's trainer slices built at once (`REPLAY_SLICE_BUILDS_PER_WORKER`): a build holds one while it runs."""
+    return request.app.state.slice_builds
+
+
 def checked_id(kind: str, value: str) -> str:
     """`value` when it passes the id rule; InvalidInput (422) naming `kind` otherwise."""
     if not valid_id(value):
@@ -65,6 +70,7 @@ Settings = Annotated[ServiceSettings, Depends(get_settings)]
 Store = Annotated[RouteStore, Depends(get_store)]
 Ingest = Annotated[IngestPipeline, Depends(get_ingest)]
 Metrics = Annotated[ServiceMetrics, Depends(get_metrics)]
+SliceBuilds = Annotated[asyncio.Semaphore, Depends(get_slice_builds)]
 RunId = Annotated[str, Depends(run_id_param)]
 RequestId = Annotated[str, Depends(request_id_param)]
 

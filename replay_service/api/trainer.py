@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from replay_format import ARROW_STREAM_MEDIA_TYPE, LayerAxis, ReplayDeprecationWarning
 from replay_format import trainer_query as tq
 from replay_format.trainer_slice import Convention, CpSplit, MissingPolicy, Packing, TotalPad
-from replay_service.api.deps import Settings, Store
+from replay_service.api.deps import Settings, SliceBuilds, Store
 from replay_service.api.encode import joined_small
 from replay_service.api.models import CONFLICT, ERRORS, LAYOUT_LIMITS, binary_answer
 from replay_service.api.parts_response import PartsResponse
@@ -149,8 +149,9 @@ def __getattr__(name: str) -> Any:
     return globals()[new]
 
 
-async def _answered(store: Store, query: tq.TrainerQuery, settings: Settings) -> PartsResponse:
-    answer = await run_in_threadpool(read_slice, store, query, SliceLimits.of(settings))
+async def _answered(store: Store, query: tq.TrainerQuery, settings: Settings, builds: SliceBuilds) -> PartsResponse:
+    async with builds:  # a worker's builds take turns: threads contending for the GIL cost more CPU than they overlap
+        answer = await run_in_threadpool(read_slice, store, query, SliceLimits.of(settings))
     headers = {"X-Layout-Tokens": str(answer.tokens), "X-Layout-Valid": str(answer.valid)}
     # the parts reference the gathered arrays: no copy of the ids between the gather and the socket; the
     # small framing parts joined, so the whole slice goes out in a few writes (not one loop round trip a part)
@@ -163,8 +164,8 @@ async def _answered(store: Store, query: tq.TrainerQuery, settings: Settings) ->
     response_class=PartsResponse,
     responses=SLICE_ANSWER,
 )
-async def megatron(body: MegatronQueryBody, store: Store, settings: Settings) -> PartsResponse:
-    return await _answered(store, body.query(), settings)
+async def megatron(body: MegatronQueryBody, store: Store, settings: Settings, builds: SliceBuilds) -> PartsResponse:
+    return await _answered(store, body.query(), settings, builds)
 
 
 @router.post(
@@ -173,5 +174,5 @@ async def megatron(body: MegatronQueryBody, store: Store, settings: Settings) ->
     response_class=PartsResponse,
     responses=SLICE_ANSWER,
 )
-async def verl(body: VerlQueryBody, store: Store, settings: Settings) -> PartsResponse:
-    return await _answered(store, body.query(), settings)
+async def verl(body: VerlQueryBody, store: Store, settings: Settings, builds: SliceBuilds) -> PartsResponse:
+    return await _answered(store, body.query(), settings, builds)
