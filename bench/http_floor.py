@@ -124,14 +124,15 @@ def floor_app() -> Any:
 
 
 @contextmanager
-def uvicorn_floor(body: bytes, content_type: str = "application/octet-stream", workers: int = 1) -> Iterator[str]:
+def uvicorn_floor(body: bytes, content_type: str = "application/octet-stream",
+                  workers: int = 1) -> Iterator[ServiceProcess]:
     """uvicorn with the service's HTTP options (its protocol, `ops.connections.PROTOCOL`; uvloop) and `workers`
-    processes, answering every request with `body`; its URL. A child process started, awaited and stopped as the
-    service is (`ServiceProcess`, with this module as the program it runs)."""
+    processes, answering every request with `body`: a child process started, awaited and stopped as the service is
+    (`ServiceProcess`, with this module as the program it runs; its `url`, and its processes for their CPU)."""
     with tempfile.TemporaryDirectory(prefix="uvicorn-floor-") as scratch, ServiceProcess(
             Path(scratch) / "data", env={ANSWER_VARIABLE: body.hex(), TYPE_VARIABLE: content_type},
             program=[sys.executable, "-m", "bench.http_floor"], cwd=ROOT, workers=workers) as floor:
-        yield floor.url
+        yield floor
 
 
 if __name__ == "__main__":  # uvicorn_floor's child, given the command line ServiceProcess gives `serve`

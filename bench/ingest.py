@@ -16,7 +16,8 @@ body, drops it and answers a few bytes (`bench/http_floor.py`): what sending alo
 and that server on the same cores as the service. No service that receives its bodies over HTTP is above it.
 The uvicorn floor, also in the same rounds: the same bodies to uvicorn with the service's HTTP options and as
 many workers, running a bare app that receives each body through ASGI and drops it: what the service's HTTP
-stack costs before the service does anything.
+stack costs before the service does anything. Its CPU-seconds per GB received (its processes, from /proc) is the
+floor of the service's own CPU per GB stored: the bytes' cost through the same HTTP stack.
 
 Where the CPU went, in the service's rounds: CPU per batch of the service's processes (from /proc) and of the
 writers (this process), the service's CPU-seconds per GB stored beside the raw write's (`bench/service_cpu.py`:
@@ -236,8 +237,8 @@ def main() -> None:
             ServiceProcess(Path(tmp) / "data-per-worker", workers=workers,
                            env={"REPLAY_STALE_TABLE_SCOPE": "worker"}) as per_worker, \
             BytesServer(b'{"stored":true}', "application/json") as floor_url, \
-            uvicorn_floor(b'{"stored":true}', "application/json", workers) as uvicorn_url:
-        url = proc.url
+            uvicorn_floor(b'{"stored":true}', "application/json", workers) as bare_floor:
+        url, uvicorn_url = proc.url, bare_floor.url
         raw_dir = Path(tmp) / "raw"  # beside the data directory: the same filesystem
         for config in configs:
             batches = make_batches(ids[: config.tokens], config.batch_rows, args.request_tokens)
@@ -249,8 +250,9 @@ def main() -> None:
             post_all(uvicorn_url, warmup, config.writers)
             post_all(per_worker.url, warmup, config.writers)
             ours, raw, floor, bare, cpu, bounds, own_tables, raw_cpu = [], [], [], [], [], [], [], []
+            bare_cpu: list[CpuPerBatch] = []
             batch_bytes = config.batch_rows * SHAPE.row_width
-            pids = service_pids(proc)
+            pids, bare_pids = service_pids(proc), service_pids(bare_floor)
             for r in range(args.rounds):
                 jobs = arrow_jobs(batches, f"bench-{config.batch_rows}-{config.writers}-{r}", config.writers)
                 elapsed, used = measured_post(url, jobs, config.writers, pids)
@@ -260,11 +262,14 @@ def main() -> None:
                 cpu.append(used)
                 bounds.append(used.bound_ratio(raw_s / len(jobs), cores))
                 floor.append(config.tokens / post_all(floor_url, jobs, config.writers))
-                bare.append(config.tokens / post_all(uvicorn_url, jobs, config.writers))
+                bare_s, bare_used = measured_post(uvicorn_url, jobs, config.writers, bare_pids)
+                bare.append(config.tokens / bare_s)
+                bare_cpu.append(bare_used)
                 own_tables.append(config.tokens / post_all(per_worker.url, jobs, config.writers))
             results[config.name] = {"ours": ours, "raw": raw, "floor": floor, "uvicorn": bare, "cpu": cpu,
                                     "cpu_per_gb": [c.service_per_gb(batch_bytes) for c in cpu],
                                     "raw_cpu_per_gb": [per_gb(c, config.tokens * SHAPE.row_width) for c in raw_cpu],
+                                    "uvicorn_cpu_per_gb": [c.service_per_gb(batch_bytes) for c in bare_cpu],
                                     "bounds": bounds, "per_worker": own_tables,
                                     "table_ratios": [o / p for o, p in zip(ours, own_tables)],
                                     "ratios": [o / w for o, w in zip(ours, raw)],
@@ -314,9 +319,11 @@ def main() -> None:
         busy = statistics.median(c.busy(cores) for c in res["cpu"])
         per, per_lo, per_hi = summary(res["cpu_per_gb"])
         raw_per = statistics.median(res["raw_cpu_per_gb"])
+        bare_per = statistics.median(res["uvicorn_cpu_per_gb"])
         print(f"  {config.name:<30} service {service:5.1f} ms, writers {writers_ms:5.1f} ms; CPU bound "
               f"{bound_med:.2f} of raw ({bound_lo:.2f}-{bound_hi:.2f}); cores busy {busy:.0%}; service CPU-s per GB "
-              f"stored {per:.2f} ({per_lo:.2f}-{per_hi:.2f}), raw write's {raw_per:.2f}")
+              f"stored {per:.2f} ({per_lo:.2f}-{per_hi:.2f}), raw write's {raw_per:.2f}, uvicorn floor's "
+              f"{bare_per:.2f}")
     print("  the STALE table shared by the host's workers (ours) beside a table per worker, same batches, same rounds")
     for config in configs:
         res = results[config.name]
@@ -337,6 +344,7 @@ def main() -> None:
                       "cpu_bound_ratio": round(statistics.median(r["bounds"]), 2),
                       "service_cpu_s_per_gb": round(statistics.median(r["cpu_per_gb"]), 2),
                       "raw_cpu_s_per_gb": round(statistics.median(r["raw_cpu_per_gb"]), 2),
+                      "uvicorn_cpu_s_per_gb": round(statistics.median(r["uvicorn_cpu_per_gb"]), 2),
                       "per_worker_table_tokens_per_s": round(statistics.median(r["per_worker"])),
                       "shared_vs_per_worker_table": round(statistics.median(r["table_ratios"]), 2)}
                for name, r in results.items()}

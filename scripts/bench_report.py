@@ -213,11 +213,12 @@ def ingest(result: dict[str, Any], _: dict[str, dict[str, Any]]) -> Iterator[str
                      f"{millions(f['uvicorn_tokens_per_s'])} ({f['uvicorn_ratio']:.2f})",
                      f"{f['service_cpu_ms_per_batch']:.1f} / {f['writers_cpu_ms_per_batch']:.1f}",
                      f"{f['cpu_bound_ratio']:.2f}", f"{f['shared_vs_per_worker_table']:.2f}",
-                     per_gb(f.get("service_cpu_s_per_gb"), f.get("raw_cpu_s_per_gb"))])
+                     per_gb(f.get("service_cpu_s_per_gb"), f.get("raw_cpu_s_per_gb")),
+                     per_gb(f.get("uvicorn_cpu_s_per_gb"))])
     yield markdown((["batches, writers", "ours", "raw", "ours / raw", "HTTP floor (/ raw)",
                      "uvicorn floor (/ raw)", "CPU ms per batch: service / writers",
                      "the ratio that CPU allows", "shared STALE table / per worker",
-                     "service CPU-s per GB stored (raw write's)"], rows))
+                     "service CPU-s per GB stored (raw write's)", "uvicorn floor's CPU-s per GB received"], rows))
     if "json_tokens_per_s" in out:
         yield (f"The same store fed int32 base64 in JSON per 1k-token request: {millions(out['json_tokens_per_s'])} "
                f"M tokens/s; Arrow (32768-row batches) / JSON: **{out['arrow_vs_json']:.1f}x**.")
