@@ -25,7 +25,7 @@ from replay_format.trainer_slice import VERSION_TYPE, MissingPolicy
 from replay_format.weight_versions import UNKNOWN
 from replay_service.errors import InvalidInput
 from replay_service.store.requests.rows import contiguous_runs
-from replay_service.trainer.layouts import SequenceSpec, TokenPlan, filler_rows
+from replay_service.trainer.layouts import SequenceSpec, TokenPlan, filler_rows, index_runs
 
 
 class IdRows(Protocol):
@@ -172,11 +172,6 @@ def row_runs(plan: TokenPlan, specs: list[SequenceSpec]) -> tuple[np.ndarray, Ro
     return needs_row, RowRuns(seq[firsts], at[firsts], off[firsts], count)
 
 
-def _expand(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Every index of the runs `[starts[j], starts[j] + counts[j])`, in order."""
-    return np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
-
-
 @dataclass(frozen=True)
 class _Copied:
     """One sequence's rows read, copied into the slice's arrays: ids, `valid`, version."""
@@ -234,7 +229,7 @@ def gather_rows(plan: TokenPlan, specs: list[SequenceSpec], read_rows: ReadRows,
         read = read_rows(i, lo, int((offset + count).max()))
         copied = _Copied(read, target, subset, valid, version)
         if b - a > _MAX_RUNS:  # scattered tokens (BSHD: one per row of the batch): one gather
-            copied.tokens(_expand(dst, count), _expand(offset - lo, count))
+            copied.tokens(index_runs(dst, count), index_runs(offset - lo, count))
             continue
         for d, o, n in zip(dst.tolist(), (offset - lo).tolist(), count.tolist()):
             copied.run(d, o, n)  # straight from where they are: one copy

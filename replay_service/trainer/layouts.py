@@ -111,6 +111,24 @@ def _cp_chunks(length: int, cp_size: int, cp_rank: int) -> np.ndarray:
     return np.concatenate([first, second])
 
 
+def _zigzag(starts: np.ndarray, lengths: np.ndarray, cp_size: int, cp_rank: int) -> np.ndarray:
+    """`_cp_chunks` of every sequence (`lengths`, each at `starts[i]` of the stream), one after another."""
+    if cp_size == 1:
+        return index_runs(starts, lengths)
+    uneven = np.flatnonzero(lengths % (2 * cp_size))
+    if len(uneven):
+        raise LayoutError(f"a length of {int(lengths[uneven[0]])} does not split into 2*cp = {2 * cp_size} chunks")
+    chunk = lengths // (2 * cp_size)
+    firsts = np.stack([starts + cp_rank * chunk, starts + (2 * cp_size - 1 - cp_rank) * chunk], axis=1)
+    return index_runs(firsts.ravel(), np.repeat(chunk, 2))
+
+
+def index_runs(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Every index of the runs `[starts[j], starts[j] + counts[j])`, one run after another (int64)."""
+    starts, counts = np.asarray(starts, np.int64), np.asarray(counts, np.int64)
+    return np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()), dtype=np.int64)
+
+
 def _cp_part(length: int, cp_size: int, cp_rank: int) -> np.ndarray:
     """Indices `[0, length)` kept by CP rank `cp_rank` under a contiguous split: the rank's `1/cp` part."""
     if length % cp_size:
@@ -225,7 +243,7 @@ def _thd_plan(lengths: np.ndarray, query: MegatronQuery, pad: ThdPadding) -> Tok
     if query.cp_split is CpSplit.CONTIGUOUS:
         local = _cp_part(total, cp, r)
     else:
-        pieces = [cu_padded[i] + _cp_chunks(p, cp, r) for i, p in enumerate(padded.tolist())]
+        pieces = [_zigzag(cu_padded[:-1], padded, cp, r)]
         if pad.total_pad is TotalPad.TAIL and extra:
             if extra % cp:
                 raise LayoutError(f"a tail of {extra} padding tokens does not split over cp = {cp} ranks; "
