@@ -433,11 +433,8 @@ class Located:
         """`out[dst[j]] = ` the ids at position `start + offsets[j]`, of the MoE layers `ordinals` (None: all;
         `out` is then `(m, L*K)`, else `(m, len(ordinals), K)`); a GAP row's slot is left as it is. Rows that follow
         each other in one span and in `out` go in one copy (a request's rows come in a few runs per span)."""
-        if not len(offsets):
-            return
         runs = contiguous_runs(dst, offsets)
-        steps = self.steps()
-        if runs is None or len(steps) > max(64, len(offsets) // 4):
+        if runs is None:  # scattered in `out` (a run cut at many of the location's own steps: `copy_run` gathers it)
             self._gather(out, dst, offsets, ordinals)
             return
         for a, b in runs:
