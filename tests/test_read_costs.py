@@ -204,3 +204,26 @@ def test_a_slice_of_one_token_sequences_reads_no_rows():
 
     got = gather_rows(plan, specs, read_rows, held_layers(SHAPE, StageLayers()), MissingPolicy.STRICT)
     assert not got.valid.any() and not got.broken.size
+
+
+def test_a_location_that_alternates_between_segments_is_copied_whole():
+    """Rows that alternate between two segments every row are gathered per segment (more pieces than a copy each
+    pays for), by a run or by scattered tokens, with the ids each token's own row holds; GAP rows are left alone."""
+    from replay_service.store.requests.rows import Located
+
+    rng = np.random.default_rng(9)
+    n, width = 300, SHAPE.row_width
+    sources = [many_routes(rng, n, SHAPE).reshape(n, -1) for _ in range(2)]
+    span = np.arange(n, dtype=np.int64) % 2
+    span[7] = -1  # a GAP row
+    row = rng.permutation(n).astype(np.int64)
+    located = Located("alt", SHAPE, np.arange(n, dtype=np.int32), np.zeros(n, np.int32), np.zeros(n, np.uint16),
+                      None, sources, span, row)
+    expected = np.stack([sources[s][r] if s >= 0 else np.full(width, 255, SHAPE.dtype) for s, r in zip(span, row)])
+    whole = np.full((n + 5, width), 255, SHAPE.dtype)
+    located.copy_run(whole, 5, 0, n)
+    assert np.array_equal(whole[5:], expected)
+    picked = np.arange(0, n, 3)
+    scattered = np.full((len(picked), width), 255, SHAPE.dtype)
+    located.copy_ids(scattered, np.arange(len(picked))[::-1].copy(), picked)
+    assert np.array_equal(scattered[::-1], expected[picked])
