@@ -11,9 +11,12 @@ The same batches as `bench/ingest.py` (48 x top-8 uint8 rows, requests of 1024 t
 and, beside them, the check's compiled kernel alone (`check_rows`) and a pass that only hashes the rows' words and
 one that only counts the expert load, the two parts of its work that every row needs.
 
-    python bench/ingest_stages.py [--rows 8192 32768] [--batches 16] [--rounds 3]
+    python bench/ingest_stages.py [--rows 8192 16384 32768] [--batches 16] [--rounds 3]
 
 Prints medians over every batch of every round, per batch and per row; the last line is JSON. Asserts nothing.
+With two or more batch sizes it also splits each stage's CPU into what a batch costs whatever its rows and what each
+row adds (a least-squares line through the sizes' medians): the first is what larger batches amortise, the second
+what no batch size does (in CPU-s per GB of rows too).
 """
 
 from __future__ import annotations
@@ -116,9 +119,33 @@ def stage_times(rows_per_batch: int, batches: int, rounds: int, tmp: Path) -> di
     return times
 
 
+def split(medians: dict[int, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per stage, its CPU per batch as `per_batch_ms + rows * per_row_ns`: a least-squares line through the medians
+    of each batch size (`medians[rows][stage]`, seconds; at least two sizes)."""
+    sizes = np.array(sorted(medians), np.float64)
+    out: dict[str, dict[str, float]] = {}
+    for name in (*STAGES, "kernel", "kernel: hash", "kernel: load"):
+        seconds = np.array([medians[int(n)][name] for n in sizes])
+        per_row, per_batch = np.polyfit(sizes, seconds, 1)
+        out[name] = {"per_batch_ms": round(per_batch * 1e3, 3), "per_row_ns": round(per_row * 1e9, 1)}
+    return out
+
+
+def print_split(parts: dict[str, dict[str, float]]) -> None:
+    """`split`'s figures, and the stages' sum: ms a batch, ns a row, and that row cost in CPU-s per GB of rows."""
+    print("what a batch costs whatever its rows, and what each row adds (a line through the sizes' medians):")
+    for name, part in parts.items():
+        print(f"  {name:<18} {part['per_batch_ms']:7.2f} ms a batch + {part['per_row_ns']:5.0f} ns a row")
+    batch = sum(parts[name]["per_batch_ms"] for name in STAGES)
+    row = sum(parts[name]["per_row_ns"] for name in STAGES)
+    print(f"  the stages         {batch:7.2f} ms a batch + {row:5.0f} ns a row ({row / SHAPE.row_width:.2f} CPU-s per "
+          f"GB of {SHAPE.row_width}-byte rows, at any batch size)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[8192, 32768], help="rows per batch")
+    parser.add_argument("--rows", type=int, nargs="+", default=[8192, 16384, 32768],
+                        help="rows per batch (the sink ships 16384)")
     parser.add_argument("--batches", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
@@ -127,10 +154,11 @@ def main() -> None:
     _count_load(np.zeros((1, SHAPE.row_width), np.uint8), SHAPE.num_moe_layers, SHAPE.top_k,
                 np.zeros((SHAPE.num_moe_layers, SHAPE.num_experts), np.int64))
     figures = {}
+    all_medians: dict[int, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
         for rows in args.rows:
             times = stage_times(rows, args.batches, args.rounds, Path(tmp))
-            medians = {name: statistics.median(values) for name, values in times.items()}
+            medians = all_medians[rows] = {name: statistics.median(values) for name, values in times.items()}
             total = sum(medians[name] for name in STAGES)
             print(f"{rows}-row batches of {SHAPE.num_moe_layers} x top-{SHAPE.top_k} uint8 rows, CPU of this thread "
                   f"(medians of {len(times['decode'])} batches): {total * 1e3:.2f} ms per batch, "
@@ -139,7 +167,11 @@ def main() -> None:
                 share = f"{value / total:4.0%}" if name in STAGES else "    "
                 print(f"  {name:<18} {value * 1e3:7.2f} ms  {value / rows * 1e9:5.0f} ns/row  {share}")
             figures[rows] = {name: round(value / rows * 1e9, 1) for name, value in medians.items()}
-    print(json.dumps({"ns_per_row": figures}))
+    report: dict[str, Any] = {"ns_per_row": figures}
+    if len(all_medians) > 1:
+        report["split"], report["row_bytes"] = split(all_medians), SHAPE.row_width
+        print_split(report["split"])
+    print(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -317,6 +317,18 @@ def ingest_stages(result: dict[str, Any], _: dict[str, dict[str, Any]]) -> Itera
                                           (f"{totals[size]:.0f} ({totals[size] * int(size) / 1e6:.2f} ms a batch)",
                                            ratio(1.0))]])
     yield markdown((["stage", *[x for size in sizes for x in (f"{size} rows: ns/row", "share")]], rows))
+    parts = result["output"].get("split")
+    if parts:
+        yield ("Each stage's CPU split into what a batch costs whatever its rows and what each row adds, a "
+               "least-squares line through the sizes' medians: larger batches amortise the first, no batch size the "
+               "second.")
+        batch = sum(parts[s]["per_batch_ms"] for s in STAGES)
+        row = sum(parts[s]["per_row_ns"] for s in STAGES)
+        split_rows = [[name if name in STAGES else f"({name})", f"{part['per_batch_ms']:.2f}",
+                       f"{part['per_row_ns']:.0f}"] for name, part in parts.items()]
+        split_rows.append(["total of the stages", f"{batch:.2f}",
+                           f"{row:.0f} ({row / result['output']['row_bytes']:.2f} CPU-s per GB of rows)"])
+        yield markdown((["stage", "ms a batch", "ns a row"], split_rows))
 
 
 def rows_per_s(result: dict[str, Any], _: dict[str, dict[str, Any]]) -> Iterator[str]:
