@@ -349,3 +349,25 @@ def test_large_route_opens_fast_and_scrolls(web, page):
     # Times are reported (large-route-timing.json, the test's output), never asserted: shared, noisy machines.
     assert fetches_at_open <= 3, report  # only the range in view, not the whole route
     assert stats["frames"] > 0, report  # scrolling redrew the canvas
+
+
+def test_the_background_scan_waits_for_the_rows_in_view(web, page):
+    # The route view fetches the chunks in view, then scans the rest for the flag list. With frames slowed down (a
+    # busy machine), a scan that starts on a timer fetches chunks before the view has drawn its own.
+    page, _ = page
+    page.add_init_script("""(() => {
+      const raf = window.requestAnimationFrame.bind(window);
+      window.requestAnimationFrame = (fn) => setTimeout(() => raf(fn), 500);
+    })()""")
+    page.goto(web["url"] + "/")
+    page.wait_for_function("() => document.body.dataset.ready === '1'")
+    page.evaluate(f"() => {{ location.hash = '#/runs/{BIG_RUN}/requests/{BIG_REQ}'; }}")
+    page.wait_for_function("() => document.body.dataset.routeReady === '1'", timeout=20_000)
+    # the view's own: the chunks of the rows in view at the top, and one past them
+    views = page.evaluate("""() => {
+      const { view, data } = window.__routeView;
+      const rows = Math.ceil(view.scroller.clientHeight / view.rowH);
+      return Math.min(data.nChunks, data.chunkOf(Math.min(data.n - 1, rows - 1)) + 2);
+    }""")
+    assert int(page.evaluate("() => document.body.dataset.routeOpenFetches")) == views
+    page.wait_for_function("() => window.__routeView.data.knownRows() === window.__routeView.data.n", timeout=60_000)

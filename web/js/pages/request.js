@@ -6,6 +6,7 @@ import { RouteData, NO_TOKEN } from "../routedata.js";
 import { RouteView, ROW_HEIGHTS } from "../routeview.js";
 
 const LIST_MAX = 500;
+const SCAN_AFTER_MS = 5000; // the background scan starts by then even if the rows in view never drew
 
 export async function renderRequest(ctx, runId, reqId) {
   const t0 = performance.now();
@@ -97,6 +98,7 @@ export async function renderRequest(ctx, runId, reqId) {
   });
   window.__routeView = { view, data, t0 };
   let opened = false;
+  let scanLater = () => {}; // set below: the background scan, started once what is in view is drawn
   view.onComplete = () => {
     if (opened) return;
     opened = true;
@@ -104,6 +106,7 @@ export async function renderRequest(ctx, runId, reqId) {
     document.body.dataset.routeOpenMs = ms.toFixed(1);
     document.body.dataset.routeOpenFetches = String(data.fetches);
     document.body.dataset.routeReady = "1";
+    scanLater();
   };
   document.body.dataset.routeReady = "0";
   const updateZoom = () => { zoomLabel.textContent = `${view.rowH}px`; };
@@ -239,6 +242,15 @@ export async function renderRequest(ctx, runId, reqId) {
 
   if (q.pos !== undefined && q.pos !== "") view.select(Math.max(0, Math.min(data.n - 1, Number(q.pos) || 0)));
   refreshList();
-  // Fetch the rest in the background, after what is in view, so all flagged rows get listed.
-  setTimeout(() => data.scan(() => stopped || !ctx.alive()), 50);
+  // Fetch the rest in the background so all flagged rows get listed: once what is in view is drawn (its fetches go
+  // first however slow the machine), or after SCAN_AFTER_MS where the view cannot draw it (a chunk that failed).
+  let scanning = false;
+  const scan = () => {
+    if (scanning) return;
+    scanning = true;
+    data.scan(() => stopped || !ctx.alive());
+  };
+  scanLater = () => setTimeout(scan, 0);
+  if (opened) scanLater();
+  setTimeout(scan, SCAN_AFTER_MS);
 }
