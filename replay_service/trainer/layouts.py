@@ -99,20 +99,9 @@ class TokenPlan:
         return len(self.sequence)
 
 
-def _cp_chunks(length: int, cp_size: int, cp_rank: int) -> np.ndarray:
-    """Indices `[0, length)` kept by CP rank `cp_rank`: chunks r and 2cp-1-r of 2cp."""
-    if cp_size == 1:
-        return np.arange(length, dtype=np.int64)
-    if length % (2 * cp_size):
-        raise LayoutError(f"a length of {length} does not split into 2*cp = {2 * cp_size} chunks")
-    chunk = length // (2 * cp_size)
-    first = np.arange(cp_rank * chunk, (cp_rank + 1) * chunk, dtype=np.int64)
-    second = np.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk, dtype=np.int64)
-    return np.concatenate([first, second])
-
-
 def _zigzag(starts: np.ndarray, lengths: np.ndarray, cp_size: int, cp_rank: int) -> np.ndarray:
-    """`_cp_chunks` of every sequence (`lengths`, each at `starts[i]` of the stream), one after another."""
+    """The indices CP rank `cp_rank` keeps of every sequence (`lengths`, each at `starts[i]` of the stream), one after
+    another: chunks r and 2cp-1-r of each one's 2cp."""
     if cp_size == 1:
         return index_runs(starts, lengths)
     uneven = np.flatnonzero(lengths % (2 * cp_size))
@@ -273,7 +262,7 @@ def _bshd_plan(lengths: np.ndarray, query: MegatronQuery, pad: ThdPadding) -> To
     if query.cp_split is CpSplit.CONTIGUOUS:
         local_s = _cp_part(s_len, query.cp_size, query.cp_rank)
     else:
-        local_s = _cp_chunks(s_len, query.cp_size, query.cp_rank)
+        local_s = _zigzag(np.zeros(1, np.int64), np.array([s_len], np.int64), query.cp_size, query.cp_rank)
     if len(local_s) % query.sp_size:
         raise LayoutError(
             f"{len(local_s)} sequence positions on this CP rank do not split over sequence parallel size "
